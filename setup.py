@@ -1,0 +1,27 @@
+"""dmd2-mega: Megatron-style DMD2 distillation of flow-matching diffusion transformers."""
+from setuptools import find_packages, setup
+
+setup(
+    name="dmd2-mega",
+    version="0.1.0",
+    description="Tensor/data-parallel DMD2 distillation of flow-matching DiTs on megatron-core",
+    packages=find_packages(include=["dmd2_mega", "dmd2_mega.*", "kernels", "kernels.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # 2.13.0 is the CPU build on local disk; keep the range so it satisfies without a download.
+        "torch>=2.4,<2.15",
+        "triton",
+        "megatron-core>=0.16.1,<0.17",  # 0.17+ needs Python 3.12
+        "psutil",
+        "numpy",
+        "scikit-learn",  # the embedded 8x8 digits data
+        "safetensors",
+        "pillow",
+        "tqdm",
+        "tensorboard",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "test": ["pytest>=7", "pytest-timeout"],
+    },
+)
