@@ -1,0 +1,157 @@
+"""Flow-matching maths (DESIGN section 1), pure torch.
+
+Shapes: data x0 and noise eps are [B, *D]; the noise level sigma is a [B] tensor (one value per
+sample) broadcast over D by `expand_like` to [B, 1, ..., 1].
+
+    x_sigma = (1 - sigma) * x0 + sigma * eps          (sigma = 0: data, sigma = 1: noise)
+    v       = eps - x0                                (= d x_sigma / d sigma)
+    x0      = x_sigma - sigma * v
+    eps     = x_sigma + (1 - sigma) * v
+    shift_k(s) = k s / (1 + (k - 1) s) = k s / (k s + 1 - s)      (k > 0; k > 1 pushes toward noise)
+    CFG:    v = v_neg + g * (v_pos - v_neg)           (g = 1: no guidance, no negative forward)
+
+A grid is N points of UNSHIFTED sigma in (0, 1], s_i = (N - i) / N, shifted for use.
+Sampling integrates dx/dsigma = v(x, sigma) from sigma = 1 (x = noise) down to sigma = 0 with
+Euler steps. The model receives sigma itself (a [B] fp32 tensor); the timestep sigma * 1000 is the
+model's business.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+
+class FlowError(ValueError):
+    """A bad argument to the flow maths; the message names the argument and what was expected."""
+
+
+def expand_like(sigma: Tensor, x: Tensor) -> Tensor:
+    """[B] (or 0-d) sigma -> [B, 1, ..., 1] with x.ndim dims, to broadcast against x [B, *D]."""
+    if not isinstance(sigma, Tensor):
+        raise FlowError(f"sigma must be a torch.Tensor of shape [B], got {type(sigma).__name__}")
+    if sigma.ndim == 0:
+        return sigma
+    if sigma.ndim != 1 or sigma.shape[0] != x.shape[0]:
+        raise FlowError(f"sigma must have shape [B] = [{x.shape[0]}] to match x {tuple(x.shape)}, "
+                        f"got {tuple(sigma.shape)}")
+    return sigma.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def add_noise(x0: Tensor, eps: Tensor, sigma: Tensor) -> Tensor:
+    """x_sigma = (1 - sigma) x0 + sigma eps. x0, eps [B, *D]; sigma [B]. Returns x0.dtype."""
+    s = expand_like(sigma, x0)
+    return ((1 - s) * x0 + s * eps).to(x0.dtype)
+
+
+def velocity_target(x0: Tensor, eps: Tensor) -> Tensor:
+    """v = eps - x0, the flow-matching regression target. [B, *D]."""
+    return eps - x0
+
+
+def x0_from_velocity(x_s: Tensor, v: Tensor, sigma: Tensor) -> Tensor:
+    """x0 = x_sigma - sigma v. x_s, v [B, *D]; sigma [B]. Returns x_s.dtype."""
+    return (x_s - expand_like(sigma, x_s) * v).to(x_s.dtype)
+
+
+def eps_from_velocity(x_s: Tensor, v: Tensor, sigma: Tensor) -> Tensor:
+    """eps = x_sigma + (1 - sigma) v. x_s, v [B, *D]; sigma [B]. Returns x_s.dtype."""
+    return (x_s + (1 - expand_like(sigma, x_s)) * v).to(x_s.dtype)
+
+
+def _check_shift(k: float) -> float:
+    k = float(k)
+    if not k > 0:  # also rejects nan
+        raise FlowError(f"timestep shift factor must be > 0, got {k}")
+    return k
+
+
+def shift_sigma(s: Union[Tensor, float], k: float) -> Union[Tensor, float]:
+    """shift_k(s) = k s / (k s + 1 - s), elementwise; s a tensor or a float in [0, 1].
+
+    Exact at the ends (0 -> 0, 1 -> 1), monotone increasing, identity for k = 1, > s for k > 1
+    on (0, 1). Written as k s / (k s + 1 - s), equal to k s / (1 + (k - 1) s), so s = 1 gives 1 exactly.
+    """
+    k = _check_shift(k)
+    if k == 1.0:
+        return s
+    return k * s / (k * s + (1 - s))
+
+
+def sigma_grid(n: int, shift: float = 1.0, dtype: torch.dtype = torch.float32,
+               device: Optional[torch.device] = None) -> Tensor:
+    """[n] descending shifted grid: sigma_i = shift_k((n - i) / n), i = 0..n-1 (1 down to shift(1/n)).
+
+    Computed in float64, returned in `dtype` (float32 by default).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise FlowError(f"grid size n must be an int >= 1, got {n!r}")
+    s = torch.arange(n, 0, -1, dtype=torch.float64) / n
+    return shift_sigma(s, shift).to(dtype=dtype, device=device)
+
+
+def sample_train_sigma(batch: int, shift: float, generator: torch.Generator,
+                       device: Optional[torch.device] = None) -> Tensor:
+    """[batch] float32 training sigmas: s ~ U[1e-6, 1 - 1e-6] (never exactly 0), then shift_k(s).
+
+    Draws on `generator`'s device from `generator` only, so equal generator states give equal sigmas.
+    """
+    k = _check_shift(shift)
+    u = torch.rand(batch, dtype=torch.float64, generator=generator, device=generator.device)
+    s = u * (1 - 2e-6) + 1e-6
+    return shift_sigma(s, k).to(dtype=torch.float32, device=device)
+
+
+def cfg_velocity(v_pos: Tensor, v_neg: Tensor, g: Union[float, Tensor]) -> Tensor:
+    """v = v_neg + g (v_pos - v_neg). v_pos, v_neg [B, *D]; g a float or a [B] tensor."""
+    if isinstance(g, Tensor):
+        g = expand_like(g, v_pos)
+    return v_neg + g * (v_pos - v_neg)
+
+
+ModelFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def _batch_null_cond(cond: Tensor, null_cond: Tensor) -> Tensor:
+    """Null condition with cond's batch size: [B, ...] as is, [1, ...] expanded."""
+    b = cond.shape[0]
+    if null_cond.shape[1:] != cond.shape[1:] or null_cond.shape[0] not in (1, b):
+        raise FlowError(f"null_cond must have shape [{b} or 1, *{tuple(cond.shape[1:])}] like cond, "
+                        f"got {tuple(null_cond.shape)}")
+    if null_cond.dtype != cond.dtype:
+        raise FlowError(f"null_cond dtype {null_cond.dtype} must equal cond dtype {cond.dtype}")
+    return null_cond.expand(b, *cond.shape[1:]) if null_cond.shape[0] != b else null_cond
+
+
+@torch.no_grad()
+def euler_sampler(model_fn: ModelFn, noise: Tensor, cond: Tensor, null_cond: Optional[Tensor] = None,
+                  steps: int = 50, guidance: Union[float, Tensor] = 1.0, shift: float = 1.0) -> Tensor:
+    """Euler integration of dx/dsigma = v from sigma = 1 (x = noise [B, *D]) to sigma = 0.
+
+    Grid sigma_0 = 1 > ... > sigma_{steps-1} = shift(1/steps) > sigma_steps = 0 (see `sigma_grid`);
+    each step x <- x + (sigma_next - sigma) v with v = model_fn(x, sigma [B] fp32, cond [B, ...]).
+    With guidance g != 1 (or a [B] tensor g) the positive and null conditions run as ONE forward
+    of batch 2B (x, sigma and cond/null_cond concatenated) and v = v_neg + g (v_pos - v_neg).
+    Returns the final x, the x0 estimate, in noise.dtype.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise FlowError(f"steps must be an int >= 1, got {steps!r}")
+    use_cfg = isinstance(guidance, Tensor) or float(guidance) != 1.0
+    b = noise.shape[0]
+    if use_cfg:
+        if null_cond is None:
+            raise FlowError(f"guidance={guidance} != 1 needs null_cond (the negative / null condition)")
+        cond_in = torch.cat([cond, _batch_null_cond(cond, null_cond)], dim=0)
+    # Host-side grid (CPU tensor -> floats): no device syncs inside the loop.
+    grid = sigma_grid(steps, shift, dtype=torch.float64).tolist() + [0.0]
+    x = noise
+    for sig, sig_next in zip(grid[:-1], grid[1:]):
+        sigma = torch.full((b,), sig, dtype=torch.float32, device=noise.device)
+        if use_cfg:
+            out = model_fn(torch.cat([x, x], dim=0), torch.cat([sigma, sigma], dim=0), cond_in)
+            v = cfg_velocity(out[:b], out[b:], guidance)
+        else:
+            v = model_fn(x, sigma, cond)
+        x = x + (sig_next - sig) * v.to(x.dtype)
+    return x
