@@ -1,0 +1,164 @@
+"""Configuration as small composed dataclasses, validated in `__post_init__`.
+
+`arguments.py` only maps Megatron-style flags onto these; nothing else reads argparse.
+Each check raises `ConfigError` naming the flag a user would fix.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A bad flag value; the message names the flag and what was expected."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """The DiT. Sizes come from the registry in `models/registry.py` via `--model-size`."""
+
+    size: str = "debug"
+    """Registry name: debug (tests), digits (quickstart), 600m, 2b, 8b."""
+    attention_backend: str = "sdpa"
+    """sdpa (torch scaled_dot_product_attention; CPU and GPU) or flash (flash-attn, CUDA only)."""
+    transformer_impl: str = "local"
+    """local (megatron-core tensor_parallel linears) or transformer_engine (TE linears)."""
+    recompute_granularity: Optional[str] = None
+    """None or 'full': megatron-core activation checkpointing of each block."""
+
+    def __post_init__(self):
+        _check(self.attention_backend in ("sdpa", "flash"),
+               f"--attention-backend must be 'sdpa' or 'flash', got {self.attention_backend!r}")
+        _check(self.transformer_impl in ("local", "transformer_engine"),
+               f"--transformer-impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
+        _check(self.recompute_granularity in (None, "full"),
+               f"--recompute-granularity must be 'full' when given, got {self.recompute_granularity!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallel size; data parallel size is world_size / TP."""
+
+    tensor_model_parallel_size: int = 1
+    """--tensor-model-parallel-size: ranks that split each layer's heads and MLP."""
+    distributed_backend: Optional[str] = None
+    """None picks nccl on CUDA, gloo on CPU."""
+
+    def __post_init__(self):
+        _check(self.tensor_model_parallel_size >= 1,
+               f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
+        _check(self.distributed_backend in (None, "nccl", "gloo"),
+               f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, LR schedule, clipping and precision of one trained role."""
+
+    lr: float = 1e-4
+    """--lr: peak learning rate."""
+    min_lr: float = 0.0
+    """--min-lr: floor of the cosine decay."""
+    lr_warmup_iters: int = 0
+    """--lr-warmup-iters: linear warmup from 0 to lr."""
+    lr_decay_style: str = "cosine"
+    """--lr-decay-style: cosine (to min_lr at the last iteration) or constant."""
+    lr_decay_iters: Optional[int] = None
+    """--lr-decay-iters: defaults to --train-iters."""
+    weight_decay: float = 0.0
+    """--weight-decay (AdamW, decoupled; not applied to biases, norms and embeddings of size 1-D)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """--clip-grad: global gradient-norm clip across TP and DP; 0 disables."""
+    optimizer_impl: str = "torch"
+    """--optimizer-impl: torch (AdamW, fused on CUDA) or apex (apex FusedAdam, CUDA only)."""
+    bf16: bool = False
+    """--bf16: bf16 autocast compute with fp32 master weights and optimizer state."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr}")
+        _check(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        _check(self.lr_decay_style in ("cosine", "constant"),
+               f"--lr-decay-style must be cosine or constant, got {self.lr_decay_style!r}")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+               f"--adam-beta1/--adam-beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _check(self.optimizer_impl in ("torch", "apex"),
+               f"--optimizer-impl must be torch or apex, got {self.optimizer_impl!r}")
+
+
+@dataclass
+class TrainConfig:
+    """Batching, iteration counts, checkpointing, logging and evaluation."""
+
+    data: str = "digits"
+    """--data: 'digits' (embedded scikit-learn digits) or a directory of safetensors shards."""
+    micro_batch_size: int = 32
+    """--micro-batch-size: samples per forward/backward per data-parallel rank."""
+    global_batch_size: Optional[int] = None
+    """--global-batch-size: samples per optimizer step over all DP ranks (default micro * DP)."""
+    train_iters: int = 1000
+    seed: int = 1234
+    cond_dropout: float = 0.1
+    """--cond-dropout: probability of replacing the condition by the null condition (for CFG)."""
+    timestep_shift: float = 1.0
+    """--timestep-shift: k of shift(s) = k s / (1 + (k - 1) s), used for training and sampling."""
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    log_interval: int = 10
+    eval_interval: Optional[int] = None
+    eval_num_samples: int = 500
+    """--eval-num-samples: samples drawn for the quality metric at each eval."""
+    eval_steps: int = 50
+    """--eval-steps: Euler steps of the eval sampler."""
+    eval_guidance: float = 1.5
+    """--eval-guidance: CFG scale of the eval sampler (1 = no guidance)."""
+    tensorboard_dir: Optional[str] = None
+    deterministic: bool = False
+
+    def __post_init__(self):
+        _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _check(self.global_batch_size is None or self.global_batch_size >= 1,
+               f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        _check(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
+        _check(0.0 <= self.cond_dropout < 1.0, f"--cond-dropout must be in [0, 1), got {self.cond_dropout}")
+        _check(self.timestep_shift > 0, f"--timestep-shift must be > 0, got {self.timestep_shift}")
+        _check(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
+        for name in ("save_interval", "eval_interval"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        _check(self.eval_steps >= 1, f"--eval-steps must be >= 1, got {self.eval_steps}")
+        _check(self.eval_guidance >= 1.0, f"--eval-guidance must be >= 1, got {self.eval_guidance}")
+
+    def resolve_batches(self, dp_size: int) -> int:
+        """Fill in the global batch and return the number of micro-batches per rank per step."""
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * dp_size
+        per_step = self.micro_batch_size * dp_size
+        _check(self.global_batch_size % per_step == 0,
+               f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
+               f"--micro-batch-size x data-parallel size ({self.micro_batch_size} x {dp_size} = {per_step})")
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class FlowPretrainConfig:
+    """Everything `launch/pretrain_flow.py` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

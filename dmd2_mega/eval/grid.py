@@ -1,0 +1,81 @@
+"""Sample grids as PNG.
+
+images [N, C, H, W] in [-1, 1] -> uint8 pixels round((x + 1) * 127.5), clipped to [0, 255]
+(NaN -> 0); C == 1 grey, C == 3 RGB, any other C: the first channel as grey. Each image is
+upscaled by `upscale` (nearest neighbour).
+
+With labels [N]: one row per class 0..num_classes-1 (num_classes defaults to max label + 1),
+the samples of class c in their input order along row c, columns = the largest class count;
+empty cells stay black. Without labels: a near-square grid, ceil(sqrt(N)) columns, row-major.
+The PNG is (rows * H * upscale) high and (cols * W * upscale) wide, written to a temporary
+file in the target directory and renamed, so a reader never sees a half-written image.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dmd2_mega.eval import EvalInputError
+
+
+def _to_numpy(a) -> np.ndarray:
+    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
+def _layout(n: int, labels, num_classes):
+    """[(row, col)] cell of each image, and (rows, cols)."""
+    if labels is None:
+        cols = max(1, math.ceil(math.sqrt(n)))
+        return [(i // cols, i % cols) for i in range(n)], (max(1, -(-n // cols)), cols)
+    y = _to_numpy(labels)
+    if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer):
+        raise EvalInputError(f"save_grid: labels must be integers of shape [{n}], got {y.dtype} {y.shape}")
+    rows = int(num_classes) if num_classes is not None else (int(y.max()) + 1 if n else 1)
+    if n and (y.min() < 0 or y.max() >= rows):
+        raise EvalInputError(f"save_grid: labels must lie in [0, {rows}) (num_classes={num_classes}), "
+                             f"got min {int(y.min())}, max {int(y.max())}")
+    counts = [0] * rows
+    cells = []
+    for c in y.tolist():
+        cells.append((c, counts[c]))
+        counts[c] += 1
+    return cells, (rows, max(1, max(counts, default=0)))
+
+
+def save_grid(images, labels, path, num_classes: int | None = None, upscale: int = 4) -> str:
+    """Write images [N, C, H, W] in [-1, 1] as a PNG grid at `path`; returns the path."""
+    x = _to_numpy(images).astype(np.float32)
+    if x.ndim != 4:
+        raise EvalInputError(f"save_grid: images must be [N, C, H, W], got shape {x.shape}")
+    if int(upscale) < 1:
+        raise EvalInputError(f"save_grid: upscale must be >= 1, got {upscale}")
+    n, c, h, w = x.shape
+    x = x[:, :3] if c == 3 else x[:, :1]
+    pix = np.clip(np.round((np.nan_to_num(x, nan=-1.0) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    pix = pix.transpose(0, 2, 3, 1)  # [N, H, W, C']
+    cells, (rows, cols) = _layout(n, labels, num_classes)
+    canvas = np.zeros((rows * h, cols * w, pix.shape[3]), dtype=np.uint8)
+    for img, (r, col) in zip(pix, cells):
+        canvas[r * h:(r + 1) * h, col * w:(col + 1) * w] = img
+    u = int(upscale)
+    canvas = canvas.repeat(u, axis=0).repeat(u, axis=1)
+    im = Image.fromarray(canvas[..., 0] if canvas.shape[2] == 1 else canvas)
+
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            im.save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

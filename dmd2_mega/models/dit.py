@@ -1,0 +1,127 @@
+"""A tensor-parallel DiT with adaLN-Zero blocks on megatron-core linears.
+
+Shapes: x [B, C, H, W] -> tokens [B, S, hidden] with S = (H/p)^2; sigma [B] (model input
+t = sigma * 1000); cond labels [B] int64 or embeddings [B, D] / [B, L, D]. Output: velocity
+v [B, C, H, W].
+
+Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
+    shift1, scale1, gate1, shift2, scale2, gate2 = adaLN(silu(c))        # column, gathered
+    h = h + gate1 * proj(attn(qkv(LN(h) * (1 + scale1) + shift1)))    # qkv column, proj row
+    h = h + gate2 * fc2(gelu(fc1(LN(h) * (1 + scale2) + shift2))))    # fc1 column, fc2 row
+The qkv projection's output is laid out per head as [heads, 3, d], so its column split gives each
+TP rank whole heads. adaLN and the final projection start at zero (adaLN-Zero).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dmd2_mega.config import ConfigError, ModelConfig
+from dmd2_mega.megatron_compat import recompute
+from dmd2_mega.models import linears
+from dmd2_mega.models.attention import attention, check_backend
+from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, sincos_2d
+from dmd2_mega.models.registry import DiTSpec, get_spec
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """layer_norm(x) * (1 + scale) + shift; x [B, S, H], shift/scale [B, H]."""
+    x = F.layer_norm(x, x.shape[-1:], eps=1e-6)
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, spec: DiTSpec, mcfg, tp_size: int, impl: str, attn_backend: str):
+        super().__init__()
+        h, heads = spec.hidden_size, spec.num_heads
+        self.local_heads, self.head_dim = heads // tp_size, h // heads
+        self.attn_backend = attn_backend
+        xavier, zeros = nn.init.xavier_uniform_, nn.init.zeros_
+        self.adaln = linears.column(h, 6 * h, mcfg, zeros, gather_output=True)
+        self.qkv = linears.column(h, 3 * h, mcfg, xavier, impl)
+        self.proj = linears.row(h, h, mcfg, xavier, impl)
+        mlp = int(h * spec.mlp_ratio)
+        self.fc1 = linears.column(h, mlp, mcfg, xavier, impl)
+        self.fc2 = linears.row(mlp, h, mcfg, xavier, impl)
+
+    def forward(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaln(F.silu(c)).chunk(6, dim=-1)
+        b, s, _ = h.shape
+        qkv = self.qkv(modulate(h, shift1, scale1)).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, heads_local, S, d]
+        a = attention(q, k, v, self.attn_backend).transpose(1, 2).reshape(b, s, -1)
+        h = h + gate1[:, None] * self.proj(a)
+        m = self.fc2(F.gelu(self.fc1(modulate(h, shift2, scale2)), approximate="tanh"))
+        return h + gate2[:, None] * m
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, in_channels: int, image_size: int, tp_size: int = 1,
+                 num_classes: Optional[int] = None, cond_shape: Optional[tuple] = None):
+        super().__init__()
+        spec = get_spec(cfg.size)
+        check_backend(cfg.attention_backend)
+        if cfg.transformer_impl == "transformer_engine":
+            linears.require_transformer_engine()
+        if spec.num_heads % tp_size:
+            raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention "
+                              f"heads ({spec.num_heads}) of --model-size {cfg.size}")
+        if image_size % spec.patch_size:
+            raise ConfigError(f"image size {image_size} is not a multiple of the patch size "
+                              f"{spec.patch_size} of --model-size {cfg.size}")
+        if (num_classes is None) == (cond_shape is None):
+            raise ValueError("exactly one of num_classes (labels) or cond_shape (embeddings) must be given")
+        self.spec, self.cfg = spec, cfg
+        self.in_channels, self.image_size, self.patch = in_channels, image_size, spec.patch_size
+        self.num_classes, self.cond_shape = num_classes, cond_shape
+        h, p = spec.hidden_size, spec.patch_size
+        mcfg = linears.megatron_config(h, spec.num_layers, spec.num_heads, tp_size)
+        self.x_embed = nn.Linear(in_channels * p * p, h)
+        nn.init.xavier_uniform_(self.x_embed.weight)
+        nn.init.zeros_(self.x_embed.bias)
+        self.register_buffer("pos", sincos_2d(image_size // p, h), persistent=False)
+        self.t_embed = TimestepEmbedder(h, spec.freq_dim)
+        self.y_embed = LabelEmbedder(num_classes, h) if num_classes is not None else TextEmbedder(cond_shape, h)
+        self.blocks = nn.ModuleList(DiTBlock(spec, mcfg, tp_size, cfg.transformer_impl, cfg.attention_backend)
+                                    for _ in range(spec.num_layers))
+        self.final_adaln = linears.column(h, 2 * h, mcfg, nn.init.zeros_, gather_output=True)
+        self.final = nn.Linear(h, p * p * in_channels)
+        nn.init.zeros_(self.final.weight)
+        nn.init.zeros_(self.final.bias)
+
+    def null_cond(self, n: int, device) -> torch.Tensor:
+        if self.num_classes is not None:
+            return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
+        return torch.zeros((n, *self.cond_shape), device=device)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        b, ch, hh, ww = x.shape
+        p, g = self.patch, hh // self.patch
+        tokens = x.reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, ch * p * p)
+        h = self.x_embed(tokens) + self.pos.to(tokens.dtype)
+        c = self.t_embed(sigma) + self.y_embed(cond)
+        for blk in self.blocks:
+            h = recompute(blk, h, c) if self.cfg.recompute_granularity == "full" and self.training else blk(h, c)
+        shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
+        out = self.final(modulate(h, shift, scale))
+        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
+
+
+def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim a parameter is split along across TP ranks, or None if replicated."""
+    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+
+
+def count_parameters(model: nn.Module, tp_group=None) -> int:
+    """Parameters of the whole (TP=1-equivalent) model: TP shards summed, replicas counted once."""
+    sharded = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is not None)
+    replicated = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is None)
+    if dist.is_initialized() and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        t = torch.tensor([sharded], dtype=torch.float64)
+        dist.all_reduce(t, group=tp_group)
+        sharded = int(t.item())
+    return sharded + replicated

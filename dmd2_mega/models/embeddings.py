@@ -1,0 +1,75 @@
+"""DiT input embeddings; all replicated across TP ranks (small next to the blocks).
+
+* `sincos_2d(grid, dim)` -> [grid*grid, dim]: fixed 2-D sine-cosine position table.
+* `TimestepEmbedder`: t = sigma * 1000 -> sinusoidal features [B, freq_dim] -> MLP -> [B, H].
+* `LabelEmbedder`: labels [B] in [0, K] (K = the learned null class) -> [B, H].
+* `TextEmbedder`: embeddings [B, D] or [B, L, D] (mean over L) -> MLP -> [B, H]; null = zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def sincos_1d(pos: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """pos [N] -> [N, dim] = [cos(pos * w_i), sin(pos * w_i)], w_i = max_period^(-i/half)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=pos.device) / half)
+    args = pos.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    return F.pad(emb, (0, dim - 2 * half))
+
+
+def sincos_2d(grid: int, dim: int) -> torch.Tensor:
+    """Half the channels encode the row, half the column; [grid*grid, dim], row-major tokens."""
+    coords = torch.arange(grid, dtype=torch.float32)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+    return torch.cat([sincos_1d(rows.reshape(-1), dim // 2), sincos_1d(cols.reshape(-1), dim - dim // 2)], dim=1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, hidden: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        for lin in (self.mlp[0], self.mlp[2]):
+            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, sigma: torch.Tensor) -> torch.Tensor:
+        return self.mlp(sincos_1d(sigma * 1000.0, self.freq_dim).to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """num_classes + 1 rows: the last is the learned null class used for CFG."""
+
+    def __init__(self, num_classes: int, hidden: int):
+        super().__init__()
+        self.num_classes = num_classes
+        self.table = nn.Embedding(num_classes + 1, hidden)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.table(labels)
+
+
+class TextEmbedder(nn.Module):
+    """Projected precomputed text embedding; the null condition is the zero embedding."""
+
+    def __init__(self, cond_shape: tuple, hidden: int):
+        super().__init__()
+        if len(cond_shape) not in (1, 2):
+            raise ValueError(f"condition embeddings must be [D] or [L, D] per sample, got {tuple(cond_shape)}")
+        self.cond_shape = tuple(cond_shape)
+        self.mlp = nn.Sequential(nn.Linear(cond_shape[-1], hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        for lin in (self.mlp[0], self.mlp[2]):
+            nn.init.xavier_uniform_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, cond: torch.Tensor) -> torch.Tensor:
+        if cond.dim() == 3:
+            cond = cond.mean(dim=1)
+        return self.mlp(cond.to(self.mlp[0].weight.dtype))

@@ -1,0 +1,132 @@
+"""Distributed setup: torchrun environment, TP/DP groups from megatron-core, and RNG streams.
+
+World = TP x DP (no pipeline parallel). Ranks of one TP group hold shards of the same layers and
+must see identical data and noise; DP ranks see different data. Rank layout is megatron-core's:
+TP ranks are adjacent (ranks 0,1 form TP group 0 when TP=2).
+
+Noise and per-sample randomness come from `micro_batch_generator(seed, iteration, j)`, keyed by
+the iteration and the GLOBAL micro-batch index j (not by the rank): the same global batch gets the
+same noise whether it is processed by DP=1 with 2 micro-batches or DP=2 with one each, a resume
+replays exactly, TP ranks (same j) agree, and DP ranks (different j) differ.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from dmd2_mega import megatron_compat
+from dmd2_mega.config import ConfigError, ParallelConfig
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def tp_group(self):
+        return mpu.get_tensor_model_parallel_group()
+
+    @property
+    def dp_group(self):
+        return mpu.get_data_parallel_group()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: ParallelConfig, seed: int = 1234) -> ParallelState:
+    """Join the torchrun job (or make a world of one), build TP/DP groups, seed megatron's RNG.
+
+    Without torchrun's environment (plain `python launch/...py`) a single-rank world is created.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    tp = cfg.tensor_model_parallel_size
+    if world % tp != 0:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the world size {world} "
+                          f"(torchrun --nproc-per-node x --nnodes)")
+    cuda = torch.cuda.is_available()
+    backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on a CPU machine")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=10), **kwargs)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+    state = ParallelState(rank=rank, world_size=world, local_rank=local_rank,
+                          tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp,
+                          dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+                          device=device, backend=backend)
+    seed_everything(seed, state.tp_rank)
+    return state
+
+
+def seed_everything(seed: int, tp_rank: int) -> None:
+    """Same default RNG on every rank (TP-invariant CPU weight init); megatron's tracker per TP rank."""
+    torch.manual_seed(seed)
+    megatron_compat.model_parallel_seed(seed, tp_rank)
+
+
+def destroy_distributed() -> None:
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def micro_batch_generator(seed: int, iteration: int, micro_index: int, device: torch.device,
+                          stream: int = 0) -> torch.Generator:
+    """A fresh generator for (iteration, global micro-batch index, stream); see module docstring."""
+    # SeedSequence mixes all four keys into well-spread bits: torch's CPU generator keeps only
+    # the low 32 bits of a seed, so packing keys into high bits would collide.
+    words = np.random.SeedSequence([seed, iteration, micro_index, stream]).generate_state(2, dtype=np.uint32)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(words[0]) | (int(words[1]) << 31))
+    return gen
+
+
+def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place mean over `group` (default: data parallel); identity in a world of one."""
+    group = group if group is not None else mpu.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+        t /= dist.get_world_size(group)
+    return t
+
+
+def barrier(group: Optional[object] = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
