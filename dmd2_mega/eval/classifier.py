@@ -161,6 +161,7 @@ def load_or_train_classifier(path: str | os.PathLike | None = None) -> DigitsCla
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"state_dict": model.state_dict(), "fingerprint": fp, "version": 1}, f)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, file)
     except BaseException:
         if os.path.exists(tmp):

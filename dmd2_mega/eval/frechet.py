@@ -7,7 +7,8 @@ For features a [Na, D] and b [Nb, D] with means mu_a, mu_b and (unbiased) covari
 All maths is float64. tr((S_a S_b)^{1/2}) is computed in the symmetric form
 tr((A S_b A)^{1/2}) with A = S_a^{1/2}: A S_b A is similar to S_a S_b, symmetric positive
 semi-definite, so its eigenvalues come from `eigh`, are clipped at 0 (rounding) and their square
-roots summed. No complex matrix square root, and singular covariances (N <= D) need no eps offset.
+roots summed (eigenvalues within eigh's rounding of 0 count as 0). No complex matrix square root,
+and singular covariances (N <= D, dead ReLU features) need no eps offset.
 """
 from __future__ import annotations
 
@@ -30,10 +31,17 @@ def _as_feats(x, name: str) -> np.ndarray:
     return x
 
 
+def _clean_eigs(w: np.ndarray) -> np.ndarray:
+    """Eigenvalues of a PSD matrix with rounding noise (|w| <= D * eps * max|w|, eigh's accuracy)
+    set to 0: their square roots would otherwise add ~sqrt(eps) each for singular covariances."""
+    tol = len(w) * np.finfo(np.float64).eps * max(np.abs(w).max(initial=0.0), 1e-300)
+    return np.where(w > tol, w, 0.0)
+
+
 def _sym_sqrt(s: np.ndarray) -> np.ndarray:
-    """Square root of a symmetric PSD matrix via eigh (negative rounding eigenvalues -> 0)."""
-    w, v = np.linalg.eigh(s)
-    return (v * np.sqrt(np.clip(w, 0.0, None))) @ v.T
+    """Square root of a symmetric PSD matrix via eigh."""
+    w, v = np.linalg.eigh((s + s.T) / 2)
+    return (v * np.sqrt(_clean_eigs(w))) @ v.T
 
 
 def gaussian_frechet(mu_a, cov_a, mu_b, cov_b) -> float:
@@ -42,7 +50,7 @@ def gaussian_frechet(mu_a, cov_a, mu_b, cov_b) -> float:
     cov_a, cov_b = np.asarray(cov_a, np.float64), np.asarray(cov_b, np.float64)
     root_a = _sym_sqrt(cov_a)
     m = root_a @ cov_b @ root_a
-    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0.0, None)).sum()
+    tr_covmean = np.sqrt(_clean_eigs(np.linalg.eigvalsh((m + m.T) / 2))).sum()
     diff = mu_a - mu_b
     fd = diff @ diff + np.trace(cov_a) + np.trace(cov_b) - 2.0 * tr_covmean
     # FD >= 0 exactly; a value below 0 is float rounding of two equal distributions.

@@ -73,6 +73,7 @@ def save_grid(images, labels, path, num_classes: int | None = None, upscale: int
     try:
         with os.fdopen(fd, "wb") as f:
             im.save(f, format="PNG")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
