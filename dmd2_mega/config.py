@@ -124,7 +124,13 @@ class TrainConfig:
     eval_guidance: float = 1.5
     """--eval-guidance: CFG scale of the eval sampler (1 = no guidance)."""
     tensorboard_dir: Optional[str] = None
+    loss_trace: Optional[str] = None
+    """--loss-trace: JSON-lines file of every iteration's loss and grad norm (rank 0)."""
+    no_load_optim: bool = False
+    """--no-load-optim: with --load, take the weights only and start a fresh optimizer and schedule."""
+    no_load_rng: bool = False
     deterministic: bool = False
+    """--deterministic: torch deterministic algorithms (bitwise-repeatable runs)."""
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")

@@ -1,0 +1,102 @@
+"""Megatron-style command-line flags mapped onto the config dataclasses (nothing else here).
+
+Groups mirror the dataclasses: model, parallel, optimizer, training. `parse_flow_args(argv)`
+returns a validated `FlowPretrainConfig`; a bad value raises `ConfigError` naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from dmd2_mega.config import FlowPretrainConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from dmd2_mega.models.registry import MODEL_SIZES
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", default="debug", help=f"one of {', '.join(MODEL_SIZES)}")
+    g.add_argument("--attention-backend", default="sdpa", help="sdpa | flash (flash-attn, CUDA)")
+    g.add_argument("--transformer-impl", default="local", help="local | transformer_engine")
+    g.add_argument("--recompute-granularity", default=None, help="full: recompute each block in backward")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", default=None, help="nccl | gloo (default: nccl on CUDA)")
+
+
+def add_optim_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="cosine", help="cosine | constant")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--optimizer-impl", default="torch", help="torch | apex")
+    g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--data", default="digits", help="'digits' or a directory of safetensors shards")
+    g.add_argument("--micro-batch-size", type=int, default=32)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--cond-dropout", type=float, default=0.1)
+    g.add_argument("--timestep-shift", type=float, default=1.0)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--no-load-optim", action="store_true", help="load weights only; fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-num-samples", type=int, default=500)
+    g.add_argument("--eval-steps", type=int, default=50)
+    g.add_argument("--eval-guidance", type=float, default=1.5)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--loss-trace", default=None, help="write every iteration's loss/grad-norm as JSON lines")
+    g.add_argument("--deterministic", action="store_true")
+
+
+def flow_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a flow-matching DiT teacher (Megatron-style flags).")
+    add_model_args(p)
+    add_parallel_args(p)
+    add_optim_args(p)
+    add_train_args(p)
+    return p
+
+
+def model_config(a) -> ModelConfig:
+    return ModelConfig(size=a.model_size, attention_backend=a.attention_backend,
+                       transformer_impl=a.transformer_impl, recompute_granularity=a.recompute_granularity)
+
+
+def optim_config(a) -> OptimConfig:
+    return OptimConfig(lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
+                       lr_decay_style=a.lr_decay_style, lr_decay_iters=a.lr_decay_iters,
+                       weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
+                       adam_eps=a.adam_eps, clip_grad=a.clip_grad, optimizer_impl=a.optimizer_impl, bf16=a.bf16)
+
+
+def train_config(a) -> TrainConfig:
+    keys = ("data", "micro_batch_size", "global_batch_size", "train_iters", "seed", "cond_dropout",
+            "timestep_shift", "save", "load", "save_interval", "log_interval", "eval_interval",
+            "eval_num_samples", "eval_steps", "eval_guidance", "tensorboard_dir", "deterministic",
+            "loss_trace", "no_load_optim", "no_load_rng")
+    return TrainConfig(**{k: getattr(a, k) for k in keys})
+
+
+def parse_flow_args(argv: Optional[Sequence[str]] = None) -> FlowPretrainConfig:
+    a = flow_parser().parse_args(argv)
+    return FlowPretrainConfig(model=model_config(a),
+                              parallel=ParallelConfig(a.tensor_model_parallel_size, a.distributed_backend),
+                              optim=optim_config(a), train=train_config(a))

@@ -1,0 +1,74 @@
+"""Rank-0 logging in Megatron's shape, optional TensorBoard, a progress bar on a terminal.
+
+Log line:  iteration  100/ 1000 | consumed samples: 6400 | elapsed time per iteration (ms): 85.1 |
+           learning rate: 1.000E-03 | loss: 4.123E-01 | grad norm: 0.532 | samples per second: 752.1
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+
+def print_rank0(msg: str, rank: int = 0) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+class TrainLogger:
+    def __init__(self, rank: int, train_iters: int, tensorboard_dir: Optional[str] = None,
+                 loss_trace: Optional[str] = None, start_iteration: int = 0):
+        self.rank, self.train_iters = rank, train_iters
+        self.writer = self.bar = self.trace = None
+        self.last_time, self.last_iter = time.time(), start_iteration
+        if rank != 0:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(tensorboard_dir)
+        if loss_trace:
+            self.trace = open(loss_trace, "a")
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=train_iters, initial=start_iteration, dynamic_ncols=True, leave=False)
+
+    def log(self, iteration: int, consumed: int, metrics: dict, per_iter: list[dict]) -> None:
+        """`metrics`: scalars averaged over the interval; `per_iter`: one dict per iteration."""
+        if self.rank != 0:
+            return
+        now = time.time()
+        n = max(iteration - self.last_iter, 1)
+        ms = (now - self.last_time) * 1000 / n
+        samples = metrics.pop("_samples_per_iter", 0)
+        parts = [f" iteration {iteration:8d}/{self.train_iters:8d}", f"consumed samples: {consumed:12d}",
+                 f"elapsed time per iteration (ms): {ms:.1f}"]
+        for k, v in metrics.items():
+            parts.append(f"{k}: {v:.3E}" if "loss" in k or "learning rate" in k else f"{k}: {v:.3f}")
+        parts.append(f"samples per second: {samples * 1000 / max(ms, 1e-9):.1f}")
+        line = " | ".join(parts) + " |"
+        (self.bar.write if self.bar else print)(line)
+        sys.stdout.flush()
+        if self.writer:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k.replace(" ", "-"), v, iteration)
+        if self.trace:
+            for rec in per_iter:
+                self.trace.write(json.dumps(rec) + "\n")
+            self.trace.flush()
+        if self.bar:
+            self.bar.update(iteration - self.last_iter)
+        self.last_time, self.last_iter = now, iteration
+
+    def scalars(self, iteration: int, values: dict) -> None:
+        if self.rank == 0 and self.writer:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, iteration)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.writer:
+            self.writer.close()
+        if self.trace:
+            self.trace.close()

@@ -1,0 +1,209 @@
+"""Teacher pretraining: the flow-matching training loop behind `launch/pretrain_flow.py`.
+
+One iteration = one optimizer step on a global batch of G samples: each DP rank runs
+M = G / (micro x DP) micro-batches, for each micro-batch j (global index) with noise from
+`micro_batch_generator(seed, iteration, j)`:
+    sigma = shift(u), u ~ U(0, 1);  x_s = (1 - sigma) x0 + sigma eps;  cond -> null w.p. p_drop
+    loss_j = mean((v_theta(x_s, sigma, cond) - (eps - x0))^2)
+and backpropagates loss_j / M; the DP all-reduce (torch DDP over the DP group) averages over
+ranks, so the step's gradient is that of the mean loss over the global batch. Then TP-aware
+clipping, AdamW, LR schedule. Host syncs only at the log/eval/save intervals.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dmd2_mega import flow
+from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_weights, load_payload,
+                                  partition_dims, rng_state, save_checkpoint, set_rng_state)
+from dmd2_mega.config import FlowPretrainConfig
+from dmd2_mega.data import build_dataset
+from dmd2_mega.data.sampler import GlobalBatchSampler
+from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.models import DiT, count_parameters
+from dmd2_mega.optim import LRSchedule, build_optimizer, clip_gradients
+from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.sampling import autocast, eval_conditions, generate
+
+
+def data_info(dataset) -> dict:
+    return {"in_channels": dataset.channels, "image_size": dataset.image_size,
+            "num_classes": dataset.num_classes,
+            "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
+
+
+def build_model(model_cfg, info: dict, ps: ParallelState) -> DiT:
+    """Built on the CPU from the default RNG (identical on every rank: TP-invariant), then moved."""
+    model = DiT(model_cfg, in_channels=info["in_channels"], image_size=info["image_size"],
+                tp_size=ps.tp_size, num_classes=info["num_classes"], cond_shape=info["cond_shape"])
+    return model.to(ps.device)
+
+
+def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout: float, bf16: bool):
+    """Velocity flow-matching loss of one micro-batch (scalar fp32)."""
+    b = x0.shape[0]
+    sigma = flow.sample_train_sigma(b, shift, gen, device=x0.device)
+    eps = torch.randn(x0.shape, generator=gen, device=x0.device, dtype=x0.dtype)
+    if cond_dropout > 0:
+        drop = torch.rand(b, generator=gen, device=x0.device) < cond_dropout
+        cond = torch.where(drop.view(-1, *([1] * (cond.dim() - 1))), null_cond, cond)
+    x_s = flow.add_noise(x0, eps, sigma)
+    with autocast(x0.device, bf16):
+        v = model(x_s, sigma, cond)
+    return F.mse_loss(v.float(), flow.velocity_target(x0, eps).float())
+
+
+class FlowTrainer:
+    def __init__(self, cfg: FlowPretrainConfig):
+        self.cfg = cfg
+        t = cfg.train
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.ps = ps = init_distributed(cfg.parallel, t.seed)
+        self.num_micro = t.resolve_batches(ps.dp_size)
+        if t.save:
+            check_writable(t.save)
+        self.dataset = build_dataset(t.data, "train")
+        self.info = data_info(self.dataset)
+        self.model = build_model(cfg.model, self.info, ps)
+        nparams = count_parameters(self.model, ps.tp_group)
+        print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
+                    f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
+                    f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
+                    f"x {self.num_micro} micro-batches; data {self.dataset!r}", ps.rank)
+        self.ddp = DDP(self.model, process_group=ps.dp_group) if ps.dp_size > 1 else None
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = LRSchedule(cfg.optim, t.train_iters)
+        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
+                                          ps.dp_rank, ps.dp_size, t.seed)
+        self.iteration = 0
+        if t.load:
+            self.load(t.load)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def payload(self) -> dict:
+        return {"iteration": self.iteration, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": rng_state(), "args": asdict(self.cfg),
+                "data_info": self.info, "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
+                "partition_dims": partition_dims(self.model), "checkpoint_version": 1}
+
+    def save(self) -> None:
+        path = save_checkpoint(self.cfg.train.save, self.iteration, self.payload(), self.ps)
+        print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
+
+    def load(self, root: str) -> None:
+        payload = load_payload(root, self.ps)
+        if payload is None:
+            print_rank0(f"> WARNING: no {root}/latest_checkpointed_iteration.txt; starting from scratch",
+                        self.ps.rank)
+            return
+        load_model_weights(self.model, payload["model"], f"--load {root}")
+        if self.cfg.train.no_load_optim:
+            print_rank0(f"> loaded weights of iteration {payload['iteration']} from {root} (fresh optimizer)",
+                        self.ps.rank)
+            return
+        if payload["saved_tp_size"] != self.ps.tp_size:
+            raise CheckpointError(
+                f"--load {root} was saved with --tensor-model-parallel-size {payload['saved_tp_size']} but this run "
+                f"uses {self.ps.tp_size}: weights reshard, optimizer state does not; pass --no-load-optim "
+                f"to continue from the weights with a fresh optimizer")
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.schedule.load_state_dict(payload["scheduler"])
+        self.sampler.load_state_dict(payload["sampler"])
+        if not self.cfg.train.no_load_rng:
+            set_rng_state(payload["rng"])
+        self.iteration = int(payload["iteration"])
+        print_rank0(f"> resumed from {root} at iteration {self.iteration}", self.ps.rank)
+
+    # ---- one optimizer step ------------------------------------------------------------------
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        t, ps = self.cfg.train, self.ps
+        lr = self.schedule.apply(self.optimizer, self.iteration)
+        net = self.ddp or self.model
+        total = torch.zeros((), device=ps.device)
+        micro = self.sampler.next_iteration()
+        for k, (j, idx) in enumerate(micro):
+            x0, cond = self.dataset.get_batch(idx)
+            x0, cond = x0.to(ps.device, non_blocking=True), cond.to(ps.device, non_blocking=True)
+            gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
+            sync = self.ddp is None or k == len(micro) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss = flow_loss_micro(net, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
+                                       t.timestep_shift, t.cond_dropout, self.cfg.optim.bf16)
+                (loss / len(micro)).backward()
+            total += loss.detach() / len(micro)
+        norm = clip_gradients(list(self.model.parameters()), self.cfg.optim.clip_grad, ps.tp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return total, norm, lr
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
+        t, ps = self.cfg.train, self.ps
+        cond = eval_conditions(self.dataset, t.eval_num_samples)
+        images = generate(self.model, cond, shape=(self.info["in_channels"], self.info["image_size"],
+                                                   self.info["image_size"]),
+                          steps=t.eval_steps, guidance=t.eval_guidance, shift=t.timestep_shift,
+                          seed=t.seed + 7, device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                          dp_group=ps.dp_group, bf16=self.cfg.optim.bf16)
+        if not ps.is_main:
+            return None
+        result = {}
+        if out_dir:
+            from dmd2_mega.eval.grid import save_grid
+            labels = cond if cond.dim() == 1 else None
+            path = save_grid(images[:100], labels[:100] if labels is not None else None,
+                             os.path.join(out_dir, "samples", f"iter_{self.iteration:07d}.png"))
+            result["grid"] = path
+        if t.data == "digits":
+            from dmd2_mega.eval.digits import evaluate_digits
+            result.update(evaluate_digits(images, cond))
+        return result
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict:
+        t, ps = self.cfg.train, self.ps
+        out_dir = t.save or t.tensorboard_dir
+        logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, self.iteration)
+        pending: list = []
+        result: dict = {}
+        start = time.time()
+        while self.iteration < t.train_iters:
+            loss, norm, lr = self.train_step()
+            pending.append((self.iteration, loss, norm, lr))
+            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                stats = torch.stack([torch.stack([p[1], p[2].to(p[1].device)]) for p in pending])
+                stats[:, 0] = all_reduce_mean(stats[:, 0].contiguous(), ps.dp_group)
+                vals = stats.cpu().tolist()  # the one host sync per log interval
+                per_iter = [{"iteration": p[0], "loss": v[0], "grad_norm": v[1], "lr": p[3]}
+                            for p, v in zip(pending, vals)]
+                logger.log(self.iteration, self.sampler.consumed_samples,
+                           {"learning rate": lr, "loss": sum(v[0] for v in vals) / len(vals),
+                            "grad norm": sum(v[1] for v in vals) / len(vals),
+                            "_samples_per_iter": t.global_batch_size}, per_iter)
+                pending = []
+            if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+                self.save()
+            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+                result = self.evaluate(out_dir) or {}
+                if result:
+                    print_rank0(f"> eval at iteration {self.iteration}: " +
+                                ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in result.items()), ps.rank)
+                    logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
+                                                    if isinstance(v, float)})
+        if t.save and (not t.save_interval or self.iteration % t.save_interval != 0):
+            self.save()
+        logger.close()
+        print_rank0(f"> training done: {self.iteration} iterations in {time.time() - start:.1f} s", ps.rank)
+        return result
