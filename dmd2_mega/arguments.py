@@ -60,7 +60,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-num-samples", type=int, default=500)
     g.add_argument("--eval-steps", type=int, default=50)
-    g.add_argument("--eval-guidance", type=float, default=1.5)
+    g.add_argument("--eval-guidance", type=float, default=1.25)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--loss-trace", default=None, help="write every iteration's loss/grad-norm as JSON lines")
     g.add_argument("--deterministic", action="store_true")

@@ -121,7 +121,7 @@ class TrainConfig:
     """--eval-num-samples: samples drawn for the quality metric at each eval."""
     eval_steps: int = 50
     """--eval-steps: Euler steps of the eval sampler."""
-    eval_guidance: float = 1.5
+    eval_guidance: float = 1.25
     """--eval-guidance: CFG scale of the eval sampler (1 = no guidance)."""
     tensorboard_dir: Optional[str] = None
     loss_trace: Optional[str] = None
