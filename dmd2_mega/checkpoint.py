@@ -189,7 +189,7 @@ def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None
         raise CheckpointError(f"{source}: architecture mismatch: missing {missing[:3]}, unexpected {unexpected[:3]} "
                               f"(was it saved with another --model-size?)")
     for k, v in own.items():
-        if tuple(v.shape) != tuple(state[k].shape):
+        if torch.is_tensor(v) and tuple(v.shape) != tuple(state[k].shape):  # not _extra_state (None)
             raise CheckpointError(f"{source}: parameter {k} has shape {tuple(state[k].shape)} in the checkpoint "
                                   f"but {tuple(v.shape)} in this model (another --model-size or data shape?)")
     model.load_state_dict(state)

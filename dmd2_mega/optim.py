@@ -8,6 +8,8 @@ Gradient norm under TP x DP: after the DP all-reduce every DP rank holds the sam
 only TP matters. A TP-sharded parameter contributes its shard's squared norm on each TP rank
 (summed over the TP group); a replicated parameter has identical gradients on every TP rank and
 is counted once, so ||g||^2 = allreduce_TP(sum_sharded ||g_i||^2) + sum_replicated ||g_j||^2.
+
+`--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state.
 """
 from __future__ import annotations
 
@@ -32,10 +34,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def _inner_optimizer(groups: list, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    on_cuda = next(model.parameters()).is_cuda
     if cfg.optimizer_impl == "apex":
         if importlib.util.find_spec("apex") is None:
             raise ConfigError("--optimizer-impl apex needs the apex package, which is not installed "
@@ -45,6 +45,76 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         from apex.optimizers import FusedAdam
         return FusedAdam(groups, adam_w_mode=True, **kw)
     return torch.optim.AdamW(groups, fused=on_cuda, **kw)
+
+
+class Optimizer:
+    """AdamW + global-norm clipping, with fp32 master weights when the model is bf16.
+
+    fp32 model: AdamW steps the model's parameters directly. bf16 model (`--bf16`): each
+    parameter has an fp32 master copy (carrying the TP attributes); `step` upcasts the bf16
+    gradients into the masters, clips and steps them in fp32, and writes them back rounded to
+    bf16, Megatron's mixed-precision optimizer in a few lines. `step` returns the grad norm
+    before clipping (a device tensor; no host sync).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, tp_group=None):
+        self.cfg, self.tp_group = cfg, tp_group
+        groups = param_groups(model, cfg.weight_decay)
+        self.model_params = [p for g in groups for p in g["params"]]
+        self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
+        if self.mixed:
+            for g in groups:
+                g["params"] = [self._master(p) for p in g["params"]]
+        self.master_params = [p for g in groups for p in g["params"]]
+        self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
+
+    @staticmethod
+    def _master(p: torch.nn.Parameter) -> torch.nn.Parameter:
+        m = torch.nn.Parameter(p.detach().float().clone())
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                setattr(m, attr, getattr(p, attr))
+        return m
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def step(self) -> torch.Tensor:
+        if self.mixed:
+            for p, m in zip(self.model_params, self.master_params):
+                m.grad = None if p.grad is None else p.grad.float()
+        norm = clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group)
+        self.inner.step()
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.master_params)
+        return norm
+
+    def zero_grad(self) -> None:
+        for p in self.model_params + (self.master_params if self.mixed else []):
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        state = {"inner": self.inner.state_dict(), "mixed": self.mixed}
+        if self.mixed:
+            state["master"] = [m.detach().clone() for m in self.master_params]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if bool(state.get("mixed")) != self.mixed:
+            raise ValueError(f"optimizer state was saved {'with' if state.get('mixed') else 'without'} --bf16 "
+                             f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
+        self.inner.load_state_dict(state["inner"])
+        if self.mixed:
+            with torch.no_grad():
+                for m, saved in zip(self.master_params, state["master"]):
+                    m.copy_(saved)
+                torch._foreach_copy_(self.model_params, self.master_params)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None) -> Optimizer:
+    return Optimizer(model, cfg, tp_group)
 
 
 class LRSchedule:

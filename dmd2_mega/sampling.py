@@ -7,8 +7,6 @@ TP ranks of a group run the same slice together (their layers are sharded).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -23,16 +21,10 @@ def eval_conditions(dataset, n: int) -> torch.Tensor:
     return dataset.get_batch(idx)[1]
 
 
-def autocast(device: torch.device, bf16: bool):
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 @torch.no_grad()
 def generate(model, cond: torch.Tensor, *, shape: tuple, steps: int, guidance: float, shift: float,
              seed: int, device: torch.device, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
-             bf16: bool = False, null_cond: torch.Tensor = None) -> torch.Tensor:
+             null_cond: torch.Tensor = None) -> torch.Tensor:
     """Samples for `cond` [N, ...]; returns images [N, *shape] float32 on the CPU, on every rank,
     clamped to the data range [-1, 1]."""
     n = cond.shape[0]
@@ -46,9 +38,8 @@ def generate(model, cond: torch.Tensor, *, shape: tuple, steps: int, guidance: f
     if hi > lo:
         c = cond[lo:hi].to(device)
         nc = null_cond[lo:hi].to(device) if null_cond is not None else model.null_cond(hi - lo, device)
-        with autocast(device, bf16):
-            x = flow.euler_sampler(model, noise[lo:hi].to(device), c, nc if guidance != 1.0 else None,
-                                   steps=steps, guidance=guidance, shift=shift)
+        x = flow.euler_sampler(model, noise[lo:hi].to(device), c, nc if guidance != 1.0 else None,
+                               steps=steps, guidance=guidance, shift=shift)
         out[: hi - lo] = x.float().clamp_(-1, 1).cpu()
     model.train(was_training)
     if dp_size > 1:

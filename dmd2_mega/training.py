@@ -29,9 +29,9 @@ from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.models import DiT, count_parameters
-from dmd2_mega.optim import LRSchedule, build_optimizer, clip_gradients
+from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.sampling import autocast, eval_conditions, generate
+from dmd2_mega.sampling import eval_conditions, generate
 
 
 def data_info(dataset) -> dict:
@@ -47,7 +47,12 @@ def build_model(model_cfg, info: dict, ps: ParallelState) -> DiT:
     return model.to(ps.device)
 
 
-def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout: float, bf16: bool):
+def cast_model(model: DiT, bf16: bool) -> DiT:
+    """--bf16: bf16 parameters and compute (fp32 masters live in the optimizer)."""
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout: float):
     """Velocity flow-matching loss of one micro-batch (scalar fp32)."""
     b = x0.shape[0]
     sigma = flow.sample_train_sigma(b, shift, gen, device=x0.device)
@@ -56,8 +61,7 @@ def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout:
         drop = torch.rand(b, generator=gen, device=x0.device) < cond_dropout
         cond = torch.where(drop.view(-1, *([1] * (cond.dim() - 1))), null_cond, cond)
     x_s = flow.add_noise(x0, eps, sigma)
-    with autocast(x0.device, bf16):
-        v = model(x_s, sigma, cond)
+    v = model(x_s, sigma, cond)
     return F.mse_loss(v.float(), flow.velocity_target(x0, eps).float())
 
 
@@ -73,14 +77,14 @@ class FlowTrainer:
             check_writable(t.save)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
-        self.model = build_model(cfg.model, self.info, ps)
+        self.model = cast_model(build_model(cfg.model, self.info, ps), cfg.optim.bf16)
         nparams = count_parameters(self.model, ps.tp_group)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
                     f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro} micro-batches; data {self.dataset!r}", ps.rank)
         self.ddp = DDP(self.model, process_group=ps.dp_group) if ps.dp_size > 1 else None
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -138,12 +142,11 @@ class FlowTrainer:
             sync = self.ddp is None or k == len(micro) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 loss = flow_loss_micro(net, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
-                                       t.timestep_shift, t.cond_dropout, self.cfg.optim.bf16)
+                                       t.timestep_shift, t.cond_dropout)
                 (loss / len(micro)).backward()
             total += loss.detach() / len(micro)
-        norm = clip_gradients(list(self.model.parameters()), self.cfg.optim.clip_grad, ps.tp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = self.optimizer.step()
+        self.optimizer.zero_grad()
         self.iteration += 1
         return total, norm, lr
 
@@ -155,7 +158,7 @@ class FlowTrainer:
                                                    self.info["image_size"]),
                           steps=t.eval_steps, guidance=t.eval_guidance, shift=t.timestep_shift,
                           seed=t.seed + 7, device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
-                          dp_group=ps.dp_group, bf16=self.cfg.optim.bf16)
+                          dp_group=ps.dp_group)
         if not ps.is_main:
             return None
         result = {}

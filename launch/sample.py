@@ -22,7 +22,7 @@ from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.sampling import generate  # noqa: E402
-from dmd2_mega.training import build_model  # noqa: E402
+from dmd2_mega.training import build_model, cast_model  # noqa: E402
 
 
 def parse(argv=None):
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         args, info = payload["args"], payload["data_info"]
         model = build_model(ModelConfig(**args["model"]), info, ps)
         load_model_weights(model, payload["model"], f"--load {a.load}")
+        model = cast_model(model, a.bf16)
         shift = a.shift if a.shift is not None else args["train"]["timestep_shift"]
         if info["num_classes"] is not None:
             cond = torch.arange(a.num_samples) % info["num_classes"]
@@ -65,8 +66,7 @@ def main(argv=None) -> int:
             cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
         shape = (info["in_channels"], info["image_size"], info["image_size"])
         images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift, seed=a.seed,
-                          device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group,
-                          bf16=a.bf16)
+                          device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
         if ps.is_main:
             from dmd2_mega.eval.grid import save_grid
             os.makedirs(a.out, exist_ok=True)

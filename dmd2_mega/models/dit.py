@@ -101,6 +101,7 @@ class DiT(nn.Module):
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
+        x = x.to(self.x_embed.weight.dtype)  # bf16 models take fp32 inputs
         tokens = x.reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, ch * p * p)
         h = self.x_embed(tokens) + self.pos.to(tokens.dtype)
         c = self.t_embed(sigma) + self.y_embed(cond)

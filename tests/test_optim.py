@@ -1,0 +1,80 @@
+"""LR schedule, gradient norm/clipping and the bf16 master-weight optimizer against plain maths."""
+import math
+
+import pytest
+import torch
+
+from dmd2_mega.config import ConfigError, OptimConfig
+from dmd2_mega.optim import LRSchedule, Optimizer, clip_gradients, grad_norm
+
+
+def test_lr_schedule_warmup_cosine_constant():
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=10)
+    s = LRSchedule(cfg, train_iters=110)
+    assert s(0) == pytest.approx(1e-4) and s(9) == pytest.approx(1e-3)
+    mid = 10 + 50
+    assert s(mid) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert s(110) == pytest.approx(1e-5) and s(500) == pytest.approx(1e-5)
+    lrs = [s(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    const = LRSchedule(OptimConfig(lr=3e-4, lr_decay_style="constant", lr_warmup_iters=2), 100)
+    assert const(1) == pytest.approx(3e-4) and const(99) == pytest.approx(3e-4)
+
+
+def test_bad_optim_flags_name_the_flag():
+    with pytest.raises(ConfigError, match="--min-lr"):
+        OptimConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(ConfigError, match="--lr-decay-style"):
+        OptimConfig(lr_decay_style="linear-ish")
+
+
+def _params(dtype=torch.float32):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, dtype=dtype)), torch.nn.Parameter(torch.randn(7, dtype=dtype))]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def test_grad_norm_and_clip_match_float64():
+    ps = _params()
+    ref = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in ps))
+    assert grad_norm(ps).item() == pytest.approx(ref, rel=1e-6)
+    before = [p.grad.clone() for p in ps]
+    norm = clip_gradients(ps, max_norm=ref / 4)
+    assert norm.item() == pytest.approx(ref, rel=1e-6)
+    assert grad_norm(ps).item() == pytest.approx(ref / 4, rel=1e-4)
+    for p, b in zip(ps, before):  # clipping scales, never rotates
+        torch.testing.assert_close(p.grad, b / 4, rtol=1e-4, atol=1e-7)
+    ps2 = _params()
+    clip_gradients(ps2, max_norm=10 * ref)  # under the threshold: untouched
+    for p, b in zip(ps2, _params()):
+        torch.testing.assert_close(p.grad, b.grad)
+
+
+def test_bf16_master_weights_step_like_fp32_adamw():
+    """bf16 params + fp32 masters: the masters follow fp32 AdamW exactly, params are their rounding."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 4)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(model.weight.float())
+        ref.bias.copy_(model.bias.float())
+    cfg = OptimConfig(lr=1e-2, clip_grad=0.0, weight_decay=0.1)
+    opt, ref_opt = Optimizer(model, cfg), Optimizer(ref, cfg)
+    assert opt.mixed and not ref_opt.mixed
+    assert all(m.dtype == torch.float32 for m in opt.master_params)
+    for _ in range(3):
+        g = torch.randn(4, 8)
+        model.weight.grad, model.bias.grad = g.to(torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)
+        ref.weight.grad, ref.bias.grad = g.to(torch.bfloat16).float(), torch.zeros(4)
+        opt.step(), ref_opt.step()
+    torch.testing.assert_close(opt.master_params[0], ref.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.weight, ref.weight.to(torch.bfloat16), rtol=0, atol=0)
+    state = opt.state_dict()
+    opt2 = Optimizer(torch.nn.Linear(8, 4).to(torch.bfloat16), cfg)
+    opt2.load_state_dict(state)
+    torch.testing.assert_close(opt2.master_params[0], opt.master_params[0], rtol=0, atol=0)
+    assert opt2.inner.state_dict()["state"][0]["step"] == 3
+    with pytest.raises(ValueError, match="--bf16"):
+        ref_opt.load_state_dict(state)
