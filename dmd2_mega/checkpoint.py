@@ -30,7 +30,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message names the file and the reason."""
 
 

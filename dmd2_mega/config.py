@@ -32,6 +32,8 @@ class ModelConfig:
     """None or 'full': megatron-core activation checkpointing of each block."""
 
     def __post_init__(self):
+        from dmd2_mega.models.registry import MODEL_SIZES  # lazy: the registry imports ConfigError
+        _check(self.size in MODEL_SIZES, f"--model-size {self.size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
         _check(self.attention_backend in ("sdpa", "flash"),
                f"--attention-backend must be 'sdpa' or 'flash', got {self.attention_backend!r}")
         _check(self.transformer_impl in ("local", "transformer_engine"),

@@ -5,6 +5,8 @@ megatron-core 0.16 assumes CUDA in
     `torch.cuda` generator state; `model_parallel_cuda_manual_seed` calls `torch.cuda.manual_seed`),
   * `torch.cuda.current_device()` in layer constructors when weights are initialised on the GPU
     (we always pass `use_cpu_initialization=True` on CPU, so that path is never taken),
+  * `torch.cuda.current_device()` in `gather_from_tensor_model_parallel_region` (the output
+    gather of a ColumnParallelLinear with gather_output=True): `gather_from_tp` below,
   * `torch.cuda.synchronize()` in its timers (we do not use them; `synchronize()` below is ours).
 Everything here is active only when CUDA is absent: on a CUDA machine each function calls the
 megatron-core original. Nothing patches torch tensor types; the only megatron-core state touched is
@@ -101,3 +103,35 @@ def recompute(fn, *args):
         return tensor_parallel.checkpoint(fn, False, *args)
     import torch.utils.checkpoint as ckpt
     return ckpt.checkpoint(fn, *args, use_reentrant=False)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim over the TP group; backward keeps this rank's slice.
+
+    y = [x_0 | x_1 | ... | x_{T-1}]  =>  dL/dx_r = (dL/dy)[..., r*n:(r+1)*n]
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        from megatron.core import parallel_state as mpu
+        group = mpu.get_tensor_model_parallel_group()
+        world, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        ctx.rank, ctx.n = rank, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(world)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].contiguous()
+
+
+def gather_from_tp(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's `gather_from_tensor_model_parallel_region` (allocates on CUDA) or its CPU twin."""
+    from megatron.core import parallel_state as mpu
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return x
+    if cuda_available():
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        return gather_from_tensor_model_parallel_region(x)
+    return _GatherLastDim.apply(x)

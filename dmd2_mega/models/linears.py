@@ -15,6 +15,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 
 from dmd2_mega.config import ConfigError
+from dmd2_mega.megatron_compat import gather_from_tp
 
 
 def megatron_config(hidden_size: int, num_layers: int, num_heads: int, tp_size: int,
@@ -38,11 +39,12 @@ def require_transformer_engine() -> None:
 
 
 class _Unwrap(torch.nn.Module):
-    """Adds megatron's separately returned bias (if any) and returns one tensor."""
+    """Adds megatron's separately returned bias (if any) and returns one tensor; optionally
+    all-gathers a column-parallel output over TP (via megatron_compat, which runs on CPU too)."""
 
-    def __init__(self, inner: torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, gather: bool = False):
         super().__init__()
-        self.inner = inner
+        self.inner, self.gather = inner, gather
 
     @property
     def weight(self):
@@ -50,7 +52,8 @@ class _Unwrap(torch.nn.Module):
 
     def forward(self, x):
         out, bias = self.inner(x)
-        return out if bias is None else out + bias
+        out = out if bias is None else out + bias
+        return gather_from_tp(out) if self.gather else out
 
 
 def column(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: str = "local",
@@ -62,7 +65,7 @@ def column(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: 
                                               gather_output=False, bias=True, skip_bias_add=False,
                                               is_expert=False))
     return _Unwrap(tensor_parallel.ColumnParallelLinear(
-        in_f, out_f, config=config, init_method=init_method, bias=True, gather_output=gather_output))
+        in_f, out_f, config=config, init_method=init_method, bias=True, gather_output=False), gather=gather_output)
 
 
 def row(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: str = "local") -> torch.nn.Module:

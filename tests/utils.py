@@ -1,0 +1,132 @@
+"""Shared helpers for the tests: launching the repo's scripts in subprocesses (plain Python or
+torchrun with gloo on CPU), reading their outputs, and a world-of-one distributed context.
+
+Every subprocess runs with OMP_NUM_THREADS=1, TORCH_COMPILE_DISABLE=1, no inherited torchrun
+variables (RANK, WORLD_SIZE, MASTER_PORT, ...: `init_distributed` writes them into os.environ of
+an in-process world of one, and a child that inherited them would try to bind the parent's port),
+in its own process group, and under a timeout after which the whole group is killed, so a hung
+rank fails the test instead of hanging it. Failures quote the tail of stdout and stderr.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MP_SCRIPTS = os.path.join(REPO, "tests", "mp_scripts")
+PRETRAIN = os.path.join(REPO, "launch", "pretrain_flow.py")
+SAMPLE = os.path.join(REPO, "launch", "sample.py")
+
+# Variables torchrun / init_distributed set; never inherited by a child.
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore",
+               CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Result:
+    cmd: list
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def tail(self, n: int = 4000) -> str:
+        return (f"command: {' '.join(self.cmd)}\nexit code: {self.returncode} after {self.seconds:.1f} s\n"
+                f"--- stdout (tail) ---\n{self.stdout[-n:]}\n--- stderr (tail) ---\n{self.stderr[-n:]}")
+
+    def check(self, what: str = "subprocess") -> "Result":
+        assert self.returncode == 0, f"{what} failed\n{self.tail()}"
+        return self
+
+
+def run(cmd: Sequence[str], timeout: float = 120, extra_env: Optional[dict] = None) -> Result:
+    """Run `cmd` from the repo root; on timeout kill its whole process group and fail."""
+    cmd = [str(c) for c in cmd]
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        res = Result(cmd, -9, out, err, time.time() - start)
+        raise AssertionError(f"timed out after {timeout} s (a hung rank?)\n{res.tail()}")
+    return Result(cmd, proc.returncode, out, err, time.time() - start)
+
+
+def python(script: str, args: Sequence = (), timeout: float = 120) -> Result:
+    """A world of one: `python script args` (init_distributed makes a single-rank gloo world)."""
+    return run([sys.executable, script, *args], timeout=timeout)
+
+
+def torchrun(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
+    """`torchrun --standalone --nproc-per-node nproc script args` with the venv's interpreter."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--monitor-interval=0.1", script, *args], timeout=timeout)
+
+
+def launch(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
+    """nproc 1 -> plain python (saves torchrun's start-up), else torchrun."""
+    return python(script, args, timeout) if nproc == 1 else torchrun(nproc, script, args, timeout)
+
+
+def read_trace(path: str) -> list:
+    """The JSON-lines loss trace written by --loss-trace: [{"iteration", "loss", "grad_norm", "lr"}]."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def assert_traces_close(a: list, b: list, rtol: float, what: str, keys=("loss", "grad_norm", "lr")) -> None:
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b], f"{what}: iterations differ: {a} vs {b}"
+    for ra, rb in zip(a, b):
+        for k in keys:
+            x, y = ra[k], rb[k]
+            assert abs(x - y) <= rtol * max(abs(y), 1e-12), \
+                f"{what}: iteration {ra['iteration']} {k}: {x!r} vs {y!r} (rel {abs(x - y) / max(abs(y), 1e-12):.2e})"
+
+
+def find_tmp(root: str) -> list:
+    """Every path under `root` whose name ends in .tmp (left-overs of a non-atomic save)."""
+    hits = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        hits += [os.path.join(dirpath, n) for n in dirnames + filenames if n.endswith(".tmp") or ".tmp." in n]
+    return hits
+
+
+@contextlib.contextmanager
+def world_of_one(tp: int = 1, seed: int = 1234):
+    """In-process `init_distributed(ParallelConfig())` for a test module; restores os.environ and
+    tears the (global) megatron parallel state down afterwards."""
+    from dmd2_mega.config import ParallelConfig
+    from dmd2_mega.parallel import destroy_distributed, init_distributed
+
+    saved = {k: os.environ.get(k) for k in _DIST_VARS}
+    try:
+        yield init_distributed(ParallelConfig(tensor_model_parallel_size=tp), seed=seed)
+    finally:
+        destroy_distributed()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
