@@ -1,0 +1,155 @@
+"""Backward-simulation rollout of the few-step student (DESIGN section 2, "rollout").
+
+Student grid: N points of UNSHIFTED sigma s_0 = 1 > s_1 > ... > s_{N-1} > 0, by default
+s_i = (N - i) / N (`--dmd2-denoising-steps N`) or an explicit list (`--dmd2-student-sigmas`), then
+shifted: sigma_i = shift_k(s_i) (k = `--timestep-shift`; flow.shift_sigma). sigmas: [N] fp32.
+
+One rollout of n samples (n = K*B per DP rank), all under torch.no_grad():
+    i_n ~ U{0, ..., N-1}                       stop step of sample n
+    x^(0) = eps_0,  eps_0 ~ N(0, I)            pure noise at sigma_0 = 1
+    for i = 0 .. i_n:
+        v      = student(x^(i), sigma_i, cond)
+        x0^(i) = x^(i) - sigma_i v
+        i < i_n:  x^(i+1) = (1 - sigma_{i+1}) x0^(i) + sigma_{i+1} eps_{i+1},  eps_{i+1} FRESH noise
+    keep x = x^(i_n), sigma = sigma_{i_n}, x0hat = x0^(i_n), cond, sample id, stop step i_n.
+Shapes: x, x0hat [n, *shape] (shape = (C, H, W)); sigma [n] fp32; cond [n, ...] (labels [n] int64
+or embeddings [n, *cond_shape]); sample_id, stop_step [n] int64. Output rows are in sample order:
+row j is sample `sample_id_offset + j` with condition cond[j].
+
+Batched: step i runs ONE student forward on the samples with i_n >= i only, so a rollout costs
+sum_n (i_n + 1) sample-forwards. The samples are sorted once by stop step (latest first), which makes
+the running set at every step a prefix of the sorted batch; the prefix lengths cost one host sync
+per rollout (`.tolist()` of N counts), none per step.
+
+Generator consumption (all randomness comes from `noise_gen`, on its own device, so TP ranks given
+equal generators produce identical rollouts), in this order and independent of the stop steps:
+    1. stop steps: torch.randint(0, N, (n,))                          int64
+    2. initial noise eps_0: torch.randn((n, *shape), dtype=dtype)
+    3. for each transition i -> i+1, i = 0 .. N-2: torch.randn((n, *shape), dtype=dtype), the FULL
+       batch (row j is sample j's fresh noise eps_{i+1}; rows of samples already stopped go unused),
+       so the stream and the generator's final state depend on (n, N, shape, dtype) only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from dmd2_mega import flow
+from dmd2_mega.config import ConfigError
+
+StudentFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class RolloutError(ConfigError):
+    """A bad student grid or rollout argument; the message names the flag or argument."""
+
+
+def student_sigmas(num_steps: int = 4, explicit: Optional[Sequence[float]] = None,
+                   shift: float = 1.0) -> Tensor:
+    """[N] float32 descending shifted student grid.
+
+    `explicit` (the UNSHIFTED `--dmd2-student-sigmas` values) wins over `num_steps` when given; it
+    must start at 1.0 and decrease strictly within (0, 1]. Otherwise s_i = (N - i) / N with
+    N = `num_steps` (`--dmd2-denoising-steps`). Shifted with flow.shift_sigma in float64.
+    """
+    if explicit is None:
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise RolloutError(f"--dmd2-denoising-steps must be an int >= 1, got {num_steps!r}")
+        s = torch.arange(num_steps, 0, -1, dtype=torch.float64) / num_steps
+    else:
+        vals = [float(v) for v in explicit]
+        if not vals:
+            raise RolloutError("--dmd2-student-sigmas needs at least one value (e.g. 1.0 0.75 0.5 0.25)")
+        if not all(math.isfinite(v) and 0.0 < v <= 1.0 for v in vals):
+            raise RolloutError(f"--dmd2-student-sigmas values must lie in (0, 1] (unshifted sigma), got {vals}")
+        if vals[0] != 1.0:
+            raise RolloutError(f"--dmd2-student-sigmas must start at 1.0 (pure noise), got {vals}")
+        if any(b >= a for a, b in zip(vals, vals[1:])):
+            raise RolloutError(f"--dmd2-student-sigmas must be strictly decreasing, got {vals}")
+        s = torch.tensor(vals, dtype=torch.float64)
+    return flow.shift_sigma(s, shift).to(torch.float32)
+
+
+@dataclass
+class Rollout:
+    """The kept samples of one rollout, row j = sample `sample_id[j]` (see module docstring)."""
+
+    x: Tensor           # [n, C, H, W]  noisy input at the stop step
+    sigma: Tensor       # [n] fp32      sigma at the stop step
+    x0hat: Tensor       # [n, C, H, W]  detached student x0 prediction at (x, sigma)
+    cond: Tensor        # [n, ...]      positive condition
+    sample_id: Tensor   # [n] int64
+    stop_step: Tensor   # [n] int64     i_n in [0, N)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def micro_batch(self, k: int, size: int) -> "Rollout":
+        """Rows [k * size, (k + 1) * size): micro-batch k of size `size`."""
+        if k < 0 or size < 1 or (k + 1) * size > len(self):
+            raise RolloutError(f"micro-batch {k} of size {size} is outside a rollout of {len(self)} samples")
+        sl = slice(k * size, (k + 1) * size)
+        return Rollout(self.x[sl], self.sigma[sl], self.x0hat[sl], self.cond[sl],
+                       self.sample_id[sl], self.stop_step[sl])
+
+
+def _running_counts(stop: Tensor, steps: int) -> list[int]:
+    """[N + 1] ints: counts[i] = #samples with stop >= i (counts[N] = 0). One host sync."""
+    per_step = torch.bincount(stop, minlength=steps)
+    running = per_step.flip(0).cumsum(0).flip(0)
+    return running.tolist() + [0]
+
+
+@torch.no_grad()
+def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Tensor, sigmas: Tensor, *,
+            shape: Sequence[int], device, sample_id_offset: int = 0,
+            dtype: torch.dtype = torch.float32) -> Rollout:
+    """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
+
+    student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
+    sigmas [N] descending (from `student_sigmas`); x and the noise are `dtype` on `device`.
+    """
+    if batch < 1:
+        raise RolloutError(f"rollout batch must be >= 1, got {batch}")
+    if sigmas.ndim != 1 or sigmas.numel() < 1:
+        raise RolloutError(f"sigmas must be a 1-D [N] tensor with N >= 1, got shape {tuple(sigmas.shape)}")
+    if cond.shape[0] != batch:
+        raise RolloutError(f"cond must have the rollout batch {batch} as its first dim, got {tuple(cond.shape)}")
+    n, steps, full = batch, sigmas.numel(), (batch, *shape)
+    gdev = noise_gen.device
+
+    def noise() -> Tensor:
+        return torch.randn(full, generator=noise_gen, device=gdev, dtype=dtype).to(device)
+
+    stop = torch.randint(0, steps, (n,), generator=noise_gen, device=gdev).to(device)
+    eps0 = noise()
+    sig = sigmas.to(device=device, dtype=torch.float32)
+    # Latest stop first: the samples running at step i are the first counts[i] sorted rows.
+    order = torch.argsort(stop, descending=True, stable=True)
+    counts = _running_counts(stop, steps)
+    cond_sorted = cond.to(device).index_select(0, order)
+    x = eps0.index_select(0, order)
+    kept_x, kept_x0 = [], []
+    for i in range(steps):
+        c, c_next = counts[i], counts[i + 1]
+        if c > 0:
+            s_i = sig[i].repeat(c)
+            v = student(x[:c], s_i, cond_sorted[:c]).to(dtype)
+            x0 = flow.x0_from_velocity(x[:c], v, s_i)
+            kept_x.append(x[c_next:c])       # rows that stop at step i
+            kept_x0.append(x0[c_next:c])
+        if i + 1 < steps:
+            eps = noise()                    # fresh draw of the full batch, used or not
+            if c_next > 0:
+                x = flow.add_noise(x0[:c_next], eps.index_select(0, order[:c_next]), sig[i + 1].repeat(c_next))
+    # Pieces of steps N-1, ..., 0 are consecutive row ranges of the sorted order; undo the sort.
+    inverse = torch.argsort(order)
+    x_out = torch.cat(kept_x[::-1]).index_select(0, inverse)
+    x0_out = torch.cat(kept_x0[::-1]).index_select(0, inverse)
+    sample_id = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
+    return Rollout(x=x_out, sigma=sig.index_select(0, stop), x0hat=x0_out, cond=cond.to(device),
+                   sample_id=sample_id, stop_step=stop)
