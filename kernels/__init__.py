@@ -1,0 +1,24 @@
+"""Fused Triton kernels for the DMD2 hot path, each with a pure-torch path and reference.
+
+Ops (one file each; maths and shapes in each module's docstring):
+  x0_from_velocity(x_s, v, sigma)                          x_s - sigma * v              (x0_projection.py)
+  cfg_x0(x_s, v_pos, v_neg, sigma, guidance)               CFG + x0, forward only       (cfg.py)
+  flow_matching_loss(v_pred, x0, eps, sigma, space)        per-sample loss [B]          (flow_matching.py)
+  dmd_loss(x0hat, x0_real, x0_fake) -> (loss, DMDStats)    DMD grad + surrogate loss    (dmd.py)
+  adaln_modulate(x, shift, scale)                          LayerNorm + adaLN modulation (adaln.py)
+Every op takes ``impl=None | "triton" | "torch"``: None dispatches CUDA tensors to Triton and CPU
+tensors to torch, unless ``DMD2_KERNELS=triton|torch`` forces one (see _utils.py). The ``*_ref``
+functions are the eager multi-op baselines (autograd through plain torch ops).
+"""
+from ._utils import KernelError, resolve_impl
+from .adaln import adaln_modulate, adaln_modulate_ref
+from .cfg import cfg_x0, cfg_x0_ref
+from .dmd import DMDStats, dmd_loss, dmd_loss_ref
+from .flow_matching import flow_matching_loss, flow_matching_loss_ref
+from .x0_projection import x0_from_velocity, x0_from_velocity_ref
+
+__all__ = [
+    "x0_from_velocity", "cfg_x0", "flow_matching_loss", "dmd_loss", "adaln_modulate", "DMDStats",
+    "KernelError", "resolve_impl", "x0_from_velocity_ref", "cfg_x0_ref", "flow_matching_loss_ref",
+    "dmd_loss_ref", "adaln_modulate_ref",
+]

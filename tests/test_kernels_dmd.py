@@ -1,0 +1,109 @@
+"""kernels.dmd_loss against a float64 reference written in tianweiy/DMD2's form.
+
+Reference (sd_guidance.py): under no_grad, p_real = x - x0_real, p_fake = x - x0_fake,
+norm = mean_n |p_real|, grad = nan_to_num((p_real - p_fake) / norm); loss = 0.5 * mse(x, (x - grad).detach()).
+nan_to_num runs in the input dtype's range (posinf/neginf = finfo(dtype).max), as DMD2 computes grad
+in the dtype of its tensors.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from test_kernels_utils import (DTYPES, IMPLS, LOSS_TOL, assert_close, cases, dtype_id, f64,  # noqa: E402
+                                grad_tol, randn)
+
+
+def reference(x, x0_real, x0_fake, dtype):
+    """float64 DMD2 surrogate; returns (loss, norm [B], grad_rms, grad)."""
+    fmax = torch.finfo(dtype).max
+    dims = tuple(range(1, x.dim()))
+    with torch.no_grad():
+        p_real = x - x0_real
+        p_fake = x - x0_fake
+        norm = torch.abs(p_real).mean(dim=dims, keepdim=True)
+        grad = torch.nan_to_num((p_real - p_fake) / norm, posinf=fmax, neginf=-fmax)
+    loss = 0.5 * F.mse_loss(x, (x - grad).detach())
+    return loss, norm.flatten(), grad.pow(2).mean().sqrt(), grad
+
+
+def inputs(B, shape, dtype):
+    x0hat = randn(B, shape, dtype, 0)
+    x0_real = (x0hat.float() + 0.3 * randn(B, shape, torch.float32, 1)).to(dtype)
+    x0_fake = (x0_real.float() + 0.1 * randn(B, shape, torch.float32, 2)).to(dtype)
+    return x0hat.requires_grad_(), x0_real, x0_fake
+
+
+def check(x0hat, x0_real, x0_fake, dtype, impl, grad_scale=0.7):
+    loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert stats.norm.shape == (x0hat.shape[0],) and stats.grad_rms.shape == ()
+    (gx,) = torch.autograd.grad(loss, x0hat, torch.tensor(grad_scale, device=loss.device))
+    assert gx.dtype == dtype and torch.isfinite(gx).all()
+
+    x64, r64, f64_ = f64(x0hat, x0_real, x0_fake)
+    rloss, rnorm, rrms, _ = reference(x64, r64, f64_, dtype)
+    (rgx,) = torch.autograd.grad(rloss, x64, torch.tensor(grad_scale, dtype=torch.float64, device=rloss.device))
+    # the float32 loss of a clamped (+-max) float32 gradient overflows to inf, as DMD2's does
+    assert_close(loss, rloss.float(), dtype, tol=LOSS_TOL, msg="loss")
+    assert_close(stats.norm, rnorm, dtype, tol=LOSS_TOL, msg="norm")
+    # float32 statistics: sqrt(mean(grad^2)) overflows to inf exactly when the float32 loss does
+    rrms = rrms if torch.isfinite(rloss.float()) else rloss.new_tensor(float("inf"))
+    assert_close(stats.grad_rms, rrms.float(), dtype, tol=LOSS_TOL, msg="grad_rms")
+    assert_close(gx, rgx, dtype, tol=grad_tol(dtype, rgx), msg="grad x0hat")
+    return gx
+
+
+@pytest.mark.parametrize("B,shape,dtype,impl", cases())
+def test_dmd_loss(B, shape, dtype, impl):
+    check(*inputs(B, shape, dtype), dtype, impl)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on 0/0 and inf * inf
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dmd_nan_inf_and_zero_norm(dtype, impl):
+    """NaN/Inf in x0_fake or x0_real, and a sample with x0hat == x0_real, give a finite gradient."""
+    x0hat, x0_real, x0_fake = (t.detach().clone() for t in inputs(5, (3, 7, 5), dtype))
+    x0_fake[0, 0, 0, 0] = float("nan")  # NaN grad entry -> 0
+    x0_fake[1, 0, 1, 2], x0_fake[1, 2, 6, 4] = float("inf"), float("-inf")  # -> +-max
+    x0_real[2, 1, 2, 3] = float("nan")  # NaN norm: the whole sample -> 0
+    x0hat[3] = x0_real[3]  # norm 0: grad +-max, and 0/0 -> 0 where fake == real
+    x0_fake[3, 0, 0, 0] = x0_real[3, 0, 0, 0]
+    x0_real[4, 0, 0, 0] = float("inf")  # inf norm: the whole sample -> 0
+    gx = check(x0hat.requires_grad_(), x0_real, x0_fake, dtype, impl)
+    assert (gx[0] != 0).any() and gx[0, 0, 0, 0] == 0
+    assert (gx[2] == 0).all() and (gx[4] == 0).all()
+    same = x0_fake[3] == x0_real[3]  # [0, 0, 0] and, in 16-bit dtypes, a few rounding ties
+    assert same[0, 0, 0] and torch.equal(gx[3] == 0, same)
+    assert (gx[3][~same].abs() == gx[3].abs().max()).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmd_targets_get_no_grad(impl):
+    x0hat, x0_real, x0_fake = inputs(2, (3, 4), torch.float32)
+    x0_real.requires_grad_()
+    loss, _ = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+    loss.backward()
+    assert x0hat.grad is not None and x0_real.grad is None
+
+
+def test_dmd_backward_float64_torch_path():
+    """gradcheck does not apply here: the surrogate's backward is by definition not the derivative
+    of its value (norm and grad depend on x0hat but are held constant). Instead the Function's
+    float64 backward must equal autograd through the DMD2 expression, for several grad_out."""
+    x0hat, x0_real, x0_fake = (t.detach().double() for t in inputs(3, (2, 3, 5), torch.float32))
+    x0hat.requires_grad_()
+    for s in (1.0, -2.5, 0.0):
+        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
+        (gx,) = torch.autograd.grad(loss, x0hat, torch.tensor(s, dtype=torch.float64, device=loss.device))
+        rloss, rnorm, _, rgrad = reference(x0hat, x0_real, x0_fake, torch.float64)
+        (rgx,) = torch.autograd.grad(rloss, x0hat, torch.tensor(s, dtype=torch.float64, device=loss.device))
+        torch.testing.assert_close(loss, rloss, atol=1e-14, rtol=1e-12)
+        torch.testing.assert_close(stats.norm, rnorm, atol=1e-14, rtol=1e-12)
+        torch.testing.assert_close(gx, rgx, atol=1e-16, rtol=1e-12)
+        torch.testing.assert_close(gx, s * rgrad / rgrad.numel(), atol=1e-16, rtol=1e-12)

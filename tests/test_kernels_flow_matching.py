@@ -1,0 +1,79 @@
+"""kernels.flow_matching_loss (per-sample, velocity or x0 space) against a float64 reference."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from test_kernels_utils import (IMPLS, LOSS_TOL, assert_close, cases, f64, grad_tol,  # noqa: E402
+                                rand_sigma, randn)
+
+
+def reference(v_pred, x0, eps, sigma, space):
+    """float64, written from the definitions: velocity target eps - x0; x0 space through x_s."""
+    dims = tuple(range(1, v_pred.dim()))
+    if space == "velocity":
+        return ((v_pred - (eps - x0)) ** 2).mean(dims)
+    s = sigma.double().view((-1,) + (1,) * (v_pred.dim() - 1))
+    x_s = (1 - s) * x0 + s * eps
+    return (((x_s - s * v_pred) - x0) ** 2).mean(dims)
+
+
+@pytest.mark.parametrize("space", ["velocity", "x0"])
+@pytest.mark.parametrize("B,shape,dtype,impl", cases())
+def test_flow_matching_loss(B, shape, dtype, impl, space):
+    v_pred = randn(B, shape, dtype, 0).requires_grad_()
+    x0, eps = randn(B, shape, dtype, 1), randn(B, shape, dtype, 2)
+    sigma = rand_sigma(B, 3)
+    loss = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space=space, impl=impl)
+    assert loss.shape == (B,) and loss.dtype == torch.float32
+    grad_out = rand_sigma(B, 4)  # per-sample weights of the loss
+    (gv,) = torch.autograd.grad(loss, v_pred, grad_out)
+
+    v64, x64, e64 = f64(v_pred, x0, eps)
+    ref = reference(v64, x64, e64, sigma, space)
+    (rv,) = torch.autograd.grad(ref, v64, grad_out.double())
+    assert_close(loss, ref, dtype, tol=LOSS_TOL, msg="loss")
+    # 2 sigma^2 d / N is tiny: in float16 an x0-space gradient over 2244 elements is subnormal
+    assert_close(gv, rv, dtype, tol=grad_tol(dtype, rv), msg="grad v_pred")
+    assert gv.dtype == dtype
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_x0_space_is_sigma_squared_velocity(B, impl):
+    v_pred, x0, eps = (randn(B, (4, 33, 17), torch.float32, i) for i in range(3))
+    sigma = rand_sigma(B, 3)
+    lv = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="velocity", impl=impl)
+    lx = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="x0", impl=impl)
+    assert_close(lx, sigma ** 2 * lv, torch.float32, tol=LOSS_TOL)
+    assert not torch.allclose(lx, lv)  # sigma < 1: the two spaces differ
+
+
+def test_targets_are_not_differentiated():
+    x = randn(2, (3, 4), torch.float32, 0)
+    with pytest.raises(kernels.KernelError, match="x0 and eps are targets"):
+        kernels.flow_matching_loss(x, x.clone().requires_grad_(), x, 0.5)
+
+
+@pytest.mark.parametrize("space", ["velocity", "x0"])
+def test_flow_matching_gradcheck_torch_path(space):
+    g = torch.Generator().manual_seed(0)
+    v, x0, eps = (torch.randn(3, 2, 5, dtype=torch.float64, generator=g) for _ in range(3))
+    v.requires_grad_()
+    sigma = torch.tensor([0.2, 0.5, 0.9])
+    fn = lambda a: kernels.flow_matching_loss(a, x0, eps, sigma, space=space, impl="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (v,))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_through_mean(impl):
+    """loss.mean().backward() hands the Function a stride-0 (expanded) grad_out."""
+    v_pred = randn(3, (4, 5), torch.float32, 0).requires_grad_()
+    x0, eps = randn(3, (4, 5), torch.float32, 1), randn(3, (4, 5), torch.float32, 2)
+    kernels.flow_matching_loss(v_pred, x0, eps, rand_sigma(3, 3), space="x0", impl=impl).mean().backward()
+    v64, x64, e64 = f64(v_pred, x0, eps)
+    reference(v64, x64, e64, rand_sigma(3, 3), "x0").mean().backward()
+    assert_close(v_pred.grad, v64.grad, torch.float32, tol=grad_tol(torch.float32, v64.grad))

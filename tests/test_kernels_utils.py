@@ -1,0 +1,202 @@
+"""Shared test settings of the kernel tests (imported by tests/test_kernels_*.py) and dispatch tests.
+
+The Triton path runs interpreted on CPU tensors (TRITON_INTERPRET=1, set below before anything
+imports the kernels) or compiled on CUDA tensors when TRITON_INTERPRET=0 and a GPU is present.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import _utils  # noqa: E402
+
+if _utils.INTERPRET:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:  # fail loudly rather than silently skipping every Triton-path test
+    raise RuntimeError("kernel tests need TRITON_INTERPRET=1 in the environment before triton is imported "
+                       "(tests/run.sh exports it) or a CUDA device; got neither")
+
+IMPLS = ["triton", "torch"]
+# dtype -> (atol, rtol) for tensors stored in that dtype (outputs and gradients).
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+# float32 results reduced from inputs of any dtype (losses, normalisers): float32 accumulation only.
+LOSS_TOL = (1e-6, 2e-5)
+DTYPES = list(TOL)
+BATCHES = [1, 3, 8]
+SHAPES = [(3, 7, 5), (4, 33, 17)]  # per-sample shapes: odd sizes, non-power-of-two tails
+LARGE = (16, 128, 128)  # 2^18 elements per sample; run for float32 only
+assert torch.Size(LARGE).numel() >= 2 ** 18
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def case_id(B, shape, dtype, impl):
+    return f"B{B}-{'x'.join(map(str, shape))}-{dtype_id(dtype)}-{impl}"
+
+
+def cases(large=True):
+    """(B, shape, dtype, impl) for the matrix above, plus the large float32 case on both paths."""
+    out = [pytest.param(B, s, d, i, id=case_id(B, s, d, i))
+           for i in IMPLS for d in DTYPES for B in BATCHES for s in SHAPES]
+    if large:
+        out += [pytest.param(1, LARGE, torch.float32, i, id=case_id(1, LARGE, torch.float32, i)) for i in IMPLS]
+    return out
+
+
+def randn(B, shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn((B,) + tuple(shape), generator=g)).to(device=DEVICE, dtype=dtype)
+
+
+def rand_sigma(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (0.02 + 0.96 * torch.rand(B, generator=g)).to(DEVICE)
+
+
+def assert_close(actual, expected, dtype, tol=None, msg=""):
+    """Compare in float64 with the tolerance of ``dtype`` (or an explicit (atol, rtol))."""
+    atol, rtol = tol or TOL[dtype]
+    torch.testing.assert_close(actual.detach().double().cpu(), expected.detach().double().cpu(),
+                               atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{msg}\n{m}")
+
+
+def grad_tol(dtype, ref):
+    """(atol, rtol) for a gradient whose entries are tiny (a mean over the sample or batch): atol
+    relative to the gradient's scale, plus the spacing of float16 subnormals (2^-24)."""
+    atol, rtol = TOL[dtype]
+    scale = ref.detach().abs().nan_to_num(posinf=0.0).max().item()
+    return atol * scale + (2.0 ** -24 if dtype == torch.float16 else 0.0), rtol
+
+
+def f64(*ts):
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+
+
+# ----------------------------------------------------------------------------------- dispatch
+
+
+def test_auto_dispatch_cpu_is_torch(monkeypatch):
+    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    assert _utils.resolve_impl(None, torch.zeros(2, 3)) == "torch"
+    # float64 never takes the Triton path by itself
+    assert _utils.resolve_impl(None, torch.zeros(2, 3, dtype=torch.float64)) == "torch"
+
+
+def test_env_forces_path(monkeypatch):
+    x = torch.zeros(2, 3, device=DEVICE)
+    monkeypatch.setenv("DMD2_KERNELS", "torch")
+    assert _utils.resolve_impl(None, x) == "torch"
+    monkeypatch.setenv("DMD2_KERNELS", "triton")
+    assert _utils.resolve_impl(None, x) == "triton"
+    assert _utils.resolve_impl("torch", x) == "torch"  # the explicit argument wins
+    monkeypatch.setenv("DMD2_KERNELS", "cuda")
+    with pytest.raises(kernels.KernelError, match="DMD2_KERNELS"):
+        _utils.resolve_impl(None, x)
+
+
+def test_env_triton_runs_kernel(monkeypatch):
+    """DMD2_KERNELS=triton routes a public op through the Triton launcher."""
+    calls = []
+    from kernels import x0_projection
+    real = x0_projection._fwd_triton
+    monkeypatch.setattr(x0_projection, "_fwd_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("DMD2_KERNELS", "triton")
+    x = torch.randn(2, 3, device=DEVICE)
+    kernels.x0_from_velocity(x, x, 0.5)
+    monkeypatch.setenv("DMD2_KERNELS", "torch")
+    kernels.x0_from_velocity(x, x, 0.5)
+    assert calls == [1]
+
+
+def test_bad_arguments():
+    x = torch.randn(2, 3, 4, device=DEVICE)
+    with pytest.raises(kernels.KernelError, match="impl"):
+        kernels.x0_from_velocity(x, x, 0.5, impl="cuda")
+    with pytest.raises(kernels.KernelError, match="float64"):
+        kernels.x0_from_velocity(x.double(), x.double(), 0.5, impl="triton")
+    with pytest.raises(kernels.KernelError, match="v has shape"):
+        kernels.x0_from_velocity(x, x[:, :2], 0.5)
+    with pytest.raises(kernels.KernelError, match="v has dtype"):
+        kernels.x0_from_velocity(x, x.half(), 0.5)
+    with pytest.raises(kernels.KernelError, match="sigma must be a number or a \\[B\\] tensor with B=2"):
+        kernels.x0_from_velocity(x, x, torch.rand(3))
+    with pytest.raises(kernels.KernelError, match="sigma must not require grad"):
+        kernels.x0_from_velocity(x, x, torch.rand(2, requires_grad=True))
+    with pytest.raises(kernels.KernelError, match="space"):
+        kernels.flow_matching_loss(x, x, x, 0.5, space="eps")
+    with pytest.raises(kernels.KernelError, match="scale must be"):
+        kernels.adaln_modulate(x, torch.zeros(2, 4), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_per_sample_scalar_layouts(impl):
+    """A float, a one-element tensor, [B] and [B, 1, 1, 1] sigma give the same result."""
+    x, v = randn(3, (2, 5, 5), torch.float32, 0), randn(3, (2, 5, 5), torch.float32, 1)
+    want = x - 0.25 * v
+    for sigma in (0.25, torch.tensor(0.25), torch.full((3,), 0.25), torch.full((3, 1, 1, 1), 0.25)):
+        assert_close(kernels.x0_from_velocity(x, v, sigma, impl=impl), want, torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_input(impl):
+    x = randn(3, (5, 7), torch.float32, 0).transpose(1, 2)
+    v = randn(3, (5, 7), torch.float32, 1).transpose(1, 2)
+    s = rand_sigma(3, 2)
+    assert_close(kernels.x0_from_velocity(x, v, s, impl=impl), x - s[:, None, None] * v, torch.float32)
+
+
+# ------------------------------------------------------------- second-stage reductions (Triton)
+
+
+@pytest.mark.parametrize("nb", [1, 37, 3000])  # 3000 > one 1024-wide block: the loop runs 3 times
+def test_row_sum(nb):
+    from kernels._reduce import row_sum
+    part = randn(3, (nb,), torch.float32, 0)
+    sigma = rand_sigma(3, 1)
+    want = part.double().sum(1) * 0.25
+    assert_close(row_sum(part, 0.25), want, torch.float32, tol=(1e-5, 1e-6))
+    assert_close(row_sum(part, 0.25, sigma), want * sigma.double() ** 2, torch.float32, tol=(1e-5, 1e-6))
+
+
+def test_dmd_finalize_many_partials():
+    from kernels.dmd import _dmd_finalize_kernel
+    part = randn(1, (2500,), torch.float32, 0).abs()
+    loss, rms = torch.empty((), device=DEVICE), torch.empty((), device=DEVICE)
+    _dmd_finalize_kernel[(1,)](part, loss, rms, 2500, 1.0 / 1e4, BLOCK=1024)
+    mean_sq = part.double().sum() / 1e4
+    assert_close(loss, 0.5 * mean_sq, torch.float32, tol=(1e-7, 1e-6))
+    assert_close(rms, mean_sq.sqrt(), torch.float32, tol=(1e-7, 1e-6))
+
+
+# ---------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with compiled Triton (TRITON_INTERPRET=0)")
+def test_cuda_auto_dispatch_matches_torch_path_at_sdxl_size(monkeypatch):
+    """On CUDA the default path is Triton; at an SDXL latent batch in bfloat16 it agrees with the
+    torch path on every op (values and gradients)."""
+    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    shape, dt = (4, 128, 128), torch.bfloat16
+    x = randn(8, shape, dt, 0)
+    assert _utils.resolve_impl(None, x) == "triton"
+    a, b, c = randn(8, shape, dt, 1), randn(8, shape, dt, 2), randn(8, shape, dt, 3)
+    sigma = rand_sigma(8, 4)
+    with torch.no_grad():
+        assert_close(kernels.cfg_x0(x, a, b, sigma, 4.5), kernels.cfg_x0(x, a, b, sigma, 4.5, impl="torch"), dt)
+    outs = {}
+    for impl in ("triton", "torch"):
+        v = a.clone().requires_grad_()
+        fm = kernels.flow_matching_loss(v, b, c, sigma, space="x0", impl=impl)
+        loss, stats = kernels.dmd_loss(v, b, c, impl=impl)
+        y = kernels.x0_from_velocity(x, v, sigma, impl=impl)
+        total = fm.sum() + loss + y.float().square().mean()
+        outs[impl] = (fm, loss, stats.norm, stats.grad_rms, *torch.autograd.grad(total, v))
+    for got, want in zip(outs["triton"], outs["torch"]):
+        assert_close(got, want, dt, tol=(1e-2 * want.abs().max().item() + 1e-6, 1e-2))
