@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from dmd2_mega.config import FlowPretrainConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from dmd2_mega.config import (DistillConfig, DMD2Config, FlowPretrainConfig, ModelConfig, OptimConfig,
+                              ParallelConfig, TrainConfig)
 from dmd2_mega.models.registry import MODEL_SIZES
 
 
@@ -100,3 +101,51 @@ def parse_flow_args(argv: Optional[Sequence[str]] = None) -> FlowPretrainConfig:
     return FlowPretrainConfig(model=model_config(a),
                               parallel=ParallelConfig(a.tensor_model_parallel_size, a.distributed_backend),
                               optim=optim_config(a), train=train_config(a))
+
+
+def add_dmd2_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dmd2")
+    g.add_argument("--teacher-load", default=None, help="trained teacher checkpoint (required)")
+    g.add_argument("--student-load", default=None, help="student init (default: --teacher-load)")
+    g.add_argument("--critic-load", default=None, help="critic init (default: --teacher-load)")
+    g.add_argument("--dmd2-denoising-steps", type=int, default=4)
+    g.add_argument("--dmd2-student-sigmas", type=float, nargs="+", default=None,
+                   help="explicit unshifted student grid, e.g. 1.0 0.75 0.5 0.25")
+    g.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5)
+    g.add_argument("--dmd2-score-sigma-range", type=float, nargs=2, default=(0.02, 0.98), metavar=("MIN", "MAX"))
+    g.add_argument("--dmd2-critic-scoring", default="shared", help="shared | original")
+    g.add_argument("--dmd2-critic-loss-space", default="velocity", help="velocity | x0")
+    g.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0)
+    g.add_argument("--dmd2-critic-grid-size", type=int, default=1000)
+    g.add_argument("--critic-lr", type=float, default=None)
+    g.add_argument("--critic-min-lr", type=float, default=None)
+    g.add_argument("--critic-weight-decay", type=float, default=None)
+    g.add_argument("--critic-adam-beta1", type=float, default=None)
+    g.add_argument("--critic-adam-beta2", type=float, default=None)
+    g.add_argument("--offload-inactive", dest="offload_inactive", action="store_true", default=None,
+                   help="sleep the roles a phase does not use (default on with CUDA)")
+    g.add_argument("--no-offload-inactive", dest="offload_inactive", action="store_false")
+
+
+def dmd2_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="DMD2 distillation of a flow-matching DiT (Megatron-style flags).")
+    add_model_args(p)
+    add_parallel_args(p)
+    add_optim_args(p)
+    add_train_args(p)
+    add_dmd2_args(p)
+    return p
+
+
+def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
+    a = dmd2_parser().parse_args(argv)
+    d = DMD2Config(teacher_load=a.teacher_load, student_load=a.student_load, critic_load=a.critic_load,
+                   denoising_steps=a.dmd2_denoising_steps, student_sigmas=a.dmd2_student_sigmas,
+                   critic_steps_per_rollout=a.dmd2_critic_steps_per_rollout,
+                   score_sigma_range=tuple(a.dmd2_score_sigma_range), critic_scoring=a.dmd2_critic_scoring,
+                   critic_loss_space=a.dmd2_critic_loss_space, teacher_guidance_scale=a.dmd2_teacher_guidance_scale,
+                   critic_grid_size=a.dmd2_critic_grid_size, critic_lr=a.critic_lr, critic_min_lr=a.critic_min_lr,
+                   critic_weight_decay=a.critic_weight_decay, critic_adam_beta1=a.critic_adam_beta1,
+                   critic_adam_beta2=a.critic_adam_beta2, offload_inactive=a.offload_inactive)
+    return DistillConfig(model=model_config(a), parallel=ParallelConfig(a.tensor_model_parallel_size, a.distributed_backend),
+                         optim=optim_config(a), train=train_config(a), dmd2=d)

@@ -170,3 +170,84 @@ class FlowPretrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class DMD2Config:
+    """DMD2 distillation (DESIGN section 2). Roles: student (train), critic (train), teacher (frozen)."""
+
+    teacher_load: Optional[str] = None
+    """--teacher-load: teacher checkpoint directory (Megatron layout); required."""
+    student_load: Optional[str] = None
+    """--student-load: student init (default: the teacher)."""
+    critic_load: Optional[str] = None
+    """--critic-load: critic init (default: the teacher)."""
+    denoising_steps: int = 4
+    """--dmd2-denoising-steps N: the student's step count (grid (N - i) / N, shifted)."""
+    student_sigmas: Optional[list] = None
+    """--dmd2-student-sigmas: explicit UNSHIFTED student grid, e.g. 1.0 0.75 0.5 0.25."""
+    critic_steps_per_rollout: int = 5
+    """--dmd2-critic-steps-per-rollout K (tianweiy/DMD2 dfake_gen_update_ratio)."""
+    score_sigma_range: tuple = (0.02, 0.98)
+    """--dmd2-score-sigma-range MIN MAX: UNSHIFTED sigma range of the scored (last) critic step."""
+    critic_scoring: str = "shared"
+    """--dmd2-critic-scoring shared|original (see DESIGN section 2)."""
+    critic_loss_space: str = "velocity"
+    """--dmd2-critic-loss-space velocity|x0."""
+    teacher_guidance_scale: float = 1.0
+    """--dmd2-teacher-guidance-scale g >= 1: CFG of the teacher's score (1 = positive only)."""
+    critic_grid_size: int = 1000
+    """--dmd2-critic-grid-size: points of the critic's sigma grid (unshifted (G - i) / G)."""
+    critic_lr: Optional[float] = None
+    """--critic-lr (default --lr)."""
+    critic_min_lr: Optional[float] = None
+    critic_weight_decay: Optional[float] = None
+    """--critic-weight-decay (default --weight-decay)."""
+    critic_adam_beta1: Optional[float] = None
+    critic_adam_beta2: Optional[float] = None
+    offload_inactive: Optional[bool] = None
+    """--offload-inactive / --no-offload-inactive: sleep the roles a phase does not use (default on with CUDA)."""
+
+    def __post_init__(self):
+        _check(self.denoising_steps >= 1, f"--dmd2-denoising-steps must be >= 1, got {self.denoising_steps}")
+        _check(self.critic_steps_per_rollout >= 1,
+               f"--dmd2-critic-steps-per-rollout must be >= 1, got {self.critic_steps_per_rollout}")
+        lo, hi = self.score_sigma_range
+        _check(0.0 <= lo < hi <= 1.0, f"--dmd2-score-sigma-range needs 0 <= MIN < MAX <= 1, got {lo} {hi}")
+        _check(self.critic_scoring in ("shared", "original"),
+               f"--dmd2-critic-scoring must be shared or original, got {self.critic_scoring!r}")
+        _check(self.critic_loss_space in ("velocity", "x0"),
+               f"--dmd2-critic-loss-space must be velocity or x0, got {self.critic_loss_space!r}")
+        _check(self.teacher_guidance_scale >= 1.0,
+               f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
+        _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
+        g = self.critic_grid_size
+        _check(any(lo <= (g - i) / g <= hi for i in range(g)),
+               f"--dmd2-score-sigma-range {lo} {hi} holds no point of the {g}-point critic grid")
+
+
+@dataclass
+class DistillConfig:
+    """Everything `launch/pretrain_dmd2.py` needs; `optim` is the student's (and the critic's defaults)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dmd2: DMD2Config = field(default_factory=DMD2Config)
+
+    def __post_init__(self):
+        _check(self.dmd2.teacher_load is not None, "--teacher-load is required (the trained teacher's checkpoint)")
+
+    def critic_optim(self) -> OptimConfig:
+        d, o = self.dmd2, self.optim
+        pick = lambda v, default: default if v is None else v  # noqa: E731
+        return OptimConfig(lr=pick(d.critic_lr, o.lr), min_lr=pick(d.critic_min_lr, min(o.min_lr, pick(d.critic_lr, o.lr))),
+                           lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style,
+                           lr_decay_iters=o.lr_decay_iters, weight_decay=pick(d.critic_weight_decay, o.weight_decay),
+                           adam_beta1=pick(d.critic_adam_beta1, o.adam_beta1),
+                           adam_beta2=pick(d.critic_adam_beta2, o.adam_beta2), adam_eps=o.adam_eps,
+                           clip_grad=o.clip_grad, optimizer_impl=o.optimizer_impl, bf16=o.bf16)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

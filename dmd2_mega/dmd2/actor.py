@@ -1,0 +1,42 @@
+"""Actor phase: one student optimizer step with the DMD generator loss on the scored samples.
+
+For each scored micro-batch j (gradient accumulation over j, DP all-reduce on the last):
+    x0hat = x_i - sigma_i * v_student(x_i, sigma_i, cond)                 WITH grad
+    norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
+    loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
+(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics). Then TP/DP-aware clip and step.
+Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import kernels
+from dmd2_mega.dmd2.critic import Scores
+
+
+def actor_phase(student, scores: list[Scores]) -> dict:
+    """One optimizer step of `student` (a role) on `scores`; returns device-tensor metrics."""
+    dev = scores[0].x.device
+    total = torch.zeros((), device=dev)
+    norm_mean = torch.zeros((), device=dev)
+    gap = torch.zeros((), device=dev)
+    rms = torch.zeros((), device=dev)
+    m = len(scores)
+    for j, sc in enumerate(scores):
+        sync = student.ddp is None or j == m - 1
+        with contextlib.nullcontext() if sync else student.ddp.no_sync():
+            v = student.net(sc.x, sc.sigma, sc.cond)
+            x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
+            loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
+            (loss / m).backward()
+        total = total + loss.detach() / m
+        norm_mean = norm_mean + stats.norm.float().mean() / m
+        gap = gap + (sc.x0_fake - sc.x0_real).abs().float().mean() / m
+        rms = rms + stats.grad_rms.float() / m
+    grad_norm = student.optimizer.step()
+    student.optimizer.zero_grad()
+    return {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
+            "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}

@@ -1,0 +1,117 @@
+"""Critic phase: K flow-matching steps of the critic on the rollout, then the teacher's score.
+
+Critic grid: G points of unshifted sigma s_g = (G - g) / G, shifted: sigma_g = shift_k(s_g).
+Step k (k = 0..K-1) trains on micro-batch k of every rollout (rows [kB, (k+1)B)), for each
+micro-batch j of this rank (gradient accumulation over j, then one optimizer step):
+    sigma ~ U{grid}            (last step: U{grid points with MIN <= s_g <= MAX}, the score range)
+    eps ~ N(0, I) fresh;   x_s = (1 - sigma) x0hat + sigma eps          x0hat detached, positive cond
+    loss = mean_n flow_matching_loss(v_critic(x_s, sigma, cond), x0hat, eps, sigma, space)
+Scoring, `shared` (default): the last step's forward also yields, detached, x_s, sigma and
+    x0_fake = x_s - sigma * v_critic (the critic after K-1 steps, before the step on these samples).
+`original` (tianweiy/DMD2's order): before the last step, a separate draw (sigma in the score range,
+    fresh eps) and a no-grad critic forward give x_s, sigma, x0_fake; the last step then trains on
+    the full grid like the others.
+After the K steps the frozen teacher scores x_s with CFG g over the null condition, both
+conditions in one batched forward (g = 1: the positive one only):
+    x0_real = x_s - sigma * (v_neg + g (v_pos - v_neg))                  kernels.cfg_x0
+Random draws of micro-batch j come, in order, from one generator keyed (seed, cycle, j, CRITIC).
+Shapes: x_s, x0_fake, x0_real [B, C, H, W]; sigma [B] fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import kernels
+from dmd2_mega import flow
+from dmd2_mega.dmd2.rollout import Rollout
+
+
+@dataclass
+class Scores:
+    """What the actor needs for micro-batch j, keyed by sample id (plain data, no shared state)."""
+
+    sample_id: Tensor   # [B] int64
+    x: Tensor           # [B, C, H, W] student input at the stop step
+    sigma: Tensor       # [B] fp32     student sigma at the stop step
+    cond: Tensor        # [B, ...]
+    x0_fake: Tensor     # [B, C, H, W] critic x0 at (x_s, sigma_s), detached
+    x0_real: Tensor     # [B, C, H, W] teacher CFG x0 at (x_s, sigma_s)
+
+
+def critic_grid(size: int, shift: float, score_range: tuple) -> tuple[Tensor, Tensor]:
+    """(sigmas [G] fp32 shifted, in_range [G] bool on the UNSHIFTED value) of the critic grid."""
+    s = torch.arange(size, 0, -1, dtype=torch.float64) / size
+    lo, hi = score_range
+    return flow.shift_sigma(s, shift).float(), (s >= lo) & (s <= hi)
+
+
+def draw_sigma(gen: torch.Generator, n: int, choices: Tensor) -> Tensor:
+    """n sigmas drawn uniformly from the 1-D tensor `choices` (on the generator's device)."""
+    idx = torch.randint(0, choices.numel(), (n,), generator=gen, device=gen.device)
+    return choices.to(gen.device)[idx]
+
+
+def _noised(x0: Tensor, gen: torch.Generator, choices: Tensor):
+    sigma = draw_sigma(gen, x0.shape[0], choices).to(x0.device)
+    eps = torch.randn(x0.shape, generator=gen, device=gen.device, dtype=x0.dtype).to(x0.device)
+    return flow.add_noise(x0, eps, sigma), sigma, eps
+
+
+def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Generator], *, steps: int,
+                 micro: int, grid: Tensor, in_range: Tensor, scoring: str, loss_space: str,
+                 guidance: float, null_cond) -> tuple[list[Scores], dict]:
+    """K critic optimizer steps and the teacher's scores; returns (scores per micro j, metrics).
+
+    critic/teacher: roles (`.net` forward, critic `.optimizer`, `.ddp`); rollouts[j] has K*B rows;
+    gens[j] the critic generator of micro-batch j; null_cond(n, device) the negative condition.
+    Metrics are device tensors (no host sync).
+    """
+    full, score_choices = grid, grid[in_range]
+    kept: list = [None] * len(rollouts)
+    losses = []
+    for k in range(steps):
+        last = k == steps - 1
+        if last and scoring == "original":
+            with torch.no_grad():
+                for j, r in enumerate(rollouts):
+                    b = r.micro_batch(k, micro)
+                    x_s, sigma, _ = _noised(b.x0hat, gens[j], score_choices)
+                    v = critic.model(x_s, sigma, b.cond)
+                    kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
+        choices = score_choices if last and scoring == "shared" else full
+        total = torch.zeros((), device=grid.device)
+        for j, r in enumerate(rollouts):
+            b = r.micro_batch(k, micro)
+            x_s, sigma, eps = _noised(b.x0hat, gens[j], choices)
+            sync = critic.ddp is None or j == len(rollouts) - 1
+            with contextlib.nullcontext() if sync else critic.ddp.no_sync():
+                v = critic.net(x_s, sigma, b.cond)
+                loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=loss_space).mean()
+                (loss / len(rollouts)).backward()
+            total = total + loss.detach() / len(rollouts)
+            if last and scoring == "shared":
+                with torch.no_grad():
+                    kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v.detach(), sigma))
+        norm = critic.optimizer.step()
+        critic.optimizer.zero_grad()
+        losses.append(total)
+    scores = [_teacher_score(teacher, *kj, guidance=guidance, null_cond=null_cond) for kj in kept]
+    metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(grid.device)}
+    return scores, metrics
+
+
+@torch.no_grad()
+def _teacher_score(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Tensor, *, guidance: float,
+                   null_cond) -> Scores:
+    n = x_s.shape[0]
+    if guidance == 1.0:
+        x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond), sigma)
+    else:
+        neg = null_cond(n, x_s.device)
+        v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg]))
+        x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
+    return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=x0_fake, x0_real=x0_real)

@@ -1,0 +1,68 @@
+"""Roles as objects, and the one table of which role each phase needs.
+
+student (trained by the actor phase, runs the rollout), critic (trained by the critic phase,
+the "fake score"), teacher (frozen, the "real score"). Each role owns its model, optimizer, LR
+schedule, DDP wrapper, checkpoint directory and, with --offload-inactive, a `Sleeper` that frees
+its device storage while a phase does not need it (DESIGN section 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dmd2_mega.offload import Sleeper
+from dmd2_mega.optim import LRSchedule, Optimizer
+
+# phase -> roles whose weights (and, if trained, grads + optimizer state) must be resident
+PHASE_ROLES: dict[str, tuple[str, ...]] = {
+    "rollout": ("student",),
+    "critic": ("critic", "teacher"),
+    "actor": ("student",),
+}
+TRAINED_IN: dict[str, str] = {"critic": "critic", "actor": "student"}
+
+
+@dataclass
+class Role:
+    name: str
+    model: torch.nn.Module
+    optimizer: Optional[Optimizer] = None
+    schedule: Optional[LRSchedule] = None
+    ddp: Optional[torch.nn.Module] = None
+    save_dir: Optional[str] = None
+    sleeper: Optional[Sleeper] = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def net(self) -> torch.nn.Module:
+        """The module to call for a training forward (DDP-wrapped under DP)."""
+        return self.ddp if self.ddp is not None else self.model
+
+    def resident_bytes(self) -> int:
+        if self.sleeper is not None:
+            return self.sleeper.resident_bytes()
+        from dmd2_mega.offload import resident_bytes
+        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()
+                                                          if p.grad is not None]
+        if self.optimizer is not None:
+            from dmd2_mega.offload import _optimizer_tensors
+            tensors += _optimizer_tensors(self.optimizer)
+        return resident_bytes(tensors)
+
+
+def enter_phase(phase: str, roles: dict[str, Role]) -> int:
+    """Sleep the roles `phase` does not need, then wake the ones it does (sleeping first keeps the
+    peak at the larger phase, not the sum); returns the resident bytes of all roles."""
+    needed = PHASE_ROLES[phase]
+    for name, role in roles.items():
+        if role.sleeper is not None and name not in needed:
+            role.sleeper.sleep()
+    for name, role in roles.items():
+        if role.sleeper is not None and name in needed:
+            role.sleeper.wake()
+    return sum(r.resident_bytes() for r in roles.values())
