@@ -183,3 +183,15 @@ def test_grid_rgb_other_channels_and_unlabelled(tmp_path):
     assert np.asarray(im)[0:4, 0:4].max() == np.round((two[2, 0, 0, 0].item() + 1) * 127.5)
     with pytest.raises(EvalInputError, match="labels must lie"):
         save_grid(two, torch.tensor([0, 1, 2, 10]), tmp_path / "bad.png", num_classes=10)
+
+
+def test_diversity_is_one_on_real_and_zero_under_collapse():
+    from dmd2_mega.eval.classifier import load_split
+    from dmd2_mega.eval.digits import pixel_diversity
+    x, y = load_split("heldout")
+    assert pixel_diversity(x, y) > 0.1
+    collapsed = torch.stack([x[(y == int(c)).nonzero()[0, 0]] for c in y])  # one image per class
+    assert pixel_diversity(collapsed, y) == 0.0
+    # closed form on a toy: class 0 pixels {0, 2} -> std sqrt(2); class 1 constant -> 0
+    toy = torch.tensor([[0.0], [2.0], [5.0], [5.0]]).view(4, 1, 1, 1)
+    assert abs(pixel_diversity(toy, torch.tensor([0, 0, 1, 1])) - 2 ** 0.5 / 2) < 1e-12

@@ -6,6 +6,9 @@ With phi the penultimate features [N, 64] of the cached `DigitsClassifier`:
                        replacement by a fixed seed: what real data of the same size scores
     fd_ratio         = frechet_distance / frechet_floor   (~1 for real-quality samples)
     class_accuracy   = mean(argmax classifier(samples) == conditioning label)  (None if no labels)
+    diversity        = D(samples) / D(held-out), D = mean over classes c of the mean over pixels of
+                       the std over the samples of class c (one class if no labels): ~1 for real
+                       diversity, -> 0 under mode collapse
 FD has a positive finite-sample bias that shrinks with N, hence the floor at the same N.
 
 CLI: `python -m dmd2_mega.eval.digits samples.npz` with keys `images` float [N, 1, 8, 8] in
@@ -69,6 +72,15 @@ def _check_labels(labels, n: int) -> torch.Tensor:
     return y
 
 
+def pixel_diversity(x: torch.Tensor, y: torch.Tensor | None) -> float:
+    """Mean over classes of the mean per-pixel std within the class (x [N, ...], y [N] or None)."""
+    flat = x.reshape(len(x), -1).double()
+    if y is None:
+        return float(flat.std(dim=0).mean())
+    stds = [flat[y == c].std(dim=0).mean() for c in torch.unique(y).tolist() if int((y == c).sum()) > 1]
+    return float(torch.stack(stds).mean()) if stds else 0.0
+
+
 def evaluate_digits(images, labels=None, cache: str | None = None) -> dict:
     """Metrics of samples images [N, 1, 8, 8] in [-1, 1] with conditioning labels int64 [N] or None."""
     x = _check_images(images)
@@ -80,11 +92,14 @@ def evaluate_digits(images, labels=None, cache: str | None = None) -> dict:
     gen = torch.Generator().manual_seed(FLOOR_SEED)
     real = train_x[torch.randperm(len(train_x), generator=gen)[:n_real]]
     floor = frechet_distance(clf.features(real), held_feats)
+    held_x, held_y = load_split("heldout")
+    real_div = pixel_diversity(held_x, None if y is None else held_y)
     return {
         "frechet_distance": fd,
         "frechet_floor": floor,
         "fd_ratio": fd / floor if floor > 0 else float("inf"),
         "class_accuracy": None if y is None else clf.accuracy(x, y),
+        "diversity": pixel_diversity(x, y) / real_div,
         "num_samples": int(len(x)),
         "classifier_heldout_accuracy": held_acc,
     }
