@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sample a trained flow-matching DiT (teacher) checkpoint with the Euler sampler and CFG.
+"""Sample a checkpoint: a teacher with the Euler sampler and CFG, a DMD2 student with its few-step sampler.
 
     python launch/sample.py --load runs/teacher --num-samples 500 --steps 50 --guidance 1.5 \
         --out runs/samples            # -> runs/samples/samples.npz + runs/samples/grid.png
@@ -7,7 +7,9 @@
 
 samples.npz: `images` float32 [N, C, H, W] in [-1, 1], `labels` int64 [N] (class-balanced,
 0..K-1 repeated; for embedding-conditioned models the first N conditions of --data).
-The checkpoint may have been saved at any TP degree; weights are resharded on load.
+The checkpoint may have been saved at any TP degree; weights are resharded on load. A DMD2 student
+(`launch/pretrain_dmd2.py --save`) samples on the grid saved in its checkpoint unless --steps N is
+given (then the N-point grid, shifted); --guidance applies to teachers only.
 """
 import argparse
 import os
@@ -21,7 +23,8 @@ import torch  # noqa: E402
 from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
-from dmd2_mega.sampling import generate  # noqa: E402
+from dmd2_mega.dmd2.rollout import student_sigmas  # noqa: E402
+from dmd2_mega.sampling import generate, generate_student  # noqa: E402
 from dmd2_mega.training import build_model, cast_model  # noqa: E402
 
 
@@ -30,7 +33,8 @@ def parse(argv=None):
     p.add_argument("--load", required=True, help="checkpoint directory (Megatron layout)")
     p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
     p.add_argument("--num-samples", type=int, default=100)
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=None,
+                   help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
     p.add_argument("--guidance", type=float, default=1.25)
     p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
     p.add_argument("--seed", type=int, default=0)
@@ -39,7 +43,7 @@ def parse(argv=None):
     p.add_argument("--data", default=None, help="condition source for embedding-conditioned models")
     p.add_argument("--bf16", action="store_true")
     a = p.parse_args(argv)
-    if a.num_samples < 1 or a.steps < 1:
+    if a.num_samples < 1 or (a.steps is not None and a.steps < 1):
         raise ConfigError(f"--num-samples and --steps must be >= 1, got {a.num_samples}, {a.steps}")
     if a.guidance < 1:
         raise ConfigError(f"--guidance must be >= 1, got {a.guidance}")
@@ -65,8 +69,16 @@ def main(argv=None) -> int:
             from dmd2_mega.sampling import eval_conditions
             cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
         shape = (info["in_channels"], info["image_size"], info["image_size"])
-        images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift, seed=a.seed,
-                          device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+        dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+        if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
+            sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None
+                      else student_sigmas(a.steps, None, shift))
+            images = generate_student(model, cond, sigmas, shape=shape, seed=a.seed, **dp)
+            a.steps, a.guidance = len(sigmas), 1.0
+        else:
+            a.steps = a.steps or 50
+            images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
+                              seed=a.seed, **dp)
         if ps.is_main:
             from dmd2_mega.eval.grid import save_grid
             os.makedirs(a.out, exist_ok=True)
