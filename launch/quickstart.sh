@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End to end on the embedded digits data, on a fresh machine: install into .venv, train the digits
-# teacher (flow matching), sample it at 50 / 4 / 1 Euler steps and print the quality metric.
-# Re-running resumes from the last checkpoint. Env: RUN_DIR (default runs/quickstart),
-# NPROC (torchrun ranks, default 1), TEACHER_ITERS, GUIDANCE.
+# teacher (flow matching; reused if already trained), distill a 4-step and a 1-step student with
+# DMD2, sample everything and print one quality table. Re-running resumes from the checkpoints.
+# Env: RUN_DIR (default runs/quickstart), NPROC (torchrun ranks, default 1), TEACHER_ITERS,
+# DMD2_ITERS_4STEP, DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
@@ -11,6 +12,8 @@ export TORCH_COMPILE_DISABLE=1
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
 NPROC="${NPROC:-1}"
 TEACHER_ITERS="${TEACHER_ITERS:-2000}"
+DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-300}"
+DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-300}"
 GUIDANCE="${GUIDANCE:-1.25}"
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
@@ -20,23 +23,46 @@ else
     LAUNCH=(python)
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 fi
+SECONDS=0
 
-echo "== 1/3 teacher: flow-matching DiT (--model-size digits) on the digits data"
+echo "== 1/4 teacher: flow-matching DiT (--model-size digits) on the digits data"
 "${LAUNCH[@]}" launch/pretrain_flow.py --model-size digits --data digits \
     --micro-batch-size $((128 / NPROC)) --global-batch-size 128 --train-iters "$TEACHER_ITERS" \
     --lr 1e-3 --min-lr 1e-5 --lr-warmup-iters 100 --clip-grad 1.0 --cond-dropout 0.1 \
     --save "$RUN_DIR/teacher" --load "$RUN_DIR/teacher" --save-interval 500 --log-interval 100 \
-    --tensorboard-dir "$RUN_DIR/tensorboard"
+    --tensorboard-dir "$RUN_DIR/tensorboard/teacher"
+echo "   teacher ready after ${SECONDS}s"
 
-echo "== 2/3 samples of the teacher (guidance $GUIDANCE)"
+for steps in 4 1; do
+    iters_var="DMD2_ITERS_${steps}STEP"
+    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
+    start=$SECONDS
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
+        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
+        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
+        --lr 1e-4 --lr-decay-style constant --clip-grad 1.0 \
+        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 100 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step"
+    echo "   ${steps}-step student distilled in $((SECONDS - start))s"
+done
+
+echo "== 3/4 samples (500 each, class-balanced)"
 for steps in 50 4 1; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples 500 --steps "$steps" \
-        --guidance "$GUIDANCE" --out "$RUN_DIR/teacher_samples_${steps}step"
+        --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
+done
+for steps in 4 1; do
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples 500 \
+        --out "$RUN_DIR/samples/student_${steps}step"
 done
 
-echo "== 3/3 quality metric (Frechet distance of classifier features vs held-out digits; accuracy)"
-for steps in 50 4 1; do
-    echo "-- teacher, $steps Euler steps:"
-    python -m dmd2_mega.eval.digits "$RUN_DIR/teacher_samples_${steps}step/samples.npz" | tee "$RUN_DIR/metric_teacher_${steps}step.json"
-done
-echo "grids: $RUN_DIR/teacher_samples_*step/grid.png"
+echo "== 4/4 quality: Frechet distance of classifier features vs held-out digits, accuracy, diversity"
+S="$RUN_DIR/samples"
+python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" \
+    "teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz" \
+    "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz" \
+    "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz" \
+    "DMD2 student, 4 steps=$S/student_4step/samples.npz" \
+    "DMD2 student, 1 step=$S/student_1step/samples.npz" | tee "$RUN_DIR/metrics.md"
+echo "grids: $S/*/grid.png; metrics: $RUN_DIR/metrics.json; total ${SECONDS}s"
