@@ -221,6 +221,9 @@ class DMD2Config:
         _check(self.teacher_guidance_scale >= 1.0,
                f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
+        if self.student_sigmas is not None:  # validated here, before any setup work
+            from dmd2_mega.dmd2.rollout import student_sigmas  # lazy: rollout imports ConfigError
+            student_sigmas(len(self.student_sigmas), self.student_sigmas)
         g = self.critic_grid_size
         _check(any(lo <= (g - i) / g <= hi for i in range(g)),
                f"--dmd2-score-sigma-range {lo} {hi} holds no point of the {g}-point critic grid")

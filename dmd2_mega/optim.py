@@ -61,7 +61,7 @@ class Optimizer:
         self.cfg, self.tp_group = cfg, tp_group
         groups = param_groups(model, cfg.weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
-        self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
+        self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model_params)
         if self.mixed:
             for g in groups:
                 g["params"] = [self._master(p) for p in g["params"]]

@@ -130,3 +130,20 @@ def world_of_one(tp: int = 1, seed: int = 1234):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ---- DMD2 (launch/pretrain_dmd2.py) ------------------------------------------------------------
+
+PRETRAIN_DMD2 = os.path.join(REPO, "launch", "pretrain_dmd2.py")
+# Per-cycle keys of the DMD2 --loss-trace (one JSON line per cycle, besides "iteration").
+DMD2_TRACE_KEYS = ("critic-loss", "critic-grad_norm", "actor-dmd-loss", "actor-grad_norm", "dmd-normaliser",
+                   "dmd-fake-real-gap", "dmd-grad-rms")
+
+
+def train_debug_teacher(save: str, iters: int = 10, seed: int = 5, timeout: float = 120) -> str:
+    """A deterministic debug-size flow-matching teacher in `save` (Megatron layout), for DMD2 tests:
+    `iters` AdamW steps at lr 3e-3 from the seeded init (enough to move every weight off its init)."""
+    python(PRETRAIN, ["--model-size", "debug", "--train-iters", str(iters), "--micro-batch-size", "8",
+                      "--lr", "3e-3", "--seed", str(seed), "--log-interval", str(iters), "--save", save],
+           timeout=timeout).check("teacher pretraining for the DMD2 tests")
+    return save
