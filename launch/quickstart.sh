@@ -41,7 +41,7 @@ for steps in 4 1; do
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
-        --lr 1e-4 --lr-decay-style constant --clip-grad 1.0 \
+        --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 \
         --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 100 \
         --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step"
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
