@@ -51,7 +51,7 @@ class TrainLogger:
         sys.stdout.flush()
         if self.writer:
             for k, v in metrics.items():
-                self.writer.add_scalar(k.replace(" ", "-"), v, iteration)
+                self.writer.add_scalar("train/" + k.replace(" ", "-"), v, iteration)
         if self.trace:
             for rec in per_iter:
                 self.trace.write(json.dumps(rec) + "\n")
