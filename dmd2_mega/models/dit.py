@@ -98,18 +98,25 @@ class DiT(nn.Module):
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return torch.zeros((n, *self.cond_shape), device=device)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
+                features_at: Optional[int] = None):
+        """v [B, C, H, W]; with `features_at=l` also the token-mean of block l's output [B, hidden]
+        (the DMD2 GAN head's input), as (v, features)."""
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
         x = x.to(self.x_embed.weight.dtype)  # bf16 models take fp32 inputs
         tokens = x.reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, ch * p * p)
         h = self.x_embed(tokens) + self.pos.to(tokens.dtype)
         c = self.t_embed(sigma) + self.y_embed(cond)
-        for blk in self.blocks:
+        feats = None
+        for i, blk in enumerate(self.blocks):
             h = recompute(blk, h, c) if self.cfg.recompute_granularity == "full" and self.training else blk(h, c)
+            if i == features_at:
+                feats = h.mean(dim=1)
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
-        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
+        v = out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
+        return v if features_at is None else (v, feats)
 
 
 def tp_partition_dim(param: torch.Tensor) -> Optional[int]:

@@ -1,0 +1,61 @@
+"""Exponential moving average of the student's weights (FastVideo 0.98, Self-Forcing 0.99).
+
+    it <  start:  ema <- theta                       (track the weights until the EMA starts)
+    it >= start:  ema <- decay * ema + (1 - decay) * theta
+kept in fp32 beside the student (one tensor per parameter, same TP shard, same device), updated
+after each actor step, saved in the student's checkpoint under "ema" and restored exactly. It sleeps
+with the student (its tensors join the student's Sleeper). `swapped_in(model)` temporarily loads the
+EMA weights into the model for sampling and evaluation.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class StudentEMA:
+    def __init__(self, model: torch.nn.Module, decay: float, start_iter: int = 0):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"--ema-decay must be in (0, 1) when EMA is on, got {decay}")
+        if start_iter < 0:
+            raise ValueError(f"--ema-start-iter must be >= 0, got {start_iter}")
+        self.decay, self.start_iter = decay, start_iter
+        self.params = [p for p in model.parameters()]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, iteration: int) -> None:
+        """Call after the optimizer step that produced `iteration` (1-based cycle count)."""
+        current = [p.detach().float() for p in self.params]
+        if iteration < self.start_iter:
+            torch._foreach_copy_(self.shadow, current)
+        else:
+            torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.shadow)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "start_iter": self.start_iter, "shadow": [t.clone() for t in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError(f"EMA state has {len(state['shadow'])} tensors, the student {len(self.shadow)}")
+        with torch.no_grad():
+            for t, s in zip(self.shadow, state["shadow"]):
+                t.copy_(s)
+
+    @contextlib.contextmanager
+    def swapped_in(self, model: torch.nn.Module):
+        """Run with the EMA weights in `model` (whose parameters are self.params); restores after."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
