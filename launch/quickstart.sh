@@ -3,7 +3,10 @@
 # teacher (flow matching; reused if already trained), distill a 4-step and a 1-step student with
 # DMD2, sample everything and print one quality table. Re-running resumes from the checkpoints.
 # Env: RUN_DIR (default runs/quickstart), NPROC (torchrun ranks, default 1), TEACHER_ITERS,
-# DMD2_ITERS_4STEP, DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score).
+# DMD2_ITERS_4STEP, DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling), DMD2_GUIDANCE_4STEP,
+# DMD2_GUIDANCE_1STEP (teacher CFG of DMD2's real score; 1.375 lifted the 4-step student's class
+# accuracy from 97.0% to 98.0% at 1.25's cost in Frechet distance, 2.08 -> 2.48, both below the
+# 4-step teacher's 2.95).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
@@ -15,6 +18,8 @@ TEACHER_ITERS="${TEACHER_ITERS:-2000}"
 DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-300}"
 DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-300}"
 GUIDANCE="${GUIDANCE:-1.25}"
+DMD2_GUIDANCE_4STEP="${DMD2_GUIDANCE_4STEP:-1.375}"
+DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-1.25}"
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
     LAUNCH=(torchrun --standalone --nproc-per-node "$NPROC")
@@ -35,11 +40,12 @@ echo "   teacher ready after ${SECONDS}s"
 
 for steps in 4 1; do
     iters_var="DMD2_ITERS_${steps}STEP"
+    guidance_var="DMD2_GUIDANCE_${steps}STEP"
     echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
     start=$SECONDS
     "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
-        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "${!guidance_var}" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
         --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 \
         --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 100 \
