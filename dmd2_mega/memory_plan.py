@@ -1,0 +1,253 @@
+"""Per-rank memory and FLOP maths of the DiT and of one DMD2 cycle (behind `launch/plan_memory.py`).
+
+Notation: hidden h, layers L, heads a, patch p, channels C, image side H, tokens S = (H / p)^2,
+MLP width m = int(h * mlp_ratio), timestep feature width f, TP degree t, micro-batch B, K critic
+steps, N student steps. Weight bytes w = 2 under --bf16 else 4; activation bytes = w.
+
+Parameters (exact; megatron-core splits the output dim of ColumnParallelLinear and the input dim
+of RowParallelLinear, RowParallelLinear's bias stays whole):
+    sharded (divided by t):  per block adaLN 6h(h+1), qkv 3h(h+1), proj h^2, fc1 m(h+1), fc2 mh;
+                             final adaLN 2h(h+1)
+    replicated:              x_embed (Cp^2+1)h, t_embed (f+1)h + (h+1)h, labels (classes+1)h or
+                             text (D+1)h + (h+1)h, per block the proj and fc2 biases 2h,
+                             final (h+1)p^2C
+    buffer:                  pos [S, h] (model dtype)
+Role bytes per rank (P = parameters per rank, n = parameter tensors, AdamW):
+    weights P w + S h w;  grads P w (alive from the first backward to zero_grad, i.e. in the phase
+    that trains the role);  under --bf16 fp32 masters 4P and, during the step, master grads 4P;
+    Adam exp_avg + exp_avg_sq 8P and one fp32 `step` per tensor 4n;  torch DDP (DP > 1) also holds
+    gradient buckets of P w that the offload layer cannot see (they stay resident, never slept).
+Activations of a training forward of n samples, kept for backward (no S^2 term: SDPA/flash keep
+    the log-sum-exp only), per layer:  n S (8h + (5h + 2m) / t) w + n (a / t) S 4
+    (layer-norm inputs/outputs, modulated inputs, attention projection and fc2 outputs at full width;
+    q, k, v, attention output and its re-laid copy, fc1 output and GELU output per TP shard),
+    plus n S (3h + Cp^2) w outside the blocks. --recompute-granularity full keeps only each block's
+    input n S h w, plus one block's full set while that block is recomputed in backward.
+    A no-grad forward of n samples holds about n S (4h + max(3h, 2m) / t) w at its peak.
+    Measured on CPU with saved-tensor hooks (tests/test_plan_memory.py) the kept bytes are within
+    1.25x of this estimate; the peak also holds temporaries of the op running at that moment.
+Forward FLOPs per sample (matmuls, 2 per multiply-add, per TP rank), attention included:
+    2 S (Cp^2 h + h p^2 C) + 2 (f h + h^2 + [text: D h + h^2]) + 2 h 2h / t
+    + L [2 h 6h / t + 2 S (3h^2 + h^2 + 2 h m) / t + 4 S^2 h / t]
+The cycle's cost model (`cycle_passes`, in forwards of B samples) and its comparison with measured
+times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `format_table` prints both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from dmd2_mega.models.registry import DiTSpec, get_spec
+
+PHASES = ("rollout", "critic", "actor")
+# phase -> (roles resident when time-sliced, the role trained in it)  (mirrors dmd2/roles.PHASE_ROLES)
+PHASE_NEEDS = {"rollout": (("student",), None), "critic": (("critic", "teacher"), "critic"),
+               "actor": (("student",), "student")}
+
+
+@dataclass
+class ModelShape:
+    spec: DiTSpec
+    in_channels: int
+    image_size: int
+    num_classes: Optional[int] = 10
+    cond_shape: Optional[tuple] = None
+
+    @property
+    def tokens(self) -> int:
+        return (self.image_size // self.spec.patch_size) ** 2
+
+    @property
+    def mlp(self) -> int:
+        return int(self.spec.hidden_size * self.spec.mlp_ratio)
+
+
+def model_shape(size: str, in_channels: int, image_size: int, patch: Optional[int] = None,
+                num_classes: Optional[int] = 10, cond_shape: Optional[tuple] = None) -> ModelShape:
+    spec = get_spec(size)
+    if patch is not None:
+        spec = replace(spec, patch_size=patch)
+    if image_size % spec.patch_size:
+        raise ValueError(f"--image-size {image_size} is not a multiple of --patch {spec.patch_size}")
+    if (num_classes is None) == (cond_shape is None):
+        raise ValueError("give exactly one of --num-classes or --cond-shape")
+    return ModelShape(spec, in_channels, image_size, num_classes, tuple(cond_shape) if cond_shape else None)
+
+
+def param_counts(ms: ModelShape) -> dict:
+    """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
+    s, h, m, c, p = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size
+    per_block = 6 * h * (h + 1) + 3 * h * (h + 1) + h * h + m * (h + 1) + m * h
+    sharded = s.num_layers * per_block + 2 * h * (h + 1)
+    cond = (ms.num_classes + 1) * h if ms.num_classes is not None else (ms.cond_shape[-1] + 1) * h + (h + 1) * h
+    replicated = ((c * p * p + 1) * h + (s.freq_dim + 1) * h + (h + 1) * h + cond
+                  + 2 * h * s.num_layers + (h + 1) * p * p * c)
+    tensors = 2 + 4 + (1 if ms.num_classes is not None else 4) + 10 * s.num_layers + 2 + 2
+    return {"sharded": sharded, "replicated": replicated, "tensors": tensors, "buffer": ms.tokens * h}
+
+
+def params_per_rank(ms: ModelShape, tp: int) -> int:
+    n = param_counts(ms)
+    if ms.spec.num_heads % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
+    return n["sharded"] // tp + n["replicated"]
+
+
+def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
+    """Matmul FLOPs of one forward of n samples on one TP rank (see the module docstring)."""
+    s, h, m, c, p, S = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size, ms.tokens
+    out = 2 * S * (c * p * p * h + h * p * p * c) + 2 * (s.freq_dim * h + h * h) + 2 * h * 2 * h // tp
+    if ms.cond_shape is not None:
+        out += 2 * (ms.cond_shape[-1] * h + h * h)
+    block = 2 * h * 6 * h + 2 * S * (3 * h * h + h * h + 2 * h * m) + 4 * S * S * h
+    return n * (out + s.num_layers * block // tp)
+
+
+def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool) -> dict:
+    """Per-rank bytes of one role by kind: weights, grads, master_grads, optimizer, ddp_buckets."""
+    P, w = params_per_rank(ms, tp), 2 if bf16 else 4
+    n = param_counts(ms)
+    out = {"weights": P * w + n["buffer"] * w, "grads": 0, "master_grads": 0, "optimizer": 0, "ddp_buckets": 0}
+    if trained:
+        out.update(grads=P * w, master_grads=4 * P if bf16 else 0,
+                   optimizer=(4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"], ddp_buckets=P * w if dp > 1 else 0)
+    return out
+
+
+def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False) -> int:
+    """Estimated bytes a training forward of n samples keeps for its backward (module docstring)."""
+    h, S, w, L = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4, ms.spec.num_layers
+    outside = n * S * (3 * h + ms.in_channels * ms.spec.patch_size ** 2) * w
+    return outside + L * (n * S * h * w if recompute else layer_activation_bytes(ms, n, tp, bf16))
+
+
+def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
+    h, m, S, w = ms.spec.hidden_size, ms.mlp, ms.tokens, 2 if bf16 else 4
+    return n * S * (8 * h + (5 * h + 2 * m) // tp) * w + n * (ms.spec.num_heads // tp) * S * 4
+
+
+def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False) -> int:
+    """Estimated peak activation bytes of one forward (+ backward when `grad`) of n samples."""
+    if not grad:
+        h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
+        return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
+    extra = layer_activation_bytes(ms, n, tp, bf16) if recompute else 0  # the block being recomputed
+    return saved_activation_bytes(ms, n, tp, bf16, recompute) + extra
+
+
+@dataclass
+class CyclePlan:
+    """What one rank holds in each phase of a DMD2 cycle; bytes per role and per phase."""
+
+    roles: dict                      # role -> role_bytes(...)
+    activations: dict                # phase -> activation bytes (incl. rollout / score tensors)
+    phases: dict = field(default_factory=dict)  # (phase, sliced) -> {role: bytes, 'activations', 'total'}
+
+
+def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
+               recompute: bool = False, guidance: float = 1.0) -> CyclePlan:
+    """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident."""
+    roles = {r: role_bytes(ms, tp, dp, bf16, trained=r != "teacher") for r in ("student", "critic", "teacher")}
+    x = ms.in_channels * ms.image_size ** 2 * 4            # one fp32 image
+    held_rollout = steps * micro * (2 * x + 32)            # x, x0hat, sigma, ids, stop steps, cond
+    held_scores = micro * 4 * x                            # x, x0_fake, x0_real, x_s
+    teacher_n = micro * (2 if guidance != 1.0 else 1)
+    act = {"rollout": activation_bytes(ms, steps * micro, tp, bf16, grad=False) + held_rollout + steps * micro * 4 * x,
+           "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute),
+                         activation_bytes(ms, teacher_n, tp, bf16, grad=False)) + held_rollout + held_scores,
+           "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute) + held_scores}
+    plan = CyclePlan(roles, act)
+    for phase in PHASES:
+        needed, trained = PHASE_NEEDS[phase]
+        for sliced in (True, False):
+            row = {}
+            for r, b in roles.items():
+                resident = not sliced or r in needed
+                row[r] = ((b["weights"] + b["optimizer"] if resident else 0) + b["ddp_buckets"]
+                          + (b["grads"] + b["master_grads"] if r == trained else 0))
+            row["activations"] = act[phase]
+            row["total"] = sum(row.values())
+            plan.phases[(phase, sliced)] = row
+    return plan
+
+
+def peak(plan: CyclePlan, sliced: bool) -> tuple[str, int]:
+    """(phase, bytes) of the largest phase."""
+    return max(((p, plan.phases[(p, sliced)]["total"]) for p in PHASES), key=lambda kv: kv[1])
+
+
+def cycle_passes(steps: int, denoise: int, guidance: float, scoring: str, recompute: bool) -> dict:
+    """The analytic pass count of one DMD2 cycle in units of F = one forward of B samples.
+
+    Cost model: a backward costs 2F (3F with full recompute: the forward runs again); optimizer
+    steps and elementwise maths are not counted. rollout: K*B samples, sample n runs i_n + 1
+    forwards, i_n ~ U{0..N-1}, so K (N + 1) / 2 F on average; critic: K (F + 2F); scoring: the
+    teacher's F (2F with CFG), plus with 'original' scoring one no-grad critic forward F; actor:
+    F + 2F. A plain flow-matching step is F + 2F.
+    """
+    bwd = 3.0 if recompute else 2.0
+    out = {"rollout": steps * (denoise + 1) / 2, "critic": steps * (1 + bwd),
+           "scoring": (2.0 if guidance != 1.0 else 1.0) + (1.0 if scoring == "original" else 0.0),
+           "actor": 1 + bwd}
+    out["cycle"] = sum(out.values())
+    out["plain_step"] = 1 + bwd
+    return out
+
+
+def describe_passes(p: dict, drawn: float) -> str:
+    """The cost model of `cycle_passes` in words (drawn: the measured rollouts' sample-forwards / B)."""
+    return (f"cost model: F = one forward of B samples, backward {p['plain_step'] - 1:g}F, optimizer steps not "
+            f"counted; rollout K(N+1)/2 = {p['rollout']:g}F (drawn stop steps: {drawn:.2f}F), critic {p['critic']:g}F, "
+            f"scoring {p['scoring']:g}F (original +1F), actor {p['actor']:g}F: cycle {p['cycle']:g}F; plain step "
+            f"{p['plain_step']:g}F -> analytic minimum {p['cycle'] / p['plain_step']:.2f} plain steps")
+
+
+def cycle_summary(t: dict, passes: dict, *, k: int, b: int, drawn: float, flops_per_sample: int,
+                  peak_tflops: Optional[float] = None) -> dict:
+    """A measured cycle against the cost model of `cycle_passes` (benchmarks/bench_dmd2_cycle.py).
+
+    t: median ms of 'cycle' (shared, offload off), 'cycle_offload' (offload on), 'phases' (the sum of the
+    standalone phases), 'in_rollout' (the rollout's span inside the cycle), 'plain' (a plain flow step), 'F' (a
+    B-sample forward), 'F_KB' (a K*B-sample forward), 'gap' (critic-phase time original - shared, paired on
+    one rollout), 'critic_fwd' (the no-grad critic forward original adds). drawn: rollout sample-forwards / B.
+    Model FLOPs: the passes (rollout at the drawn stop steps) x forward FLOPs, recompute not counted.
+    """
+    floor, units = passes["cycle"] / passes["plain_step"], t["cycle"] / t["plain"]
+    rest_floor = floor - passes["rollout"] / passes["plain_step"]
+    flops = flops_per_sample * b * (drawn + passes["cycle"] - passes["rollout"])
+    tflops = flops / (t["cycle"] * 1e-3) / 1e12
+    out = {"overhead ratio (cycle / sum of phases)": t["cycle"] / t["phases"], "cycle in plain steps": units,
+           "analytic minimum in plain steps": floor, "cycle / analytic minimum": units / floor,
+           "rollout / (drawn sample-forwards x F/B)": t["in_rollout"] / (drawn * t["F"]),
+           "fwd of K*B / (K F)": t["F_KB"] / (k * t["F"]),
+           "cycle without rollout / its analytic minimum": (t["cycle"] - t["in_rollout"]) / t["plain"] / rest_floor,
+           "original - shared critic phase, paired (ms)": t["gap"],
+           "critic fwd of the scored batch (ms)": t["critic_fwd"],
+           "offload on / off (cycle time)": t["cycle_offload"] / t["cycle"],
+           "samples/s (B actor samples per cycle)": b / t["cycle"] * 1e3,
+           "rollout samples/s (K*B per cycle)": k * b / t["cycle"] * 1e3, "analytic TFLOP/s (model FLOPs)": tflops}
+    if peak_tflops:
+        out.update({"peak TFLOP/s": peak_tflops, "MFU %": 100 * tflops / peak_tflops})
+    return out
+
+
+def acceptance(s: dict, mem: list, persistent: float) -> list:
+    """Issue 5's targets: [(what, value, ok)]. mem: per phase [name, roles_off, roles_on, needed_roles, ...]
+    (role storage, offload off / on, and the phase's own roles); persistent: all roles' bytes, grads freed."""
+    over, ratio = s["overhead ratio (cycle / sum of phases)"], s["cycle / analytic minimum"]
+    gap = s["original - shared critic phase, paired (ms)"] / s["critic fwd of the scored batch (ms)"]
+    peak_on, largest, low_off = max(r[2] for r in mem), max(r[3] for r in mem), min(r[1] for r in mem)
+    return [("overhead ratio <= 1.05", over, over <= 1.05),
+            ("cycle <= 1.1x analytic minimum (plain-step units)", ratio, ratio <= 1.1),
+            ("original - shared ~ one critic forward (0.5-1.5x)", gap, 0.5 <= gap <= 1.5),
+            ("offload on: peak <= 1.1x largest phase", peak_on / largest, peak_on <= 1.1 * largest),
+            ("offload off: every phase holds all roles (min / sum)", low_off / persistent, low_off >= persistent)]
+
+
+def format_table(head: list, rows: list, left: int = 1) -> str:
+    """Rows as aligned columns under a rule (the first `left` left-aligned); numbers as 4 significant digits."""
+    cells = [head] + [[c if isinstance(c, str) else "" if c is None else f"{c:.4g}" for c in r] for r in rows]
+    widths = [max(len(r[j]) for r in cells) for j in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if j < left else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])

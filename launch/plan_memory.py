@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Size a DMD2 job before submitting it: per-rank bytes of each role and of each phase.
+
+    python launch/plan_memory.py --model-size 8b --tensor-model-parallel-size 8 --data-parallel-size 16 \
+        --micro-batch-size 4 --bf16 --dmd2-critic-steps-per-rollout 5 --dmd2-denoising-steps 4 \
+        --image-size 32 --in-channels 4 --patch 2 --num-classes 1000 --recompute-granularity full
+
+Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradients (--bf16, alive
+during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
+counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
+time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
+plus an activation estimate; and the peak against --gpu-memory-gib. The maths is in
+dmd2_mega/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
+built models in tests/test_plan_memory.py); activations are an estimate (see that module).
+DP does not shard anything here (no ZeRO): it only adds the DDP buckets.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "TE / Apex not installed": moot here
+
+from dmd2_mega import memory_plan as mp  # noqa: E402
+from dmd2_mega.models.registry import MODEL_SIZES  # noqa: E402
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B" if n else "0"
+
+
+def fmt_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return str(int(n))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-size", default="8b", choices=sorted(MODEL_SIZES))
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="B per DP rank")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights/compute, fp32 masters and Adam state")
+    p.add_argument("--recompute-granularity", default=None, choices=["full"])
+    p.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5, help="K")
+    p.add_argument("--dmd2-denoising-steps", type=int, default=4, help="N")
+    p.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0, help="> 1 doubles the teacher batch")
+    p.add_argument("--image-size", type=int, default=32, help="latent side H (= W)")
+    p.add_argument("--in-channels", type=int, default=4)
+    p.add_argument("--patch", type=int, default=None, help="default: the size's patch")
+    p.add_argument("--num-classes", type=int, default=1000, help="class-conditional (default)")
+    p.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the verdict")
+    a = p.parse_args(argv)
+    for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
+                 "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cond_shape = tuple(a.cond_shape) if a.cond_shape else None
+    try:
+        ms = mp.model_shape(a.model_size, a.in_channels, a.image_size, a.patch,
+                            num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
+        tp, dp = a.tensor_model_parallel_size, a.data_parallel_size
+        per_rank = mp.params_per_rank(ms, tp)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    counts = mp.param_counts(ms)
+    total = counts["sharded"] + counts["replicated"]
+    k, n, b = a.dmd2_critic_steps_per_rollout, a.dmd2_denoising_steps, a.micro_batch_size
+    recompute = a.recompute_granularity == "full"
+    plan = mp.plan_cycle(ms, tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=a.bf16, recompute=recompute,
+                         guidance=a.dmd2_teacher_guidance_scale)
+    sp = ms.spec
+    print(f"model {a.model_size}: hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, patch "
+          f"{sp.patch_size}; latents {a.in_channels}x{a.image_size}x{a.image_size} -> {ms.tokens} tokens")
+    print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
+          f"({fmt_count(counts['replicated'])} replicated); DP={dp} ({tp * dp} GPUs); B={b} per rank, K={k}, "
+          f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}; recompute {a.recompute_granularity or 'none'}; "
+          f"teacher guidance {a.dmd2_teacher_guidance_scale}")
+    print("\nper-rank bytes of each role (AdamW):")
+    kinds = ["weights", "grads", "master_grads", "optimizer", "ddp_buckets"]
+    head = ["role", "parameters", "gradients", "master grads", "optimizer state", "DDP buckets", "total"]
+    print(mp.format_table(head,
+                [[r] + [fmt_bytes(v[k_]) for k_ in kinds] + [fmt_bytes(sum(v.values()))]
+                 for r, v in plan.roles.items()]))
+    print("\nper-rank bytes resident in each phase (grads only in the phase that trains the role; DDP buckets "
+          "are never slept):")
+    rows = []
+    for phase in mp.PHASES:
+        for sliced in (True, False):
+            row = plan.phases[(phase, sliced)]
+            rows.append([phase, "time-sliced" if sliced else "all resident"]
+                        + [fmt_bytes(row[c]) for c in ("student", "critic", "teacher", "activations", "total")])
+    head = ["phase", "mode", "student", "critic", "teacher", "activations (est.)", "total"]
+    print(mp.format_table(head, rows, left=2))
+    budget = a.gpu_memory_gib * 2 ** 30
+    print()
+    for sliced in (True, False):
+        phase, peak = mp.peak(plan, sliced)
+        verdict = "fits" if peak <= 0.9 * budget else ("tight (> 90%)" if peak <= budget else "does NOT fit")
+        print(f"peak {'time-sliced ' if sliced else 'all resident'}: {fmt_bytes(peak)} ({phase} phase) -> "
+              f"{verdict} in {a.gpu_memory_gib:g} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

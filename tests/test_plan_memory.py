@@ -1,0 +1,216 @@
+"""The memory planner's maths (dmd2_mega/memory_plan.py, launch/plan_memory.py) against real models.
+
+References, all independent of the planner's formulas:
+  * parameters, gradients, fp32 masters, master gradients and AdamW state: the storage bytes of built
+    debug / digits DiTs (world of one) measured just before their second optimizer step (state
+    materialised, grads alive), and the offload layer's own total (Sleeper.resident_bytes) - exact;
+  * the TP split: each parameter's megatron `partition_dim` attribute - exact;
+  * forward FLOPs: torch's FlopCounterMode with SDPA on its math path (attention as bmm) - exact;
+  * activations kept for backward: saved-tensor hooks (unique non-parameter storages) - the estimate
+    is within ACT_FACTOR either way, with and without full recompute, fp32 and bf16;
+  * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dmd2_mega import memory_plan as mp
+from dmd2_mega.config import ModelConfig, OptimConfig
+from dmd2_mega.dmd2.rollout import rollout, student_sigmas
+from dmd2_mega.models.dit import tp_partition_dim
+from dmd2_mega.offload import Sleeper, resident_bytes
+from dmd2_mega.optim import build_optimizer
+from dmd2_mega.training import build_model, cast_model
+from launch import plan_memory
+from tests.utils import world_of_one
+
+pytestmark = pytest.mark.timeout(120)
+ACT_FACTOR = 1.25
+# (size, in_channels, image_size, cond_shape): labels (10 classes) when cond_shape is None
+SHAPES = [("debug", 1, 8, None), ("digits", 1, 8, None), ("debug", 4, 6, (7, 12)), ("digits", 3, 12, None)]
+
+
+@pytest.fixture(scope="module")
+def ps():
+    with world_of_one() as state:
+        yield state
+
+
+def make(ps, size, ch, img, cond_shape, bf16=False, recompute=None):
+    info = {"in_channels": ch, "image_size": img, "num_classes": None if cond_shape else 10, "cond_shape": cond_shape}
+    model = cast_model(build_model(ModelConfig(size=size, recompute_granularity=recompute), info, ps), bf16)
+    ms = mp.model_shape(size, ch, img, num_classes=info["num_classes"], cond_shape=cond_shape)
+    return model, ms
+
+
+def batch(ms, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, ms.in_channels, ms.image_size, ms.image_size, generator=g)
+    cond = torch.randn(n, *ms.cond_shape, generator=g) if ms.cond_shape else torch.randint(0, 10, (n,), generator=g)
+    return x, torch.rand(n, generator=g), cond
+
+
+@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
+def test_parameter_split_matches_partition_dims(ps, size, ch, img, cond_shape):
+    model, ms = make(ps, size, ch, img, cond_shape)
+    params = list(model.parameters())
+    counts = mp.param_counts(ms)
+    assert counts["sharded"] == sum(p.numel() for p in params if tp_partition_dim(p) is not None)
+    assert counts["replicated"] == sum(p.numel() for p in params if tp_partition_dim(p) is None)
+    assert counts["tensors"] == len(params)
+    assert counts["buffer"] == sum(b.numel() for b in model.buffers())
+    for tp in (1, 2, 4):
+        assert mp.params_per_rank(ms, tp) == counts["sharded"] // tp + counts["replicated"]
+    with pytest.raises(ValueError, match="must divide"):
+        mp.params_per_rank(ms, 3)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3])
+def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
+    model, ms = make(ps, size, ch, img, cond_shape, bf16)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, bf16=bf16))
+    sleeper = Sleeper("critic", [model], [opt])
+    seen = []
+
+    def measure(*_):
+        masters = opt.master_params if opt.mixed else []
+        state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
+                     "grads": resident_bytes(p.grad for p in model.parameters()),
+                     "master_grads": resident_bytes(m.grad for m in masters),
+                     "optimizer": resident_bytes(list(masters) + state), "total": sleeper.resident_bytes()})
+    opt.inner.register_step_pre_hook(measure)
+    for step in range(2):
+        x, sigma, cond = batch(ms, 3, step)
+        model(x, sigma, cond).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    plan = mp.role_bytes(ms, tp=1, dp=1, bf16=bf16, trained=True)
+    got = seen[-1]  # the second step: Adam state exists, grads (and master grads) are alive
+    for kind in ("weights", "grads", "master_grads", "optimizer"):
+        assert got[kind] == plan[kind], f"{kind}: measured {got[kind]} B, planned {plan[kind]} B"
+    assert got["total"] == sum(plan.values())
+    # between phases (after zero_grad) a role holds its weights and optimizer state only
+    assert sleeper.resident_bytes() == plan["weights"] + plan["optimizer"]
+    assert mp.role_bytes(ms, 1, 1, bf16, trained=False) == {**dict.fromkeys(plan, 0), "weights": plan["weights"]}
+    assert mp.role_bytes(ms, 1, 2, bf16, trained=True)["ddp_buckets"] == plan["grads"]
+    sleeper.close()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
+def test_forward_flops_match_flop_counter(ps, size, ch, img, cond_shape, n):
+    model, ms = make(ps, size, ch, img, cond_shape)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(*batch(ms, n))
+    assert mp.forward_flops(ms, n) == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("recompute", [None, "full"], ids=["no-recompute", "recompute"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("size,ch,img,cond_shape,n", [("debug", 1, 8, None, 5), ("digits", 1, 8, None, 64),
+                                                      ("digits", 4, 16, None, 3)])
+def test_saved_activations_within_factor(ps, size, ch, img, cond_shape, n, bf16, recompute):
+    model, ms = make(ps, size, ch, img, cond_shape, bf16, recompute)
+    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*batch(ms, n))
+    est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute == "full")
+    got = sum(kept.values())
+    assert est / ACT_FACTOR <= got <= est * ACT_FACTOR, f"measured {got} B kept for backward, estimated {est} B"
+    del out
+
+
+def test_activation_estimate_scaling():
+    ms = mp.model_shape("2b", 4, 32, num_classes=1000)
+    a = lambda n, tp=1, **kw: mp.activation_bytes(ms, n, tp, True, grad=True, **kw)  # noqa: E731
+    assert a(8) == 2 * a(4)                                    # linear in the batch
+    assert a(4, recompute=True) < a(4) / 5                     # recompute keeps block inputs only
+    assert a(4, tp=2) < a(4) and a(4, tp=8) < a(4, tp=2)       # TP splits the per-head / MLP parts
+    assert mp.activation_bytes(ms, 4, 1, True, grad=False) < a(4) / 10
+
+
+def test_rollout_pass_count_matches_real_rollouts():
+    k, b, n = 5, 8, 4
+    rows = []
+
+    def student(x, sigma, cond):
+        rows.append(x.shape[0])
+        return torch.zeros_like(x)
+    for seed in range(200):
+        rollout(student, torch.Generator().manual_seed(seed), k * b, torch.zeros(k * b, dtype=torch.long),
+                student_sigmas(n), shape=(1, 2, 2), device="cpu")
+    mean_f = sum(rows) / 200 / b  # sample-forwards per cycle in units of one B-sample forward
+    passes = mp.cycle_passes(k, n, 1.0, "shared", recompute=False)
+    assert abs(mean_f - passes["rollout"]) < 0.05 * passes["rollout"]
+    assert passes == {"rollout": 12.5, "critic": 15.0, "scoring": 1.0, "actor": 3.0, "cycle": 31.5, "plain_step": 3.0}
+    cfg_orig = mp.cycle_passes(k, n, 2.0, "original", recompute=True)
+    assert (cfg_orig["scoring"], cfg_orig["critic"], cfg_orig["actor"], cfg_orig["plain_step"]) == (3.0, 20.0, 4.0, 4.0)
+
+
+def test_plan_cycle_time_slicing():
+    ms = mp.model_shape("8b", 4, 32, patch=2, num_classes=1000)
+    plan = mp.plan_cycle(ms, tp=8, dp=16, micro=4, steps=5, denoise=4, bf16=True, recompute=True)
+    r = plan.roles
+    for phase in mp.PHASES:
+        sliced, full = plan.phases[(phase, True)], plan.phases[(phase, False)]
+        needed, trained = mp.PHASE_NEEDS[phase]
+        asleep = [n for n in r if n not in needed]
+        assert full["total"] - sliced["total"] == sum(r[n]["weights"] + r[n]["optimizer"] for n in asleep)
+        for n in asleep:  # a sleeping role keeps only its DDP buckets (never slept)
+            assert sliced[n] == r[n]["ddp_buckets"]
+        if trained:
+            assert sliced[trained] == sum(r[trained].values())
+    assert mp.peak(plan, True)[1] < mp.peak(plan, False)[1]
+    assert r["teacher"]["ddp_buckets"] == 0 and r["critic"]["ddp_buckets"] > 0
+
+
+def test_cli_reports_measured_role_bytes(ps, capsys):
+    model, ms = make(ps, "digits", 1, 8, None)
+    weights = resident_bytes(list(model.parameters()) + list(model.buffers()))
+    assert plan_memory.main(["--model-size", "digits", "--image-size", "8", "--in-channels", "1",
+                             "--num-classes", "10", "--micro-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    teacher = next(line for line in out.splitlines() if line.startswith("teacher "))
+    assert teacher.split()[1:3] == plan_memory.fmt_bytes(weights).split()
+    assert "peak time-sliced" in out and "peak all resident" in out
+    assert plan_memory.main(["--model-size", "8b", "--tensor-model-parallel-size", "8", "--data-parallel-size", "16",
+                             "--bf16", "--recompute-granularity", "full", "--gpu-memory-gib", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank at TP=8" in out and "DP=16 (128 GPUs)" in out and "does NOT fit in 10 GiB" in out
+
+
+def test_cli_rejects_tp_that_does_not_divide_heads(capsys):
+    assert plan_memory.main(["--model-size", "8b", "--tensor-model-parallel-size", "3"]) == 2
+    assert "--tensor-model-parallel-size 3 must divide the 32 heads" in capsys.readouterr().err
+
+
+def test_cycle_summary_and_acceptance_on_model_timings():
+    k, n, b, F = 5, 4, 64, 10.0  # timings that follow the cost model exactly (ms)
+    p = mp.cycle_passes(k, n, 1.0, "shared", recompute=False)
+    t = {"cycle": p["cycle"] * F, "cycle_offload": 1.02 * p["cycle"] * F, "phases": p["cycle"] * F,
+         "in_rollout": p["rollout"] * F, "plain": p["plain_step"] * F, "F": F, "F_KB": k * F, "gap": F, "critic_fwd": F}
+    s = mp.cycle_summary(t, p, k=k, b=b, drawn=p["rollout"], flops_per_sample=1000, peak_tflops=2e-5)
+    assert s["overhead ratio (cycle / sum of phases)"] == 1.0
+    assert s["cycle / analytic minimum"] == pytest.approx(1.0)
+    assert s["cycle without rollout / its analytic minimum"] == pytest.approx(1.0)
+    assert s["analytic TFLOP/s (model FLOPs)"] == pytest.approx(1000 * b * p["cycle"] / (p["cycle"] * F * 1e-3) / 1e12)
+    assert s["MFU %"] == pytest.approx(100 * s["analytic TFLOP/s (model FLOPs)"] / 2e-5)
+    mem = [["rollout", 30, 14, 14], ["critic", 38, 24, 24], ["actor", 38, 19, 19]]  # MiB: off, on, own roles
+    assert all(ok for _, _, ok in mp.acceptance(s, mem, persistent=30))
+    slow = mp.cycle_summary({**t, "cycle": 1.2 * t["cycle"], "gap": 3 * F}, p, k=k, b=b, drawn=p["rollout"],
+                            flops_per_sample=1000)
+    leaky = [["rollout", 30, 20, 14], ["critic", 29, 24, 24], ["actor", 38, 19, 19]]  # a role not slept; one missing
+    assert [ok for _, _, ok in mp.acceptance(slow, leaky, persistent=30)] == [False, False, False, True, False]
+    assert [ok for _, _, ok in mp.acceptance(s, [["r", 30, 27, 14]], persistent=30)][3] is False  # 27 > 1.1 x 14
