@@ -64,7 +64,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-guidance", type=float, default=1.25)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--loss-trace", default=None, help="write every iteration's loss/grad-norm as JSON lines")
-    g.add_argument("--deterministic", action="store_true")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bitwise-repeatable runs (torch deterministic algorithms)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM: finish the current iteration, save, exit 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit 0 once this much wall-clock time has passed")
+    g.add_argument("--max-nan-iterations", type=int, default=10,
+                   help="stop after this many consecutive non-finite (skipped) steps of one role; 0 = never")
 
 
 def flow_parser() -> argparse.ArgumentParser:
@@ -92,7 +99,8 @@ def train_config(a) -> TrainConfig:
     keys = ("data", "micro_batch_size", "global_batch_size", "train_iters", "seed", "cond_dropout",
             "timestep_shift", "save", "load", "save_interval", "log_interval", "eval_interval",
             "eval_num_samples", "eval_steps", "eval_guidance", "tensorboard_dir", "deterministic",
-            "loss_trace", "no_load_optim", "no_load_rng")
+            "loss_trace", "no_load_optim", "no_load_rng", "exit_signal_handler", "exit_duration_in_mins",
+            "max_nan_iterations")
     return TrainConfig(**{k: getattr(a, k) for k in keys})
 
 

@@ -6,10 +6,21 @@ Layout:
 Each file holds: model (this TP rank's shard), optimizer, LR schedule, sampler position, RNG
 states, iteration, args, tp_size, and the TP partition dim of every parameter.
 
-Atomicity: ranks write into `iter_0000100.tmp/`, each file via `*.tmp` + os.replace; after a
-barrier rank 0 renames the directory to `iter_0000100/`, then replaces the tracker file. A crash
-at any point leaves the previous checkpoint and tracker intact, and no `iter_*` directory that
-looks complete and is not.
+Atomicity (a SIGKILL at any instant leaves the tracker pointing at a complete checkpoint):
+  1. every rank writes its file into `iter_0000100.tmp/` (via `*.tmp` + fsync + os.replace);
+  2. after a barrier rank 0 renames the directory to `iter_0000100/` (re-saving an iteration moves
+     the previous `iter_0000100/` to `iter_0000100.old/` first; a load falls back to `.old`);
+  3. rank 0 replaces the tracker (`*.tmp` + fsync + os.replace): the commit point; then `.old` and
+     any `iter_*.tmp/` left by a killed save go.
+`save_checkpoint` is 1-3 for one directory. `write_iteration` (1-2) and `commit` (3 for several
+directories, the LAST one's tracker being the commit point) let DMD2 commit the student and
+<save>_critic of one cycle together: both directories are written, then the critic's tracker, then
+the student's; a load reads the student's tracker and the critic at that same iteration. Older
+iterations are never deleted. `resilience.kill_point` marks the stages for the crash tests.
+
+Integrity: torch.save writes a zip with a CRC-32 per member, which torch.load does not check; `_read`
+verifies every CRC first, so a truncated or bit-flipped file is a CheckpointError naming it, never a
+checkpoint that loads with wrong values. Cost: one extra sequential read of the file per load.
 
 Resharding: a checkpoint saved at TP=a loads its weights at TP=b by concatenating every sharded
 parameter over the a files along its partition dim and slicing b ways. Optimizer state is not
@@ -19,12 +30,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+import zipfile
+from typing import Optional, Sequence
 
 import torch
 
 from dmd2_mega.models.dit import tp_partition_dim
 from dmd2_mega.parallel import ParallelState, barrier
+from dmd2_mega.resilience import kill_point
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -70,10 +83,20 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_torch_save(obj, path: str) -> None:
+def _atomic_torch_save(obj, path: str, iteration: int) -> None:
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    kill_point("rank-file-tmp", iteration)
+    os.replace(tmp, path)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -91,8 +114,8 @@ def check_writable(root: str) -> None:
         raise CheckpointError(f"--save directory {root!r} is not writable: {e}") from e
 
 
-def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
-    """Collective over all ranks. `payload` is this rank's dict (model shard, optimizer, ...)."""
+def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
+    """Collective: steps 1-2 of the module docstring (the tracker is untouched); returns iter_N/."""
     final, tmp = iter_dir(root, iteration), iter_dir(root, iteration) + ".tmp"
     if ps.is_main:
         os.makedirs(root, exist_ok=True)
@@ -101,22 +124,42 @@ def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState)
     if ps.dp_rank == 0:
         rank_dir = os.path.join(tmp, f"mp_rank_{ps.tp_rank:02d}")
         os.makedirs(rank_dir, exist_ok=True)
-        _atomic_torch_save(payload, os.path.join(rank_dir, FILENAME))
+        _atomic_torch_save(payload, os.path.join(rank_dir, FILENAME), iteration)
+        kill_point("rank-file", iteration)
     barrier()
     if ps.is_main:
-        if os.path.exists(final):  # re-saving an iteration: move the old one aside first
+        kill_point("before-dir-rename", iteration)
+        if os.path.exists(final):  # re-saving an iteration: keep the old one until the commit
             shutil.rmtree(final + ".old", ignore_errors=True)
             os.replace(final, final + ".old")
+            kill_point("old-aside", iteration)
         os.replace(tmp, final)
         _fsync_dir(root)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        shutil.rmtree(final + ".old", ignore_errors=True)
     barrier()
+    return final
+
+
+def commit(roots: Sequence[str], iteration: int, ps: ParallelState) -> None:
+    """Collective: point each root's tracker at `iteration`, in order; the last is the commit point."""
+    if ps.is_main:
+        kill_point("before-tracker", iteration)
+        for i, root in enumerate(roots):
+            if i:
+                kill_point("between-trackers", iteration)
+            _write_text(os.path.join(root, TRACKER), str(iteration))
+            _fsync_dir(root)
+        for root in roots:  # the replaced copy, and left-overs of saves killed before their rename
+            shutil.rmtree(iter_dir(root, iteration) + ".old", ignore_errors=True)
+            for name in os.listdir(root):
+                if name.startswith("iter_") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    barrier()
+
+
+def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
+    """Collective over all ranks. `payload` is this rank's dict (model shard, optimizer, ...)."""
+    final = write_iteration(root, iteration, payload, ps)
+    commit([root], iteration, ps)
     return final
 
 
@@ -133,30 +176,61 @@ def latest_iteration(root: str) -> Optional[int]:
     return int(text)
 
 
+def _verify_zip(path: str) -> None:
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt?): {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its member {bad!r} fails the CRC-32 check "
+                              f"(bit rot or a partial copy?)")
+
+
 def _read(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
+    _verify_zip(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated / corrupt pickle or zip
+    except Exception as e:  # a corrupt pickle inside a zip whose CRCs match
         raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt?): {e}") from e
 
 
-def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None) -> Optional[dict]:
+def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
+                 pair_id: Optional[str] = None) -> Optional[dict]:
     """This rank's payload, with `model` resharded to the current TP degree if it differs.
 
+    Reads iter_N/, or iter_N.old/ when iter_N/ is missing (a re-save cut between its renames). With
+    `pair_id` (DMD2's critic), the first of iter_N/, iter_N.old/ whose payload carries that
+    `pair_id` (the student's): a critic is never paired with a student of another save.
     Adds `saved_tp_size` to the payload. Returns None if `root` holds no checkpoint yet.
     """
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:
             return None
-    first = _read(rank_file(root, iteration, 0 if ps.tp_size > 1 else ps.tp_rank))
+    final = iter_dir(root, iteration)
+    dirs = [d for d in (final, final + ".old") if os.path.isdir(d)] or [final]
+    for d in dirs:
+        payload = _load_dir(d, ps)
+        if pair_id is None or payload.get("pair_id", pair_id) == pair_id:
+            return payload
+    raise CheckpointError(f"{root}: none of {dirs} was saved together with the student checkpoint being "
+                          f"resumed (pair id {pair_id}, found {payload.get('pair_id')}); was --save reused by "
+                          f"another run?")
+
+
+def _load_dir(d: str, ps: ParallelState) -> dict:
+    def rank(r: int) -> str:
+        return os.path.join(d, f"mp_rank_{r:02d}", FILENAME)
+
+    first = _read(rank(0 if ps.tp_size > 1 else ps.tp_rank))
     saved_tp = int(first["tp_size"])
     if saved_tp == ps.tp_size:
-        payload = first if ps.tp_rank == 0 else _read(rank_file(root, iteration, ps.tp_rank))
+        payload = first if ps.tp_rank == 0 else _read(rank(ps.tp_rank))
     else:
-        shards = [first] + [_read(rank_file(root, iteration, r))["model"] for r in range(1, saved_tp)]
+        shards = [first] + [_read(rank(r))["model"] for r in range(1, saved_tp)]
         payload = dict(first)
         payload["model"] = _reshard(first, shards, ps.tp_rank, ps.tp_size, saved_tp)
     payload["saved_tp_size"] = saved_tp
@@ -180,17 +254,28 @@ def _reshard(first: dict, shards: list, tp_rank: int, tp_size: int, saved_tp: in
     return out
 
 
-def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None:
-    """Strict load that names the first mismatching parameter and both shapes."""
+def model_size_hint(payload: dict, size: str) -> str:
+    """' (the checkpoint was saved with --model-size a; this run uses b)' when they differ, else ''."""
+    saved = (payload.get("args") or {}).get("model", {}).get("size")
+    if not saved or saved == size:
+        return ""
+    return f" (the checkpoint was saved with --model-size {saved}; this run uses {size})"
+
+
+def load_model_weights(model: torch.nn.Module, state: dict, source: str, hint: str = "") -> None:
+    """Strict load that names the first mismatching parameter (in model order) and both shapes,
+    and the missing / unexpected names; `hint` (e.g. `model_size_hint`) ends the message."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: architecture mismatch: missing {missing[:3]}, unexpected {unexpected[:3]} "
-                              f"(was it saved with another --model-size?)")
+    keys = (f"architecture mismatch: {len(missing)} missing {missing[:3]}, {len(unexpected)} unexpected "
+            f"{unexpected[:3]}" if missing or unexpected else "")
+    hint = hint or " (was it saved with another --model-size or data shape?)"
     for k, v in own.items():
-        if torch.is_tensor(v) and tuple(v.shape) != tuple(state[k].shape):  # not _extra_state (None)
-            raise CheckpointError(f"{source}: parameter {k} has shape {tuple(state[k].shape)} in the checkpoint "
-                                  f"but {tuple(v.shape)} in this model (another --model-size or data shape?)")
+        w = state.get(k)
+        if torch.is_tensor(v) and torch.is_tensor(w) and tuple(v.shape) != tuple(w.shape):  # not _extra_state
+            raise CheckpointError(f"{source}: parameter {k} has shape {tuple(w.shape)} in the checkpoint but "
+                                  f"{tuple(v.shape)} in this model{'; ' + keys if keys else ''}{hint}")
+    if keys:
+        raise CheckpointError(f"{source}: {keys}{hint}")
     model.load_state_dict(state)
-

@@ -133,6 +133,12 @@ class TrainConfig:
     no_load_rng: bool = False
     deterministic: bool = False
     """--deterministic: torch deterministic algorithms (bitwise-repeatable runs)."""
+    exit_signal_handler: bool = False
+    """--exit-signal-handler: on SIGTERM, finish the current iteration, save, and exit 0."""
+    exit_duration_in_mins: Optional[float] = None
+    """--exit-duration-in-mins: save and exit 0 after the first iteration that ends past this wall time."""
+    max_nan_iterations: int = 10
+    """--max-nan-iterations: stop after this many consecutive skipped (non-finite) steps of one role; 0 = never."""
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -147,6 +153,9 @@ class TrainConfig:
             _check(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
         _check(self.eval_steps >= 1, f"--eval-steps must be >= 1, got {self.eval_steps}")
         _check(self.eval_guidance >= 1.0, f"--eval-guidance must be >= 1, got {self.eval_guidance}")
+        _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+               f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}")
+        _check(self.max_nan_iterations >= 0, f"--max-nan-iterations must be >= 0, got {self.max_nan_iterations}")
 
     def resolve_batches(self, dp_size: int) -> int:
         """Fill in the global batch and return the number of micro-batches per rank per step."""

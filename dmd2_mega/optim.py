@@ -10,12 +10,18 @@ only TP matters. A TP-sharded parameter contributes its shard's squared norm on 
 is counted once, so ||g||^2 = allreduce_TP(sum_sharded ||g_i||^2) + sum_replicated ||g_j||^2.
 
 `--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state.
+
+Non-finite guard: a step whose gradient norm (or the loss passed to `step`) is NaN or inf is
+skipped: no clipping, no AdamW update, no master copy-back, so weights and Adam moments / step
+counts stay exactly as they were. Deciding costs ONE host sync per step (`.item()` of one flag);
+under DP the flag is all-reduced (MAX) over the DP group first, so all ranks skip together (the
+norm is already identical on every rank; the loss is per DP rank). Megatron does the same check.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,11 +60,16 @@ class Optimizer:
     parameter has an fp32 master copy (carrying the TP attributes); `step` upcasts the bf16
     gradients into the masters, clips and steps them in fp32, and writes them back rounded to
     bf16, Megatron's mixed-precision optimizer in a few lines. `step` returns the grad norm
-    before clipping (a device tensor; no host sync).
+    before clipping (a device tensor) and skips the update when the norm or the loss is not
+    finite (module docstring), counting `skipped_steps` and `consecutive_skips`.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, tp_group=None):
-        self.cfg, self.tp_group = cfg, tp_group
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None):
+        self.cfg, self.tp_group, self.dp_group = cfg, tp_group, dp_group
+        self.skipped_steps = 0
+        """Steps skipped since this object was built (not checkpointed)."""
+        self.consecutive_skips = 0
+        """Skipped steps since the last applied one."""
         groups = param_groups(model, cfg.weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
         self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model_params)
@@ -80,11 +91,28 @@ class Optimizer:
     def param_groups(self):
         return self.inner.param_groups
 
-    def step(self) -> torch.Tensor:
+    def _finite(self, norm: torch.Tensor, loss: Optional[torch.Tensor]) -> bool:
+        bad = ~torch.isfinite(norm)
+        if loss is not None:
+            bad = bad | ~torch.isfinite(loss.detach().float().sum()).to(norm.device)
+        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            flag = bad.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+            bad = flag > 0
+        return not bool(bad.item())  # the one host sync of a step
+
+    def step(self, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Clip and step unless the grad norm or `loss` is non-finite; returns the norm before clipping."""
         if self.mixed:
             for p, m in zip(self.model_params, self.master_params):
                 m.grad = None if p.grad is None else p.grad.float()
-        norm = clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group)
+        norm = grad_norm(self.master_params, self.tp_group)
+        if not self._finite(norm, loss):
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            return norm
+        self.consecutive_skips = 0
+        clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group, norm=norm)
         self.inner.step()
         if self.mixed:
             with torch.no_grad():
@@ -113,8 +141,14 @@ class Optimizer:
                 torch._foreach_copy_(self.model_params, self.master_params)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None) -> Optimizer:
-    return Optimizer(model, cfg, tp_group)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None) -> Optimizer:
+    return Optimizer(model, cfg, tp_group, dp_group)
+
+
+def step_optimizer(optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """`optimizer.step(loss)` for an `Optimizer` (the loss joins the non-finite check); any other
+    object with a plain `.step()` (e.g. the phase tests' recording wrappers) is stepped without it."""
+    return optimizer.step(loss) if isinstance(optimizer, Optimizer) else optimizer.step()
 
 
 class LRSchedule:
@@ -168,10 +202,11 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tens
     return (s + sq(replicated)).sqrt()
 
 
-def clip_gradients(params: list, max_norm: float, tp_group=None) -> torch.Tensor:
+def clip_gradients(params: list, max_norm: float, tp_group=None,
+                   norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0 = no clip); returns the
-    norm before clipping. The scale is a device tensor: no host sync."""
-    norm = grad_norm(params, tp_group)
+    norm before clipping (`norm`, if already computed). The scale is a device tensor: no host sync."""
+    norm = grad_norm(params, tp_group) if norm is None else norm
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [p.grad for p in params if p.grad is not None]

@@ -7,7 +7,10 @@ M = G / (micro x DP) micro-batches, for each micro-batch j (global index) with n
     loss_j = mean((v_theta(x_s, sigma, cond) - (eps - x0))^2)
 and backpropagates loss_j / M; the DP all-reduce (torch DDP over the DP group) averages over
 ranks, so the step's gradient is that of the mean loss over the global batch. Then TP-aware
-clipping, AdamW, LR schedule. Host syncs only at the log/eval/save intervals.
+clipping, AdamW, LR schedule. Host syncs: the optimizer's one non-finite check per step (a NaN/inf
+loss or grad norm skips the step; `--max-nan-iterations` consecutive skips stop the run), the
+exit check per iteration when `--exit-signal-handler` / `--exit-duration-in-mins` is given
+(`resilience.py`), and the log/eval/save intervals.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmd2_mega import flow
 from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_weights, load_payload,
-                                  partition_dims, rng_state, save_checkpoint, set_rng_state)
+                                  model_size_hint, partition_dims, rng_state, save_checkpoint, set_rng_state)
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
@@ -31,7 +34,17 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.models import DiT, count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.resilience import ExitController, account_skips
 from dmd2_mega.sampling import eval_conditions, generate
+
+
+def enable_determinism() -> None:
+    """--deterministic: deterministic torch kernels (cuBLAS needs its workspace setting before the
+    first GEMM), no cuDNN autotuning. The project's Triton kernels reduce without atomics."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 def data_info(dataset) -> dict:
@@ -69,8 +82,9 @@ class FlowTrainer:
     def __init__(self, cfg: FlowPretrainConfig):
         self.cfg = cfg
         t = cfg.train
+        start = time.time()
         if t.deterministic:
-            torch.use_deterministic_algorithms(True)
+            enable_determinism()
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro = t.resolve_batches(ps.dp_size)
         if t.save:
@@ -84,13 +98,15 @@ class FlowTrainer:
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro} micro-batches; data {self.dataset!r}", ps.rank)
         self.ddp = DDP(self.model, process_group=ps.dp_group) if ps.dp_size > 1 else None
-        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group, ps.dp_group)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
         self.iteration = 0
+        self.saved_iteration: Optional[int] = None  # the iteration --save holds from this process
         if t.load:
             self.load(t.load)
+        self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def payload(self) -> dict:
@@ -102,6 +118,7 @@ class FlowTrainer:
 
     def save(self) -> None:
         path = save_checkpoint(self.cfg.train.save, self.iteration, self.payload(), self.ps)
+        self.saved_iteration = self.iteration
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
 
     def load(self, root: str) -> None:
@@ -110,7 +127,8 @@ class FlowTrainer:
             print_rank0(f"> WARNING: no {root}/latest_checkpointed_iteration.txt; starting from scratch",
                         self.ps.rank)
             return
-        load_model_weights(self.model, payload["model"], f"--load {root}")
+        load_model_weights(self.model, payload["model"], f"--load {root}",
+                           model_size_hint(payload, self.cfg.model.size))
         if self.cfg.train.no_load_optim:
             print_rank0(f"> loaded weights of iteration {payload['iteration']} from {root} (fresh optimizer)",
                         self.ps.rank)
@@ -126,6 +144,8 @@ class FlowTrainer:
         if not self.cfg.train.no_load_rng:
             set_rng_state(payload["rng"])
         self.iteration = int(payload["iteration"])
+        if self.cfg.train.save and os.path.abspath(root) == os.path.abspath(self.cfg.train.save):
+            self.saved_iteration = self.iteration  # nothing new to save until the next step
         print_rank0(f"> resumed from {root} at iteration {self.iteration}", self.ps.rank)
 
     # ---- one optimizer step ------------------------------------------------------------------
@@ -145,7 +165,7 @@ class FlowTrainer:
                                        t.timestep_shift, t.cond_dropout)
                 (loss / len(micro)).backward()
             total += loss.detach() / len(micro)
-        norm = self.optimizer.step()
+        norm = self.optimizer.step(total)  # skipped (weights untouched) if total or the norm is non-finite
         self.optimizer.zero_grad()
         self.iteration += 1
         return total, norm, lr
@@ -181,32 +201,51 @@ class FlowTrainer:
         pending: list = []
         result: dict = {}
         start = time.time()
-        while self.iteration < t.train_iters:
-            loss, norm, lr = self.train_step()
-            pending.append((self.iteration, loss, norm, lr))
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                stats = torch.stack([torch.stack([p[1], p[2].to(p[1].device)]) for p in pending])
-                stats[:, 0] = all_reduce_mean(stats[:, 0].contiguous(), ps.dp_group)
-                vals = stats.cpu().tolist()  # the one host sync per log interval
-                per_iter = [{"iteration": p[0], "loss": v[0], "grad_norm": v[1], "lr": p[3]}
-                            for p, v in zip(pending, vals)]
-                logger.log(self.iteration, self.sampler.consumed_samples,
-                           {"learning rate": lr, "loss": sum(v[0] for v in vals) / len(vals),
-                            "grad norm": sum(v[1] for v in vals) / len(vals),
-                            "_samples_per_iter": t.global_batch_size}, per_iter)
-                pending = []
-            if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+        try:
+            while self.iteration < t.train_iters:
+                skipped_before = self.optimizer.skipped_steps
+                loss, norm, lr = self.train_step()
+                skipped = self.optimizer.skipped_steps - skipped_before
+                pending.append((self.iteration, loss, norm, lr, skipped))
+                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                    self._log(logger, pending)
+                    pending = []
+                account_skips({"model": self.optimizer}, {"model": skipped}, t.max_nan_iterations,
+                              f"iteration {self.iteration}", ps.rank)  # may stop the run, before any save
+                if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+                    self.save()
+                if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+                    result = self.evaluate(out_dir) or {}
+                    if result:
+                        print_rank0(f"> eval at iteration {self.iteration}: " +
+                                    ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                              for k, v in result.items()), ps.rank)
+                        logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
+                                                        if isinstance(v, float)})
+                reason = self.exit.check()
+                if reason:
+                    print_rank0(f"> exiting at iteration {self.iteration}: {reason}"
+                                + ("" if t.save else " (no --save: nothing is saved)"), ps.rank)
+                    break
+            if pending:
+                self._log(logger, pending)
+            if t.save and self.saved_iteration != self.iteration:
                 self.save()
-            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                result = self.evaluate(out_dir) or {}
-                if result:
-                    print_rank0(f"> eval at iteration {self.iteration}: " +
-                                ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in result.items()), ps.rank)
-                    logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
-                                                    if isinstance(v, float)})
-        if t.save and (not t.save_interval or self.iteration % t.save_interval != 0):
-            self.save()
-        logger.close()
+        finally:
+            self.exit.close()
+            logger.close()
         print_rank0(f"> training done: {self.iteration} iterations in {time.time() - start:.1f} s", ps.rank)
         return result
+
+    def _log(self, logger: TrainLogger, pending: list) -> None:
+        t, ps = self.cfg.train, self.ps
+        stats = torch.stack([torch.stack([p[1], p[2].to(p[1].device)]) for p in pending])
+        stats[:, 0] = all_reduce_mean(stats[:, 0].contiguous(), ps.dp_group)
+        vals = stats.cpu().tolist()  # the one host sync per log interval
+        per_iter = [{"iteration": p[0], "loss": v[0], "grad_norm": v[1], "lr": p[3]} for p, v in zip(pending, vals)]
+        ok = [v for p, v in zip(pending, vals) if not p[4]] or vals  # averages leave skipped steps out
+        logger.log(self.iteration, self.sampler.consumed_samples,
+                   {"learning rate": pending[-1][3], "loss": sum(v[0] for v in ok) / len(ok),
+                    "grad norm": sum(v[1] for v in ok) / len(ok),
+                    "number of nan iterations": sum(p[4] for p in pending),
+                    "_samples_per_iter": t.global_batch_size}, per_iter)

@@ -17,15 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dmd2_mega.arguments import parse_dmd2_args  # noqa: E402
 from dmd2_mega.dmd2.trainer import DMD2Trainer  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed  # noqa: E402
+from dmd2_mega.resilience import run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
-    cfg = parse_dmd2_args(argv)
-    try:
-        DMD2Trainer(cfg).train()
-    finally:
-        destroy_distributed()
-    return 0
+    """0 on success and on a preemption exit; 1 with a one-line message for a bad flag, file or value."""
+    return run_main(lambda: DMD2Trainer(parse_dmd2_args(argv)).train(), destroy_distributed)
 
 
 if __name__ == "__main__":

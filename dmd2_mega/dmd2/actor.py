@@ -4,7 +4,8 @@ For each scored micro-batch j (gradient accumulation over j, DP all-reduce on th
     x0hat = x_i - sigma_i * v_student(x_i, sigma_i, cond)                 WITH grad
     norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
     loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
-(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics). Then TP/DP-aware clip and step.
+(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics). Then TP/DP-aware clip and step,
+skipped when the loss or the gradient norm is non-finite (`optim.Optimizer`).
 Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 import kernels
 from dmd2_mega.dmd2.critic import Scores
+from dmd2_mega.optim import step_optimizer
 
 
 def actor_phase(student, scores: list[Scores]) -> dict:
@@ -36,7 +38,7 @@ def actor_phase(student, scores: list[Scores]) -> dict:
         norm_mean = norm_mean + stats.norm.float().mean() / m
         gap = gap + (sc.x0_fake - sc.x0_real).abs().float().mean() / m
         rms = rms + stats.grad_rms.float() / m
-    grad_norm = student.optimizer.step()
+    grad_norm = step_optimizer(student.optimizer, total)  # skipped if total or the norm is non-finite
     student.optimizer.zero_grad()
     return {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
             "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}

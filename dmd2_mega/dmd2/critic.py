@@ -11,6 +11,7 @@ Scoring, `shared` (default): the last step's forward also yields, detached, x_s,
 `original` (tianweiy/DMD2's order): before the last step, a separate draw (sigma in the score range,
     fresh eps) and a no-grad critic forward give x_s, sigma, x0_fake; the last step then trains on
     the full grid like the others.
+A step whose loss or gradient norm is non-finite is skipped (`optim.Optimizer`; the trainer counts it).
 After the K steps the frozen teacher scores x_s with CFG g over the null condition, both
 conditions in one batched forward (g = 1: the positive one only):
     x0_real = x_s - sigma * (v_neg + g (v_pos - v_neg))                  kernels.cfg_x0
@@ -28,6 +29,7 @@ from torch import Tensor
 import kernels
 from dmd2_mega import flow
 from dmd2_mega.dmd2.rollout import Rollout
+from dmd2_mega.optim import step_optimizer
 
 
 @dataclass
@@ -96,7 +98,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Gene
             if last and scoring == "shared":
                 with torch.no_grad():
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v.detach(), sigma))
-        norm = critic.optimizer.step()
+        norm = step_optimizer(critic.optimizer, total)  # skipped if total or the norm is non-finite
         critic.optimizer.zero_grad()
         losses.append(total)
     scores = [_teacher_score(teacher, *kj, guidance=guidance, null_cond=null_cond) for kj in kept]

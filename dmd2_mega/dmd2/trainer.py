@@ -6,21 +6,28 @@ One iteration = one cycle. Per DP rank, M = G / (B x DP) micro-batches j (global
              (seed, cycle, j, CRITIC); teacher CFG scores of the last step's samples
     actor    one student optimizer step on the scored samples of every j
 Phases switch once per cycle; with --offload-inactive the roles a phase does not need sleep
-(`roles.PHASE_ROLES`). Host syncs only at the log / eval / save intervals.
-Checkpoints: student in --save, critic in <save>_critic (Megatron layout each).
+(`roles.PHASE_ROLES`). Host syncs: one non-finite check per optimizer step (a NaN/inf loss or grad
+norm skips that role's step; `--max-nan-iterations` consecutive skips of one role stop the run),
+the exit check per cycle with `--exit-signal-handler` / `--exit-duration-in-mins`, and the log /
+eval / save intervals.
+Checkpoints: student in --save, critic in <save>_critic (Megatron layout each), committed together:
+both iteration directories are written, then the critic's tracker, then the student's (the commit
+point); both payloads carry the same `pair_id`, and a load takes the critic saved with the student.
 """
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import asdict
 from typing import Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_weights, load_payload,
-                                  partition_dims, rng_state, save_checkpoint, set_rng_state)
+from dmd2_mega.checkpoint import (CheckpointError, check_writable, commit, iter_dir, load_model_weights,
+                                  load_payload, model_size_hint, partition_dims, rng_state, set_rng_state,
+                                  write_iteration)
 from dmd2_mega.config import ConfigError, DistillConfig, ModelConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
@@ -33,7 +40,8 @@ from dmd2_mega.models import count_parameters
 from dmd2_mega.offload import Sleeper
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.training import build_model, cast_model, data_info
+from dmd2_mega.resilience import ExitController, account_skips
+from dmd2_mega.training import build_model, cast_model, data_info, enable_determinism
 
 ROLLOUT, CRITIC = 0, 1
 
@@ -55,8 +63,9 @@ class DMD2Trainer:
     def __init__(self, cfg: DistillConfig):
         self.cfg = cfg
         t, d = cfg.train, cfg.dmd2
+        start = time.time()
         if t.deterministic:
-            torch.use_deterministic_algorithms(True)
+            enable_determinism()
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro = validate_dmd2_args(cfg, ps.dp_size)
         if t.save:
@@ -89,18 +98,23 @@ class DMD2Trainer:
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
                                           ps.dp_rank, ps.dp_size, t.seed)
         self.iteration = 0
+        self.saved_iteration: Optional[int] = None  # the cycle --save holds from this process
+        self.pair_token = uuid.uuid4().hex  # with the cycle, ties a student save to its critic save
         if t.load:
             self.load(t.load)
+        self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- roles ---------------------------------------------------------------------------------
     def _build_role(self, name: str, teacher_payload: dict) -> Role:
         cfg, ps, d = self.cfg, self.ps, self.cfg.dmd2
         model = build_model(cfg.model, self.info, ps)
-        source = {"teacher": d.teacher_load, "student": d.student_load, "critic": d.critic_load}[name] or d.teacher_load
+        own = {"teacher": d.teacher_load, "student": d.student_load, "critic": d.critic_load}[name]
+        source = own or d.teacher_load
+        flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"
         payload = teacher_payload if source == d.teacher_load else load_payload(source, ps)
         if payload is None:
-            raise CheckpointError(f"--{name}-load {source} holds no checkpoint")
-        load_model_weights(model, payload["model"], f"--{name}-load {source}")
+            raise CheckpointError(f"{flag} holds no checkpoint")
+        load_model_weights(model, payload["model"], flag, model_size_hint(payload, cfg.model.size))
         model = cast_model(model, cfg.optim.bf16)
         if name == "teacher":
             model.requires_grad_(False)
@@ -109,7 +123,7 @@ class DMD2Trainer:
         optim_cfg = cfg.optim if name == "student" else cfg.critic_optim()
         ddp = DDP(model, process_group=ps.dp_group, broadcast_buffers=False) if ps.dp_size > 1 else None
         save = cfg.train.save if name == "student" else (critic_dir(cfg.train.save) if cfg.train.save else None)
-        return Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group),
+        return Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group),
                     LRSchedule(optim_cfg, cfg.train.train_iters), ddp, save)
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -119,14 +133,18 @@ class DMD2Trainer:
                 "sampler": self.sampler.state_dict(), "rng": rng_state(), "args": asdict(self.cfg),
                 "data_info": self.info, "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
                 "partition_dims": partition_dims(role.model), "role": role.name,
-                "student_sigmas": self.sigmas.tolist(), "checkpoint_version": 1}
+                "student_sigmas": self.sigmas.tolist(), "pair_id": f"{self.iteration}-{self.pair_token}",
+                "checkpoint_version": 1}
 
     def save(self) -> None:
-        for name in ("critic", "student"):  # the student's tracker is written last
+        """Both roles' iteration directories, then the critic's tracker, then the student's (the commit)."""
+        for name in ("critic", "student"):
             role = self.roles[name]
             if role.sleeper is not None:
                 role.sleeper.wake()
-            save_checkpoint(role.save_dir, self.iteration, self._payload(role), self.ps)
+            write_iteration(role.save_dir, self.iteration, self._payload(role), self.ps)
+        commit([self.roles["critic"].save_dir, self.roles["student"].save_dir], self.iteration, self.ps)
+        self.saved_iteration = self.iteration
         print_rank0(f"> saved student to {self.cfg.train.save} and critic to {critic_dir(self.cfg.train.save)} "
                     f"at cycle {self.iteration}", self.ps.rank)
 
@@ -135,21 +153,37 @@ class DMD2Trainer:
         if student is None:
             print_rank0(f"> WARNING: no checkpoint in --load {root}; starting from --teacher-load", self.ps.rank)
             return
-        if not os.path.isdir(critic_dir(root)):
-            raise CheckpointError(f"--load {root}: the critic directory {critic_dir(root)} is missing")
-        critic = load_payload(critic_dir(root), self.ps, iteration=int(student["iteration"]))
+        cdir, n = critic_dir(root), int(student["iteration"])
+        if not os.path.isdir(cdir):
+            raise CheckpointError(f"--load {root}: the critic directory {cdir} is missing")
+        if not any(os.path.isdir(iter_dir(cdir, n) + s_) for s_ in ("", ".old")):
+            raise CheckpointError(f"--load {root}: the critic directory {cdir} holds no checkpoint of cycle {n} "
+                                  f"(expected {iter_dir(cdir, n)}/, saved with the student of cycle {n})")
+        critic = load_payload(cdir, self.ps, iteration=n, pair_id=student.get("pair_id"))
+        t = self.cfg.train
         for name, payload in (("student", student), ("critic", critic)):
             role = self.roles[name]
+            load_model_weights(role.model, payload["model"], f"--load {root} ({name})",
+                               model_size_hint(payload, self.cfg.model.size))
+            if t.no_load_optim:
+                continue
             if payload["saved_tp_size"] != self.ps.tp_size:
                 raise CheckpointError(f"--load {root} ({name}) was saved with --tensor-model-parallel-size "
-                                      f"{payload['saved_tp_size']} but this run uses {self.ps.tp_size}")
-            load_model_weights(role.model, payload["model"], f"--load {root} ({name})")
+                                      f"{payload['saved_tp_size']} but this run uses {self.ps.tp_size}: weights "
+                                      f"reshard, optimizer state does not; pass --no-load-optim to continue from "
+                                      f"the weights with fresh optimizers")
             role.optimizer.load_state_dict(payload["optimizer"])
             role.schedule.load_state_dict(payload["scheduler"])
+        if t.no_load_optim:
+            print_rank0(f"> loaded student and critic weights of cycle {student['iteration']} from {root} "
+                        f"(fresh optimizers, cycle 0)", self.ps.rank)
+            return
         self.sampler.load_state_dict(student["sampler"])
         if not self.cfg.train.no_load_rng:
             set_rng_state(student["rng"])
         self.iteration = int(student["iteration"])
+        if t.save and os.path.abspath(root) == os.path.abspath(t.save):
+            self.saved_iteration = self.iteration  # nothing new to save until the next cycle
         print_rank0(f"> resumed student and critic from {root} at cycle {self.iteration}", self.ps.rank)
 
     # ---- one cycle -----------------------------------------------------------------------------
@@ -157,6 +191,7 @@ class DMD2Trainer:
         t, d, ps, roles = self.cfg.train, self.cfg.dmd2, self.ps, self.roles
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
         lrs = {n: roles[n].schedule.apply(roles[n].optimizer, self.iteration) for n in ("student", "critic")}
+        skipped = {n: roles[n].optimizer.skipped_steps for n in ("critic", "student")}
         shape = (self.info["in_channels"], self.info["image_size"], self.info["image_size"])
         resident = {"rollout": enter_phase("rollout", roles)}
         rollouts, critic_gens = [], []
@@ -176,7 +211,8 @@ class DMD2Trainer:
         resident["actor"] = enter_phase("actor", roles)
         metrics.update(actor_phase(roles["student"], scores))
         self.iteration += 1
-        return {"metrics": metrics, "lr": lrs, "resident": resident}
+        skipped = {n: roles[n].optimizer.skipped_steps - k_ for n, k_ in skipped.items()}
+        return {"metrics": metrics, "lr": lrs, "resident": resident, "skipped": skipped}
 
     # ---- evaluation ----------------------------------------------------------------------------
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
@@ -205,23 +241,37 @@ class DMD2Trainer:
         t, ps = self.cfg.train, self.ps
         logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, self.iteration)
         pending, result, start = [], {}, time.time()
-        while self.iteration < t.train_iters:
-            out = self.cycle()
-            pending.append((self.iteration, out))
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+        try:
+            while self.iteration < t.train_iters:
+                out = self.cycle()
+                pending.append((self.iteration, out))
+                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                    self._log(logger, pending)
+                    pending = []
+                account_skips({n: self.roles[n].optimizer for n in out["skipped"]}, out["skipped"],
+                              t.max_nan_iterations, f"cycle {self.iteration}", ps.rank)  # may stop the run
+                if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+                    self.save()
+                if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
+                    result = self.evaluate(t.save or t.tensorboard_dir) or {}
+                    if result:
+                        print_rank0(f"> eval at cycle {self.iteration}: " + ", ".join(
+                            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
+                            ps.rank)
+                        logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
+                                                        if isinstance(v, float)})
+                reason = self.exit.check()
+                if reason:
+                    print_rank0(f"> exiting at cycle {self.iteration}: {reason}"
+                                + ("" if t.save else " (no --save: nothing is saved)"), ps.rank)
+                    break
+            if pending:
                 self._log(logger, pending)
-                pending = []
-            if t.save and t.save_interval and self.iteration % t.save_interval == 0:
+            if t.save and self.saved_iteration != self.iteration:
                 self.save()
-            if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                result = self.evaluate(t.save or t.tensorboard_dir) or {}
-                if result:
-                    print_rank0(f"> eval at cycle {self.iteration}: " + ", ".join(
-                        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), ps.rank)
-                    logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items() if isinstance(v, float)})
-        if t.save and (not t.save_interval or self.iteration % t.save_interval != 0):
-            self.save()
-        logger.close()
+        finally:
+            self.exit.close()
+            logger.close()
         print_rank0(f"> DMD2 done: {self.iteration} cycles in {time.time() - start:.1f} s", ps.rank)
         return result
 
@@ -235,5 +285,7 @@ class DMD2Trainer:
         metrics = {"critic-lr": last["lr"]["critic"], "actor-lr": last["lr"]["student"]}
         metrics.update({k_: sum(v[i] for v in vals) / len(vals) for i, k_ in enumerate(keys)})
         metrics.update({f"resident-MB-{p}": r / 2**20 for p, r in last["resident"].items()})
+        metrics.update({f"{'actor' if n == 'student' else n} nan iterations": sum(o["skipped"][n] for _, o in pending)
+                        for n in ("critic", "student")})
         metrics["_samples_per_iter"] = self.cfg.train.global_batch_size
         logger.log(self.iteration, self.sampler.consumed_samples, metrics, per_iter)

@@ -1,0 +1,144 @@
+"""Failure handling shared by the training loops: preemption exits, non-finite step limits, and the
+test-only kill points of the checkpoint writer.
+
+Exit conditions (Megatron's `--exit-signal-handler`, `--exit-duration-in-mins`). `ExitController`
+installs a SIGTERM handler that only sets a flag; at the end of every iteration (cycle) the loop
+calls `check()`, which all-reduces (MAX over the world) the int32 tensor
+    [SIGTERM seen on this rank, rank 0's wall clock since start > limit (rank 0's entry only)]
+so every rank takes the same decision at the same iteration, after a complete iteration: the loop
+then saves and returns, and the script exits 0. Cost: one 2-element collective and one host sync
+per iteration, only when one of the two flags is given (none otherwise).
+
+Non-finite steps. `dmd2_mega.optim.Optimizer` skips a step whose loss or gradient norm is not
+finite (weights and Adam state untouched) and counts `skipped_steps` and `consecutive_skips`.
+`account_skips` warns about them and `check_nan_limit` stops the run with `NonFiniteError` (naming
+the role and the iteration / cycle) once a role has `--max-nan-iterations` consecutive skips.
+
+Test hook (tests only; never set it in a real job): `DMD2_MEGA_TEST_KILL_AT=<stage>[@<iteration>]`
+makes the process SIGKILL itself at the named stage of a checkpoint save (of that iteration, or
+of any iteration without `@`). Stages, in the order a save passes them:
+    rank-file-tmp       this rank's model_optim_rng.pt.tmp written, not yet renamed
+    rank-file           model_optim_rng.pt complete inside iter_N.tmp/
+    before-dir-rename   all ranks written; iter_N.tmp/ not yet renamed to iter_N/
+    old-aside           re-saving iteration N: the previous iter_N/ moved to iter_N.old/
+    before-tracker      iter_N/ in place; latest_checkpointed_iteration.txt not yet replaced
+    between-trackers    DMD2: <save>_critic's tracker replaced, the student's (the commit) not yet
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dmd2_mega.logger import print_rank0
+
+KILL_ENV = "DMD2_MEGA_TEST_KILL_AT"
+KILL_STAGES = ("rank-file-tmp", "rank-file", "before-dir-rename", "old-aside", "before-tracker",
+               "between-trackers")
+
+
+class NonFiniteError(RuntimeError):
+    """A role had too many consecutive optimizer steps with a non-finite loss or gradient norm."""
+
+
+def kill_point(stage: str, iteration: int) -> None:
+    """Test hook: SIGKILL this process at `stage` if DMD2_MEGA_TEST_KILL_AT asks for it."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    want, _, it = spec.partition("@")
+    if want not in KILL_STAGES:
+        raise ValueError(f"{KILL_ENV}={spec!r}: unknown stage {want!r}; one of {KILL_STAGES}")
+    if want == stage and (not it or int(it) == iteration):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ExitController:
+    """--exit-signal-handler / --exit-duration-in-mins (see the module docstring)."""
+
+    def __init__(self, signal_handler: bool, duration_mins: Optional[float], rank: int,
+                 device: torch.device, start_time: Optional[float] = None):
+        self.signal_handler, self.duration_mins = signal_handler, duration_mins
+        self.rank, self.device = rank, device
+        self.start = time.time() if start_time is None else start_time
+        self.received = False
+        self._previous = None
+        if signal_handler:
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.signal_handler or self.duration_mins is not None
+
+    def check(self) -> Optional[str]:
+        """Collective over the world when enabled: the reason to stop now, or None."""
+        if not self.enabled:
+            return None
+        late = (self.rank == 0 and self.duration_mins is not None
+                and time.time() - self.start > 60.0 * self.duration_mins)
+        flags = torch.tensor([int(self.received), int(late)], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, timed_out = flags.tolist()
+        if signalled:
+            return "SIGTERM received (--exit-signal-handler)"
+        if timed_out:
+            return f"--exit-duration-in-mins {self.duration_mins:g} reached"
+        return None
+
+    def close(self) -> None:
+        """Restore the SIGTERM handler that was in place before."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def check_nan_limit(role: str, optimizer, limit: int, where: str) -> None:
+    """Raise NonFiniteError once `optimizer` (a dmd2_mega.optim.Optimizer) has skipped `limit`
+    consecutive steps; `where` is e.g. 'cycle 12'. limit 0 disables the stop."""
+    n = optimizer.consecutive_skips
+    if limit and n >= limit:
+        raise NonFiniteError(
+            f"{role}: {n} consecutive optimizer steps with a non-finite loss or gradient norm, the last at "
+            f"{where} (--max-nan-iterations {limit}); stopping. Those steps were skipped, so no weights or "
+            f"optimizer state were changed by them and no checkpoint was written; resume from the last "
+            f"checkpoint with a lower --lr or check the data")
+
+
+def account_skips(optimizers: dict, skipped: dict, limit: int, where: str, rank: int) -> None:
+    """After an iteration: warn (rank 0) about the steps each role skipped in it (`skipped`: role ->
+    count), then raise NonFiniteError if a role's optimizer is at `limit` consecutive skips."""
+    for role, n in skipped.items():
+        if n:
+            opt = optimizers[role]
+            print_rank0(f"> WARNING: {where}: skipped {n} {role} optimizer step(s): non-finite loss or gradient "
+                        f"norm ({opt.consecutive_skips} consecutive, {opt.skipped_steps} in total)", rank)
+    for role in skipped:
+        check_nan_limit(role, optimizers[role], limit, where)
+
+
+def run_main(train, teardown) -> int:
+    """The launch scripts' main: `train()`, then `teardown()`. 0 on success or a preemption exit; a
+    bad flag, file or value (ConfigError, DataError, CheckpointError) or a NaN stop prints ONE line
+    `<ErrorType>: <message>` to stderr (prefixed by the rank in a multi-rank job) and returns 1."""
+    import sys
+
+    from dmd2_mega.checkpoint import CheckpointError
+    from dmd2_mega.config import ConfigError
+    from dmd2_mega.data import DataError
+    try:
+        train()
+        return 0
+    except (ConfigError, DataError, CheckpointError, NonFiniteError) as e:
+        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{rank}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        teardown()
