@@ -44,7 +44,12 @@ class TrainLogger:
         parts = [f" iteration {iteration:8d}/{self.train_iters:8d}", f"consumed samples: {consumed:12d}",
                  f"elapsed time per iteration (ms): {ms:.1f}"]
         for k, v in metrics.items():
-            parts.append(f"{k}: {v:.3E}" if "loss" in k or "learning rate" in k or k.endswith("-lr") else f"{k}: {v:.3f}")
+            if "nan iterations" in k:
+                parts.append(f"{k}: {int(v)}")
+            elif "loss" in k or "learning rate" in k or k.endswith("-lr"):
+                parts.append(f"{k}: {v:.3E}")
+            else:
+                parts.append(f"{k}: {v:.3f}")
         parts.append(f"samples per second: {samples * 1000 / max(ms, 1e-9):.1f}")
         line = " | ".join(parts) + " |"
         (self.bar.write if self.bar else print)(line)
