@@ -107,7 +107,7 @@ class Bench:
         cond = self.ds.get_batch(idx)[1].to(self.dev)
         gen, n = mbg(self.a.seed, self.it, j, self.dev, stream=ROLLOUT), self.k * self.b
         r = rollout(self.roles["student"].model, gen, n, cond, self.sigmas, shape=self.shape, device=self.dev,
-                    sample_id_offset=self.it * n)
+                    sample_id_offset=self.it * n, max_batch=self.b if self.dev.type == "cpu" else None)
         self.stop_counts.append(r.stop_step.sum() + len(r))  # sample-forwards (device scalar: no sync)
         return [r], [mbg(self.a.seed, self.it, j, self.dev, stream=CRITIC)]
 

@@ -242,3 +242,14 @@ def test_debug_dit(world):
     assert torch.equal(a.stop_step, stop)
     torch.testing.assert_close(a.x.double(), x, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a.x0hat.double(), x0, rtol=1e-4, atol=1e-4)
+
+
+def test_max_batch_chunks_forwards_without_changing_the_rollout():
+    sigmas = student_sigmas(4)
+    cond = labels(23)
+    whole, chunked = FakeStudent(), FakeStudent()
+    a = run(whole, 5, 23, cond, sigmas)
+    b = run(chunked, 5, 23, cond, sigmas, max_batch=4)
+    assert max(chunked.calls) <= 4 and sum(chunked.calls) == sum(whole.calls)
+    for name in ("x", "sigma", "x0hat", "stop_step", "sample_id"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=1e-12)

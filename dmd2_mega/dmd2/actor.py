@@ -30,7 +30,7 @@ def actor_phase(student, scores: list[Scores]) -> dict:
     for j, sc in enumerate(scores):
         sync = student.ddp is None or j == m - 1
         with contextlib.nullcontext() if sync else student.ddp.no_sync():
-            v = student.net(sc.x, sc.sigma, sc.cond).float()  # bf16 models: fp32 maths
+            v = student.net(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
             x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
             (loss / m).backward()

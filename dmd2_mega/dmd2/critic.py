@@ -82,7 +82,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Gene
                 for j, r in enumerate(rollouts):
                     b = r.micro_batch(k, micro)
                     x_s, sigma, _ = _noised(b.x0hat, gens[j], score_choices)
-                    v = critic.model(x_s, sigma, b.cond).float()  # bf16 models: fp32 maths
+                    v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
         choices = score_choices if last and scoring == "shared" else full
         total = torch.zeros((), device=grid.device)
@@ -91,7 +91,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Gene
             x_s, sigma, eps = _noised(b.x0hat, gens[j], choices)
             sync = critic.ddp is None or j == len(rollouts) - 1
             with contextlib.nullcontext() if sync else critic.ddp.no_sync():
-                v = critic.net(x_s, sigma, b.cond).float()
+                v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
                 loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=loss_space).mean()
                 (loss / len(rollouts)).backward()
             total = total + loss.detach() / len(rollouts)
@@ -111,9 +111,9 @@ def _teacher_score(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Ten
                    null_cond) -> Scores:
     n = x_s.shape[0]
     if guidance == 1.0:
-        x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).float(), sigma)
+        x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
     else:
         neg = null_cond(n, x_s.device)
-        v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).float()
+        v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).to(x_s.dtype)
         x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
     return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=x0_fake, x0_real=x0_real)

@@ -107,11 +107,13 @@ def _running_counts(stop: Tensor, steps: int) -> list[int]:
 @torch.no_grad()
 def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Tensor, sigmas: Tensor, *,
             shape: Sequence[int], device, sample_id_offset: int = 0,
-            dtype: torch.dtype = torch.float32) -> Rollout:
+            dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None) -> Rollout:
     """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
 
     student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
     sigmas [N] descending (from `student_sigmas`); x and the noise are `dtype` on `device`.
+    max_batch: run each step's forward in chunks of at most this many rows (None: one forward).
+    On a CPU, forwards of B rows are faster per sample than one of K*B (cache); the result is the same.
     """
     if batch < 1:
         raise RolloutError(f"rollout batch must be >= 1, got {batch}")
@@ -138,7 +140,9 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
         c, c_next = counts[i], counts[i + 1]
         if c > 0:
             s_i = sig[i].repeat(c)
-            v = student(x[:c], s_i, cond_sorted[:c]).to(dtype)
+            step = c if not max_batch else max_batch
+            v = torch.cat([student(x[a:min(a + step, c)], s_i[a:min(a + step, c)], cond_sorted[a:min(a + step, c)])
+                           for a in range(0, c, step)]).to(dtype)
             x0 = flow.x0_from_velocity(x[:c], v, s_i)
             kept_x.append(x[c_next:c])       # rows that stop at step i
             kept_x0.append(x0[c_next:c])

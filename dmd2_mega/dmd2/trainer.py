@@ -200,7 +200,8 @@ class DMD2Trainer:
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device, stream=ROLLOUT)
             offset = (self.iteration * self.num_micro * ps.dp_size + j) * k * b
             rollouts.append(rollout(roles["student"].model, gen, k * b, cond, self.sigmas, shape=shape,
-                                    device=ps.device, sample_id_offset=offset))
+                                    device=ps.device, sample_id_offset=offset,
+                                    max_batch=b if ps.device.type == "cpu" else None))
             critic_gens.append(micro_batch_generator(t.seed, self.iteration, j, ps.device, stream=CRITIC))
         resident["critic"] = enter_phase("critic", roles)
         null = roles["teacher"].model.null_cond
