@@ -16,6 +16,15 @@ def print_rank0(msg: str, rank: int = 0) -> None:
         print(msg, flush=True)
 
 
+def report_eval(logger: "TrainLogger", result: dict, iteration: int, unit: str, rank: int) -> None:
+    """Print an eval result on one line (`> eval at cycle 300: ...`) and log its scalars as eval/*."""
+    if not result:
+        return
+    print_rank0(f"> eval at {unit} {iteration}: " + ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), rank)
+    logger.scalars(iteration, {f"eval/{k}": v for k, v in result.items() if isinstance(v, float)})
+
+
 class TrainLogger:
     def __init__(self, rank: int, train_iters: int, tensorboard_dir: Optional[str] = None,
                  loss_trace: Optional[str] = None, start_iteration: int = 0):

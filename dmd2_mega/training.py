@@ -30,7 +30,7 @@ from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_we
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
-from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
 from dmd2_mega.models import DiT, count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
@@ -216,12 +216,7 @@ class FlowTrainer:
                     self.save()
                 if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                     result = self.evaluate(out_dir) or {}
-                    if result:
-                        print_rank0(f"> eval at iteration {self.iteration}: " +
-                                    ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                              for k, v in result.items()), ps.rank)
-                        logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
-                                                        if isinstance(v, float)})
+                    report_eval(logger, result, self.iteration, "iteration", ps.rank)
                 reason = self.exit.check()
                 if reason:
                     print_rank0(f"> exiting at iteration {self.iteration}: {reason}"

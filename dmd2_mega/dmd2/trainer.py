@@ -35,7 +35,7 @@ from dmd2_mega.dmd2.actor import actor_phase
 from dmd2_mega.dmd2.critic import critic_grid, critic_phase
 from dmd2_mega.dmd2.roles import Role, enter_phase
 from dmd2_mega.dmd2.rollout import rollout, student_sigmas
-from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
 from dmd2_mega.models import count_parameters
 from dmd2_mega.offload import Sleeper
 from dmd2_mega.optim import LRSchedule, build_optimizer
@@ -255,12 +255,7 @@ class DMD2Trainer:
                     self.save()
                 if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
                     result = self.evaluate(t.save or t.tensorboard_dir) or {}
-                    if result:
-                        print_rank0(f"> eval at cycle {self.iteration}: " + ", ".join(
-                            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
-                            ps.rank)
-                        logger.scalars(self.iteration, {f"eval/{k}": v for k, v in result.items()
-                                                        if isinstance(v, float)})
+                    report_eval(logger, result, self.iteration, "cycle", ps.rank)
                 reason = self.exit.check()
                 if reason:
                     print_rank0(f"> exiting at cycle {self.iteration}: {reason}"
