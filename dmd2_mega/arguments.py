@@ -74,13 +74,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="stop after this many consecutive non-finite (skipped) steps of one role; 0 = never")
 
 
-def flow_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a flow-matching DiT teacher (Megatron-style flags).")
+def _common_parser(description: str) -> argparse.ArgumentParser:
+    """The flag groups every training script takes: model, parallel, optimizer, training."""
+    p = argparse.ArgumentParser(description=description)
     add_model_args(p)
     add_parallel_args(p)
     add_optim_args(p)
     add_train_args(p)
     return p
+
+
+def flow_parser() -> argparse.ArgumentParser:
+    return _common_parser("Pretrain a flow-matching DiT teacher (Megatron-style flags).")
 
 
 def model_config(a) -> ModelConfig:
@@ -136,11 +141,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
 
 
 def dmd2_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="DMD2 distillation of a flow-matching DiT (Megatron-style flags).")
-    add_model_args(p)
-    add_parallel_args(p)
-    add_optim_args(p)
-    add_train_args(p)
+    p = _common_parser("DMD2 distillation of a flow-matching DiT (Megatron-style flags).")
     add_dmd2_args(p)
     return p
 

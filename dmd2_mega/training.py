@@ -30,7 +30,8 @@ from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_we
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
-from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
+from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.loop import after_iteration, finish_run
 from dmd2_mega.models import DiT, count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
@@ -212,20 +213,11 @@ class FlowTrainer:
                     pending = []
                 account_skips({"model": self.optimizer}, {"model": skipped}, t.max_nan_iterations,
                               f"iteration {self.iteration}", ps.rank)  # may stop the run, before any save
-                if t.save and t.save_interval and self.iteration % t.save_interval == 0:
-                    self.save()
-                if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                    result = self.evaluate(out_dir) or {}
-                    report_eval(logger, result, self.iteration, "iteration", ps.rank)
-                reason = self.exit.check()
-                if reason:
-                    print_rank0(f"> exiting at iteration {self.iteration}: {reason}"
-                                + ("" if t.save else " (no --save: nothing is saved)"), ps.rank)
+                evaluated, stop = after_iteration(self, logger, "iteration", out_dir)
+                result = result if evaluated is None else evaluated
+                if stop:
                     break
-            if pending:
-                self._log(logger, pending)
-            if t.save and self.saved_iteration != self.iteration:
-                self.save()
+            finish_run(self, logger, pending)
         finally:
             self.exit.close()
             logger.close()

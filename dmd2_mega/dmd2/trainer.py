@@ -35,7 +35,8 @@ from dmd2_mega.dmd2.actor import actor_phase
 from dmd2_mega.dmd2.critic import critic_grid, critic_phase
 from dmd2_mega.dmd2.roles import Role, enter_phase
 from dmd2_mega.dmd2.rollout import rollout, student_sigmas
-from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
+from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.loop import after_iteration, finish_run
 from dmd2_mega.models import count_parameters
 from dmd2_mega.offload import Sleeper
 from dmd2_mega.optim import LRSchedule, build_optimizer
@@ -251,20 +252,11 @@ class DMD2Trainer:
                     pending = []
                 account_skips({n: self.roles[n].optimizer for n in out["skipped"]}, out["skipped"],
                               t.max_nan_iterations, f"cycle {self.iteration}", ps.rank)  # may stop the run
-                if t.save and t.save_interval and self.iteration % t.save_interval == 0:
-                    self.save()
-                if t.eval_interval and (self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters):
-                    result = self.evaluate(t.save or t.tensorboard_dir) or {}
-                    report_eval(logger, result, self.iteration, "cycle", ps.rank)
-                reason = self.exit.check()
-                if reason:
-                    print_rank0(f"> exiting at cycle {self.iteration}: {reason}"
-                                + ("" if t.save else " (no --save: nothing is saved)"), ps.rank)
+                evaluated, stop = after_iteration(self, logger, "cycle", t.save or t.tensorboard_dir)
+                result = result if evaluated is None else evaluated
+                if stop:
                     break
-            if pending:
-                self._log(logger, pending)
-            if t.save and self.saved_iteration != self.iteration:
-                self.save()
+            finish_run(self, logger, pending)
         finally:
             self.exit.close()
             logger.close()
