@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from dmd2_mega.eval import atomic_write
 
 CACHE_ENV = "DMD2_MEGA_CACHE"
 CACHE_NAME = "digits_classifier_v1.pt"
@@ -156,15 +157,6 @@ def load_or_train_classifier(path: str | os.PathLike | None = None) -> DigitsCla
             return model
     print(f"[eval] training the digits feature classifier -> {file}", file=sys.stderr)
     model = train_classifier(images, labels)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=CACHE_NAME + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"state_dict": model.state_dict(), "fingerprint": fp, "version": 1}, f)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    state = {"state_dict": model.state_dict(), "fingerprint": fp, "version": 1}
+    atomic_write(file, lambda f: torch.save(state, f))
     return model

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 
 import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_mega.eval import EvalInputError
+from dmd2_mega.eval import EvalInputError, atomic_write
 
 
 def _to_numpy(a) -> np.ndarray:
@@ -67,16 +66,5 @@ def save_grid(images, labels, path, num_classes: int | None = None, upscale: int
     im = Image.fromarray(canvas[..., 0] if canvas.shape[2] == 1 else canvas)
 
     path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            im.save(f, format="PNG")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: im.save(f, format="PNG"))
     return path
