@@ -141,7 +141,7 @@ class Bench:
         self.rollouts = self.do_rollout()[0]
         scores, r0 = self.critic_phase("shared", gens())[0], self.rollouts[0]
         b = r0.micro_batch(self.k - 1, self.b)
-        x_s, sigma, _ = C._noised(b.x0hat, gens()[0], self.grid[self.in_range])
+        x_s, sigma, _ = C.flow.noise_on_grid(b.x0hat, gens()[0], self.grid[self.in_range])
         x0, cond = (v.to(self.dev) for v in self.ds.get_batch(torch.arange(self.b) % len(self.ds)))
         null, p, no_grad = self.ds.null_cond(self.b).to(self.dev), self.plain, torch.no_grad()
 

@@ -138,6 +138,18 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-inactive", dest="offload_inactive", action="store_true", default=None,
                    help="sleep the roles a phase does not use (default on with CUDA)")
     g.add_argument("--no-offload-inactive", dest="offload_inactive", action="store_false")
+    g = p.add_argument_group("dmd2 GAN head and student EMA")
+    g.add_argument("--dmd2-gan", action="store_true",
+                   help="train a GAN head on the critic's features; its generator loss joins the actor's")
+    g.add_argument("--dmd2-gan-feature-layer", type=int, default=None,
+                   help="critic block whose token-mean output feeds the head (default the middle block)")
+    g.add_argument("--dmd2-gan-noise", action=argparse.BooleanOptionalAction, default=True,
+                   help="noise real and fake to a sigma in the score range (default) or feed them clean")
+    g.add_argument("--dmd2-gan-disc-weight", type=float, default=1e-2)
+    g.add_argument("--dmd2-gan-gen-weight", type=float, default=3e-3)
+    g.add_argument("--ema-decay", type=float, default=0.0, help="student EMA decay (0 = off)")
+    g.add_argument("--ema-start-iter", type=int, default=0, help="the EMA copies the student before this cycle")
+    g.add_argument("--no-ema", action="store_true", help="evaluate the raw student weights, not the EMA")
 
 
 def dmd2_parser() -> argparse.ArgumentParser:
@@ -155,6 +167,9 @@ def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
                    critic_loss_space=a.dmd2_critic_loss_space, teacher_guidance_scale=a.dmd2_teacher_guidance_scale,
                    critic_grid_size=a.dmd2_critic_grid_size, critic_lr=a.critic_lr, critic_min_lr=a.critic_min_lr,
                    critic_weight_decay=a.critic_weight_decay, critic_adam_beta1=a.critic_adam_beta1,
-                   critic_adam_beta2=a.critic_adam_beta2, offload_inactive=a.offload_inactive)
+                   critic_adam_beta2=a.critic_adam_beta2, offload_inactive=a.offload_inactive, gan=a.dmd2_gan,
+                   gan_feature_layer=a.dmd2_gan_feature_layer, gan_noise=a.dmd2_gan_noise,
+                   gan_disc_weight=a.dmd2_gan_disc_weight, gan_gen_weight=a.dmd2_gan_gen_weight,
+                   ema_decay=a.ema_decay, ema_start_iter=a.ema_start_iter, no_ema=a.no_ema)
     return DistillConfig(model=model_config(a), parallel=ParallelConfig(a.tensor_model_parallel_size, a.distributed_backend),
                          optim=optim_config(a), train=train_config(a), dmd2=d)

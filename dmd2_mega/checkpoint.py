@@ -41,6 +41,7 @@ from dmd2_mega.resilience import kill_point
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+RESHARDED = ("model", "ema")  # payload entries keyed by parameter name, resharded on a TP change
 
 
 class CheckpointError(ValueError):
@@ -230,18 +231,19 @@ def _load_dir(d: str, ps: ParallelState) -> dict:
     if saved_tp == ps.tp_size:
         payload = first if ps.tp_rank == 0 else _read(rank(ps.tp_rank))
     else:
-        shards = [first] + [_read(rank(r))["model"] for r in range(1, saved_tp)]
+        others = [_read(rank(r)) for r in range(1, saved_tp)]
         payload = dict(first)
-        payload["model"] = _reshard(first, shards, ps.tp_rank, ps.tp_size, saved_tp)
+        for key in RESHARDED:  # the weights, and a DMD2 student's EMA of them (same names)
+            if key in first:
+                payload[key] = _reshard(first[key], [first[key]] + [o[key] for o in others], first["partition_dims"],
+                                        ps.tp_rank, ps.tp_size, saved_tp)
     payload["saved_tp_size"] = saved_tp
     return payload
 
 
-def _reshard(first: dict, shards: list, tp_rank: int, tp_size: int, saved_tp: int) -> dict:
-    models = [first["model"]] + shards[1:]
-    dims = first["partition_dims"]
+def _reshard(first: dict, models: list, dims: dict, tp_rank: int, tp_size: int, saved_tp: int) -> dict:
     out = {}
-    for name, tensor in models[0].items():
+    for name, tensor in first.items():
         dim = dims.get(name)
         if dim is None:
             out[name] = tensor

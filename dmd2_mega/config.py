@@ -216,6 +216,22 @@ class DMD2Config:
     critic_adam_beta2: Optional[float] = None
     offload_inactive: Optional[bool] = None
     """--offload-inactive / --no-offload-inactive: sleep the roles a phase does not use (default on with CUDA)."""
+    gan: bool = False
+    """--dmd2-gan: GAN head on the critic's features (dmd2/gan.py)."""
+    gan_feature_layer: Optional[int] = None
+    """--dmd2-gan-feature-layer: critic block feeding the head (default the middle one)."""
+    gan_noise: bool = True
+    """--dmd2-gan-noise / --no-dmd2-gan-noise: noise the head's inputs to a score-range sigma."""
+    gan_disc_weight: float = 1e-2
+    """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
+    gan_gen_weight: float = 3e-3
+    """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
+    ema_decay: float = 0.0
+    """--ema-decay: student EMA decay in [0, 1) (0 = off)."""
+    ema_start_iter: int = 0
+    """--ema-start-iter: before this cycle the EMA copies the student."""
+    no_ema: bool = False
+    """--no-ema: evaluate the raw student weights even when an EMA is kept."""
 
     def __post_init__(self):
         _check(self.denoising_steps >= 1, f"--dmd2-denoising-steps must be >= 1, got {self.denoising_steps}")
@@ -230,6 +246,11 @@ class DMD2Config:
         _check(self.teacher_guidance_scale >= 1.0,
                f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
+        _check(self.gan_disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.gan_disc_weight}")
+        _check(self.gan_gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gan_gen_weight}")
+        _check(self.gan or self.gan_feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
+        _check(0.0 <= self.ema_decay < 1.0, f"--ema-decay must be in [0, 1) (0 = off), got {self.ema_decay}")
+        _check(self.ema_start_iter >= 0, f"--ema-start-iter must be >= 0, got {self.ema_start_iter}")
         if self.student_sigmas is not None:  # validated here, before any setup work
             from dmd2_mega.dmd2.rollout import student_sigmas  # lazy: rollout imports ConfigError
             student_sigmas(len(self.student_sigmas), self.student_sigmas)

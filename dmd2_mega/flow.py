@@ -45,6 +45,20 @@ def add_noise(x0: Tensor, eps: Tensor, sigma: Tensor) -> Tensor:
     return ((1 - s) * x0 + s * eps).to(x0.dtype)
 
 
+def draw_sigma(gen: torch.Generator, n: int, choices: Tensor) -> Tensor:
+    """n sigmas drawn uniformly from the 1-D tensor `choices` (on the generator's device)."""
+    idx = torch.randint(0, choices.numel(), (n,), generator=gen, device=gen.device)
+    return choices.to(gen.device)[idx]
+
+
+def noise_on_grid(x0: Tensor, gen: torch.Generator, choices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(x_sigma, sigma [B], eps): sigma ~ U{choices}, then eps ~ N(0, I), both drawn from `gen` in that
+    order (on the generator's device, then moved to x0's)."""
+    sigma = draw_sigma(gen, x0.shape[0], choices).to(x0.device)
+    eps = torch.randn(x0.shape, generator=gen, device=gen.device, dtype=x0.dtype).to(x0.device)
+    return add_noise(x0, eps, sigma), sigma, eps
+
+
 def velocity_target(x0: Tensor, eps: Tensor) -> Tensor:
     """v = eps - x0, the flow-matching regression target. [B, *D]."""
     return eps - x0

@@ -12,6 +12,14 @@ offsets and strides because only the storage's bytes move.
               optimizers, hooks and module attributes keep their references.
     wake():   S.resize_(b); bytes(S) <- host_S (non_blocking on CUDA). Bit-exact.
 
+Parts: a role's storages fall in two parts, slept and woken separately (`set_resident`):
+    weights  its modules' parameters and buffers;
+    state    everything else: grads, optimizer masters and state, extra tensors (e.g. the student's
+             EMA), less any storage the weights part already holds (without --bf16 the optimizer's
+             params ARE the module's).
+`set_resident("weights")` keeps exactly the weights (the actor phase's frozen critic under the GAN
+head); "all" = `wake()`, "none" = `sleep()`.
+
 Accounting: `resident_bytes(tensors)` sums nbytes of the unique storages; a sleeping role has 0.
 
 Calls: `sleep()` while asleep and `wake()` while awake are no-ops (the phase table may wake a role
@@ -21,8 +29,8 @@ two roles must not share storage.
 
 While asleep, reading a sleeping tensor is undefined in torch: some ops raise "setStorage ... out
 of bounds for storage of size 0", others read freed memory (a segfault on CPU). The entry points
-are therefore guarded: a forward of a registered module (a forward-pre-hook) and `step()` of a
-registered optimizer raise `RoleAsleepError("role <name> is asleep ...")`. Other reads (printing a
+are therefore guarded: a forward of a registered module (a forward-pre-hook; needs the weights) and
+`step()` of a registered optimizer (needs the state) raise `RoleAsleepError("role <name> is asleep ...")`. Other reads (printing a
 parameter, `state_dict()` for a checkpoint) are not guarded: wake the role first.
 """
 from __future__ import annotations
@@ -76,13 +84,19 @@ def _optimizer_tensors(opt) -> list[Tensor]:
     return out
 
 
+PARTS = ("weights", "state")
+LEVELS = {"all": PARTS, "weights": ("weights",), "none": ()}
+
+
 class Sleeper:
     """Sleep / wake of one role's device tensors; see the module docstring.
 
     name:       the role, for messages ("student", "critic", "teacher").
-    modules:    the role's nn.Modules: parameters, their grads and buffers; forwards are guarded.
-    optimizers: torch optimizers or dmd2_mega.optim.Optimizer: params, grads, state; step guarded.
-    tensors:    further tensors of the role.
+    modules:    the role's nn.Modules: parameters and buffers (weights part), grads (state part);
+                forwards are guarded.
+    optimizers: torch optimizers or dmd2_mega.optim.Optimizer: params, grads, state (state part);
+                step guarded.
+    tensors:    further tensors of the role (state part).
     device:     the role's device (default: that of the first parameter / tensor). Only storages on
                 it move (e.g. a CPU `step` counter of a CUDA AdamW stays put); on a CPU-only run
                 everything is on the CPU and moves.
@@ -96,30 +110,32 @@ class Sleeper:
             first = next(iter(self.tensors()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
-        self._saved: list = []  # (storage, nbytes, host copy) while asleep
-        self._asleep = False
+        self._saved: dict = {}  # part -> [(storage, nbytes, host copy)] while that part sleeps
         self._handles = [m.register_forward_pre_hook(self._forward_guard) for m in self.modules]
         self._unwrap = []
         for opt in self.optimizers:
             if isinstance(opt, torch.optim.Optimizer):
-                self._handles.append(opt.register_step_pre_hook(lambda *_: self.check_awake("optimizer step")))
+                self._handles.append(opt.register_step_pre_hook(lambda *_: self.check_awake("optimizer step",
+                                                                                            "state")))
             else:  # a wrapper (dmd2_mega.optim.Optimizer) reads grads before its inner step: guard its step
                 self._wrap_step(opt)
 
     # ---- guards ---------------------------------------------------------------------------------
-    def check_awake(self, what: str = "use") -> None:
-        if self._asleep:
-            raise RoleAsleepError(f"role {self.name} is asleep (its device storage is freed): {what} "
-                                  f"needs {self.name}.wake() first")
+    def check_awake(self, what: str = "use", part: Optional[str] = None) -> None:
+        """Raise RoleAsleepError if `part` (default: any part) is asleep."""
+        asleep = [p for p in PARTS if p in self._saved and part in (None, p)]
+        if asleep:
+            raise RoleAsleepError(f"role {self.name} is asleep (its {' and '.join(asleep)} storage is freed): "
+                                  f"{what} needs {self.name}.wake() first")
 
     def _forward_guard(self, module, args):
-        self.check_awake(f"forward of {type(module).__name__}")
+        self.check_awake(f"forward of {type(module).__name__}", "weights")
 
     def _wrap_step(self, opt) -> None:
         step = opt.step
 
         def guarded_step(*args, **kwargs):
-            self.check_awake("optimizer step")
+            self.check_awake("optimizer step", "state")
             return step(*args, **kwargs)
 
         opt.step = guarded_step  # instance attribute shadows the method; removed by close()
@@ -137,30 +153,47 @@ class Sleeper:
     # ---- state ----------------------------------------------------------------------------------
     @property
     def asleep(self) -> bool:
-        return self._asleep
+        """True when nothing of the role is resident."""
+        return all(p in self._saved for p in PARTS)
 
-    def tensors(self) -> list[Tensor]:
-        """The role's tensors now (grads and optimizer state appear lazily, so collected per call)."""
+    @property
+    def level(self) -> str:
+        """"all", "weights" or "none": what is resident now."""
+        return next(k for k, parts in LEVELS.items() if set(parts) == set(PARTS) - set(self._saved))
+
+    def weight_tensors(self) -> list[Tensor]:
         out = []
         for m in self.modules:
-            for p in m.parameters():
-                out += [p] + ([p.grad] if p.grad is not None else [])
-            out += list(m.buffers())
+            out += list(m.parameters()) + list(m.buffers())
+        return out
+
+    def state_tensors(self) -> list[Tensor]:
+        """Grads and optimizer state appear lazily, so these are collected per call."""
+        out = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
         for opt in self.optimizers:
             out += _optimizer_tensors(opt)
         return out + self.extra
+
+    def tensors(self) -> list[Tensor]:
+        return self.weight_tensors() + self.state_tensors()
 
     def resident_bytes(self) -> int:
         """Device bytes this role holds now (0 while asleep)."""
         return resident_bytes(self.tensors(), self.device)
 
-    def sleep(self) -> int:
-        """Copy every storage to the host and free it on the device; returns the bytes freed."""
-        if self._asleep:
+    def _storages(self, part: str) -> list:
+        weights = _unique_storages(self.weight_tensors(), self.device)
+        if part == "weights":
+            return weights
+        held = {st.data_ptr() for st in weights}
+        return [st for st in _unique_storages(self.state_tensors(), self.device) if st.data_ptr() not in held]
+
+    def _sleep_part(self, part: str) -> int:
+        if part in self._saved:
             return 0
         cuda = self.device.type == "cuda"
         saved = []
-        for st in _unique_storages(self.tensors(), self.device):
+        for st in self._storages(part):
             src = _bytes_of(st)
             if cuda:
                 host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True)
@@ -173,17 +206,31 @@ class Sleeper:
             torch.cuda.synchronize(self.device)
         for st, _, _ in saved:
             st.resize_(0)
-        self._saved, self._asleep = saved, True
+        self._saved[part] = saved
         return sum(n for _, n, _ in saved)
+
+    def _wake_part(self, part: str) -> int:
+        saved = self._saved.pop(part, None)
+        if saved is None:
+            return 0
+        cuda = self.device.type == "cuda"
+        for st, nbytes, host in saved:
+            st.resize_(nbytes)
+            _bytes_of(st).copy_(host, non_blocking=cuda)
+        return sum(n for _, n, _ in saved)
+
+    def set_resident(self, level: str) -> int:
+        """Make exactly the parts of `level` ("all", "weights", "none") resident; returns the bytes
+        moved. The state part sleeps before the weights (it is told apart from them by storage)."""
+        if level not in LEVELS:
+            raise ValueError(f"residency level must be one of {sorted(LEVELS)}, got {level!r}")
+        moved = sum(self._sleep_part(p) for p in reversed(PARTS) if p not in LEVELS[level])
+        return moved + sum(self._wake_part(p) for p in PARTS if p in LEVELS[level])
+
+    def sleep(self) -> int:
+        """Copy every storage to the host and free it on the device; returns the bytes freed."""
+        return self.set_resident("none")
 
     def wake(self) -> int:
         """Re-allocate every freed storage and copy its bytes back; returns the bytes restored."""
-        if not self._asleep:
-            return 0
-        cuda = self.device.type == "cuda"
-        for st, nbytes, host in self._saved:
-            st.resize_(nbytes)
-            _bytes_of(st).copy_(host, non_blocking=cuda)
-        restored = sum(n for _, n, _ in self._saved)
-        self._saved, self._asleep = [], False
-        return restored
+        return self.set_resident("all")

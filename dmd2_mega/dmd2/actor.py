@@ -4,41 +4,61 @@ For each scored micro-batch j (gradient accumulation over j, DP all-reduce on th
     x0hat = x_i - sigma_i * v_student(x_i, sigma_i, cond)                 WITH grad
     norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
     loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
-(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics). Then TP/DP-aware clip and step,
+(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics); with the GAN head on, + gen_weight *
+softplus(-D(noised x0hat)) through the frozen critic (dmd2.gan). Then TP/DP-aware clip and step,
 skipped when the loss or the gradient norm is non-finite (`optim.Optimizer`).
 Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
 import kernels
 from dmd2_mega.dmd2.critic import Scores
+from dmd2_mega.dmd2.gan import GANSettings, gan_inputs, gan_logits, generator_loss
 from dmd2_mega.optim import step_optimizer
 
 
-def actor_phase(student, scores: list[Scores]) -> dict:
-    """One optimizer step of `student` (a role) on `scores`; returns device-tensor metrics."""
+def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None, critic=None,
+                gens: Optional[list[torch.Generator]] = None) -> dict:
+    """One optimizer step of `student` (a role) on `scores`; returns device-tensor metrics.
+
+    With `gan`: + gen_weight * L_G on x0hat noised with draws from gens[j] (micro-batch j's actor
+    generator), through `critic` (a role, awake for its weights) whose parameters get no gradient."""
     dev = scores[0].x.device
     total = torch.zeros((), device=dev)
+    objective = torch.zeros((), device=dev)
+    g_total = torch.zeros((), device=dev)
     norm_mean = torch.zeros((), device=dev)
     gap = torch.zeros((), device=dev)
     rms = torch.zeros((), device=dev)
     m = len(scores)
+    inputs = [p for p in student.model.parameters() if p.requires_grad] if gan is not None else None
     for j, sc in enumerate(scores):
         sync = student.ddp is None or j == m - 1
         with contextlib.nullcontext() if sync else student.ddp.no_sync():
             v = student.net(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
             x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
-            (loss / m).backward()
+            obj = loss
+            if gan is not None:
+                x_g, sigma_g = gan_inputs(x0hat, gens[j], gan)
+                g_loss = generator_loss(gan_logits(critic.model, x_g, sigma_g, sc.cond))
+                obj = loss + gan.gen_weight * g_loss
+                g_total = g_total + g_loss.detach() / m
+            (obj / m).backward(inputs=inputs)  # with GAN: the student's parameters only, not the critic's
         total = total + loss.detach() / m
+        objective = objective + obj.detach() / m
         norm_mean = norm_mean + stats.norm.float().mean() / m
         gap = gap + (sc.x0_fake - sc.x0_real).abs().float().mean() / m
         rms = rms + stats.grad_rms.float() / m
-    grad_norm = step_optimizer(student.optimizer, total)  # skipped if total or the norm is non-finite
+    grad_norm = step_optimizer(student.optimizer, objective)  # skipped if it or the norm is non-finite
     student.optimizer.zero_grad()
-    return {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
-            "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}
+    metrics = {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
+               "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}
+    if gan is not None:
+        metrics["actor-gan-loss"] = g_total.float()
+    return metrics

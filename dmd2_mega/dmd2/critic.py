@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 import kernels
 from dmd2_mega import flow
+from dmd2_mega.dmd2.gan import GANSettings, discriminator_loss, gan_inputs
 from dmd2_mega.dmd2.rollout import Rollout
 from dmd2_mega.optim import step_optimizer
 
@@ -51,58 +53,66 @@ def critic_grid(size: int, shift: float, score_range: tuple) -> tuple[Tensor, Te
     return flow.shift_sigma(s, shift).float(), (s >= lo) & (s <= hi)
 
 
-def draw_sigma(gen: torch.Generator, n: int, choices: Tensor) -> Tensor:
-    """n sigmas drawn uniformly from the 1-D tensor `choices` (on the generator's device)."""
-    idx = torch.randint(0, choices.numel(), (n,), generator=gen, device=gen.device)
-    return choices.to(gen.device)[idx]
-
-
-def _noised(x0: Tensor, gen: torch.Generator, choices: Tensor):
-    sigma = draw_sigma(gen, x0.shape[0], choices).to(x0.device)
-    eps = torch.randn(x0.shape, generator=gen, device=gen.device, dtype=x0.dtype).to(x0.device)
-    return flow.add_noise(x0, eps, sigma), sigma, eps
-
-
 def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Generator], *, steps: int,
                  micro: int, grid: Tensor, in_range: Tensor, scoring: str, loss_space: str,
-                 guidance: float, null_cond) -> tuple[list[Scores], dict]:
+                 guidance: float, null_cond, gan: Optional[GANSettings] = None,
+                 reals: Optional[list[Tensor]] = None) -> tuple[list[Scores], dict]:
     """K critic optimizer steps and the teacher's scores; returns (scores per micro j, metrics).
 
     critic/teacher: roles (`.net` forward, critic `.optimizer`, `.ddp`); rollouts[j] has K*B rows;
     gens[j] the critic generator of micro-batch j; null_cond(n, device) the negative condition.
-    Metrics are device tensors (no host sync).
+    With `gan`, reals[j] [K*B, C, H, W] are the dataset images of micro-batch j (the rollout's
+    conditions); step k adds disc_weight * L_D on (x0hat, reals[j]) rows [kB, (k+1)B), noised with
+    draws from gens[j] after the flow-matching ones (see dmd2.gan).
+    Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
     full, score_choices = grid, grid[in_range]
     kept: list = [None] * len(rollouts)
-    losses = []
+    losses, d_losses, gaps = [], [], []
     for k in range(steps):
         last = k == steps - 1
         if last and scoring == "original":
             with torch.no_grad():
                 for j, r in enumerate(rollouts):
                     b = r.micro_batch(k, micro)
-                    x_s, sigma, _ = _noised(b.x0hat, gens[j], score_choices)
+                    x_s, sigma, _ = flow.noise_on_grid(b.x0hat, gens[j], score_choices)
                     v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
         choices = score_choices if last and scoring == "shared" else full
         total = torch.zeros((), device=grid.device)
+        objective = torch.zeros((), device=grid.device)
         for j, r in enumerate(rollouts):
             b = r.micro_batch(k, micro)
-            x_s, sigma, eps = _noised(b.x0hat, gens[j], choices)
+            x_s, sigma, eps = flow.noise_on_grid(b.x0hat, gens[j], choices)
             sync = critic.ddp is None or j == len(rollouts) - 1
             with contextlib.nullcontext() if sync else critic.ddp.no_sync():
-                v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
+                if gan is None:
+                    v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
+                else:
+                    real = reals[j][k * micro:(k + 1) * micro]
+                    x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), gens[j], gan)
+                    v, logits = critic.net(x_s, sigma, b.cond, gan=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
+                    v = v.to(x_s.dtype)
+                    n = b.x0hat.shape[0]
+                    d_loss = discriminator_loss(logits[:n], logits[n:])
+                    d_losses.append(d_loss.detach())
+                    gaps.append((logits[n:].mean() - logits[:n].mean()).detach())
                 loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=loss_space).mean()
-                (loss / len(rollouts)).backward()
+                obj = loss if gan is None else loss + gan.disc_weight * d_loss
+                (obj / len(rollouts)).backward()
             total = total + loss.detach() / len(rollouts)
+            objective = objective + obj.detach() / len(rollouts)
             if last and scoring == "shared":
                 with torch.no_grad():
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v.detach(), sigma))
-        norm = step_optimizer(critic.optimizer, total)  # skipped if total or the norm is non-finite
+        norm = step_optimizer(critic.optimizer, objective)  # skipped if it or the norm is non-finite
         critic.optimizer.zero_grad()
         losses.append(total)
     scores = [_teacher_score(teacher, *kj, guidance=guidance, null_cond=null_cond) for kj in kept]
     metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(grid.device)}
+    if gan is not None:
+        metrics["gan-disc-loss"] = torch.stack(d_losses).mean().float()
+        metrics["gan-logit-gap"] = torch.stack(gaps).mean().float()  # mean D(real) - mean D(fake)
     return scores, metrics
 
 

@@ -3,9 +3,10 @@
     it <  start:  ema <- theta                       (track the weights until the EMA starts)
     it >= start:  ema <- decay * ema + (1 - decay) * theta
 kept in fp32 beside the student (one tensor per parameter, same TP shard, same device), updated
-after each actor step, saved in the student's checkpoint under "ema" and restored exactly. It sleeps
-with the student (its tensors join the student's Sleeper). `swapped_in(model)` temporarily loads the
-EMA weights into the model for sampling and evaluation.
+after each actor step, saved in the student's checkpoint under "ema" as {parameter name: tensor}
+(resharded across TP degrees like the weights) and restored exactly. It sleeps with the student (its
+tensors join the student's Sleeper). `swapped_in(model)` temporarily loads the EMA weights into the
+model for evaluation; `launch/sample.py` loads them in place of the weights unless --no-ema.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ class StudentEMA:
         if start_iter < 0:
             raise ValueError(f"--ema-start-iter must be >= 0, got {start_iter}")
         self.decay, self.start_iter = decay, start_iter
-        self.params = [p for p in model.parameters()]
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.shadow = [p.detach().float().clone() for p in self.params]
 
     @torch.no_grad()
@@ -37,14 +40,19 @@ class StudentEMA:
         return list(self.shadow)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "start_iter": self.start_iter, "shadow": [t.clone() for t in self.shadow]}
+        """{parameter name: fp32 tensor} (copies)."""
+        return {n: t.clone() for n, t in zip(self.names, self.shadow)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["shadow"]) != len(self.shadow):
-            raise ValueError(f"EMA state has {len(state['shadow'])} tensors, the student {len(self.shadow)}")
+    def load_state_dict(self, state: dict, source: str = "EMA state") -> None:
+        if sorted(state) != sorted(self.names):
+            missing = [n for n in self.names if n not in state]
+            raise ValueError(f"{source} does not match the student: missing {missing[:3]}, "
+                             f"unexpected {[n for n in state if n not in self.names][:3]}")
         with torch.no_grad():
-            for t, s in zip(self.shadow, state["shadow"]):
-                t.copy_(s)
+            for n, t in zip(self.names, self.shadow):
+                if tuple(state[n].shape) != tuple(t.shape):
+                    raise ValueError(f"{source}: {n} has shape {tuple(state[n].shape)}, the student {tuple(t.shape)}")
+                t.copy_(state[n])
 
     @contextlib.contextmanager
     def swapped_in(self, model: torch.nn.Module):

@@ -15,12 +15,24 @@ import torch
 from dmd2_mega.offload import Sleeper
 from dmd2_mega.optim import LRSchedule, Optimizer
 
-# phase -> roles whose weights (and, if trained, grads + optimizer state) must be resident
-PHASE_ROLES: dict[str, tuple[str, ...]] = {
-    "rollout": ("student",),
-    "critic": ("critic", "teacher"),
-    "actor": ("student",),
+# phase -> {role: what of it must be resident}: "all" (weights and, if trained, grads + optimizer
+# state) or "weights" (a frozen forward); a role not named sleeps
+PHASE_ROLES: dict[str, dict[str, str]] = {
+    "rollout": {"student": "all"},
+    "critic": {"critic": "all", "teacher": "all"},
+    "actor": {"student": "all"},
 }
+# with the GAN head (--dmd2-gan) the actor's generator loss runs through the critic's trunk and head
+GAN_PHASE_ROLES: dict[str, dict[str, str]] = {"actor": {"critic": "weights"}}
+
+
+def phase_roles(phase: str, gan: bool = False) -> dict[str, str]:
+    needed = dict(PHASE_ROLES[phase])
+    if gan:
+        needed.update(GAN_PHASE_ROLES.get(phase, {}))
+    return needed
+
+
 TRAINED_IN: dict[str, str] = {"critic": "critic", "actor": "student"}
 
 
@@ -55,14 +67,14 @@ class Role:
         return resident_bytes(tensors)
 
 
-def enter_phase(phase: str, roles: dict[str, Role]) -> int:
-    """Sleep the roles `phase` does not need, then wake the ones it does (sleeping first keeps the
-    peak at the larger phase, not the sum); returns the resident bytes of all roles."""
-    needed = PHASE_ROLES[phase]
+def enter_phase(phase: str, roles: dict[str, Role], gan: bool = False) -> int:
+    """Sleep what `phase` does not need, then wake what it does (sleeping first keeps the peak at the
+    larger phase, not the sum); returns the resident bytes of all roles."""
+    needed = phase_roles(phase, gan)
     for name, role in roles.items():
         if role.sleeper is not None and name not in needed:
-            role.sleeper.sleep()
+            role.sleeper.set_resident("none")
     for name, role in roles.items():
         if role.sleeper is not None and name in needed:
-            role.sleeper.wake()
+            role.sleeper.set_resident(needed[name])
     return sum(r.resident_bytes() for r in roles.values())

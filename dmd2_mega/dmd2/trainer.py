@@ -10,29 +10,33 @@ Phases switch once per cycle; with --offload-inactive the roles a phase does not
 norm skips that role's step; `--max-nan-iterations` consecutive skips of one role stop the run),
 the exit check per cycle with `--exit-signal-handler` / `--exit-duration-in-mins`, and the log /
 eval / save intervals.
-Checkpoints: student in --save, critic in <save>_critic (Megatron layout each), committed together:
-both iteration directories are written, then the critic's tracker, then the student's (the commit
-point); both payloads carry the same `pair_id`, and a load takes the critic saved with the student.
+With --dmd2-gan the critic carries a GAN head (dmd2/gan.py): each critic step adds the
+discriminator loss on the student's x0hat vs the dataset images of the same micro-batch (stream
+CRITIC), the actor adds the generator loss through the critic's frozen trunk (stream ACTOR), and the
+actor phase keeps the critic's weights resident (`roles.GAN_PHASE_ROLES`). With --ema-decay the
+student's EMA is updated after each actor step and used by the eval unless --no-ema.
+Checkpoints: dmd2/checkpoints.py (student + EMA in --save, critic in <save>_critic, one commit).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
-from dataclasses import asdict
 from typing import Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dmd2_mega.checkpoint import (CheckpointError, check_writable, commit, iter_dir, load_model_weights,
-                                  load_payload, model_size_hint, partition_dims, rng_state, set_rng_state,
-                                  write_iteration)
+from dmd2_mega.checkpoint import CheckpointError, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.config import ConfigError, DistillConfig, ModelConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.dmd2.actor import actor_phase
+from dmd2_mega.dmd2.checkpoints import critic_dir, load_pair, save_pair
 from dmd2_mega.dmd2.critic import critic_grid, critic_phase
+from dmd2_mega.dmd2.ema import StudentEMA
+from dmd2_mega.dmd2.gan import GANSettings, attach_head, resolve_layer
 from dmd2_mega.dmd2.roles import Role, enter_phase
 from dmd2_mega.dmd2.rollout import rollout, student_sigmas
 from dmd2_mega.logger import TrainLogger, print_rank0
@@ -44,11 +48,8 @@ from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_ge
 from dmd2_mega.resilience import ExitController, account_skips
 from dmd2_mega.training import build_model, cast_model, data_info, enable_determinism
 
-ROLLOUT, CRITIC = 0, 1
-
-
-def critic_dir(save: str) -> str:
-    return save.rstrip("/") + "_critic"
+ROLLOUT, CRITIC, ACTOR = 0, 1, 2
+__all__ = ["DMD2Trainer", "critic_dir", "validate_dmd2_args", "ROLLOUT", "CRITIC", "ACTOR"]
 
 
 def validate_dmd2_args(cfg: DistillConfig, dp_size: int) -> int:
@@ -85,16 +86,22 @@ class DMD2Trainer:
                                      d.student_sigmas, t.timestep_shift).to(ps.device)
         grid, in_range = critic_grid(d.critic_grid_size, t.timestep_shift, d.score_sigma_range)
         self.grid, self.in_range = grid.to(ps.device), in_range.to(ps.device)
+        self.gan = (GANSettings(d.gan_disc_weight, d.gan_gen_weight, d.gan_noise, self.grid[self.in_range])
+                    if d.gan else None)
         self.roles = {name: self._build_role(name, teacher_payload) for name in ("student", "critic", "teacher")}
+        student = self.roles["student"].model
+        self.ema = StudentEMA(student, d.ema_decay, d.ema_start_iter) if d.ema_decay > 0 else None
         offload = d.offload_inactive if d.offload_inactive is not None else torch.cuda.is_available()
         if offload:
             for r in self.roles.values():
-                r.sleeper = Sleeper(r.name, [r.model], [r.optimizer] if r.optimizer else [], device=ps.device)
+                extra = self.ema.tensors() if r.name == "student" and self.ema is not None else []
+                r.sleeper = Sleeper(r.name, [r.model], [r.optimizer] if r.optimizer else [], extra, device=ps.device)
         nparams = count_parameters(self.roles["student"].model, ps.tp_group)
         print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); TP={ps.tp_size} "
                     f"DP={ps.dp_size}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} M={self.num_micro}; "
                     f"student sigmas {[round(s, 4) for s in self.sigmas.tolist()]}; scoring {d.critic_scoring}; "
-                    f"teacher guidance {d.teacher_guidance_scale}; offload-inactive {offload}", ps.rank)
+                    f"teacher guidance {d.teacher_guidance_scale}; offload-inactive {offload}; {self._extras()}",
+                    ps.rank)
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -115,7 +122,12 @@ class DMD2Trainer:
         payload = teacher_payload if source == d.teacher_load else load_payload(source, ps)
         if payload is None:
             raise CheckpointError(f"{flag} holds no checkpoint")
+        head_saved = any(k.startswith("gan_head.") for k in payload["model"])
+        if name == "critic" and d.gan and head_saved:  # a --critic-load saved with its head
+            attach_head(model, resolve_layer(d.gan_feature_layer, len(model.blocks)), cfg.train.seed)
         load_model_weights(model, payload["model"], flag, model_size_hint(payload, cfg.model.size))
+        if name == "critic" and d.gan and not head_saved:  # a fresh head on the teacher's trunk
+            attach_head(model, resolve_layer(d.gan_feature_layer, len(model.blocks)), cfg.train.seed)
         model = cast_model(model, cfg.optim.bf16)
         if name == "teacher":
             model.requires_grad_(False)
@@ -127,65 +139,18 @@ class DMD2Trainer:
         return Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group),
                     LRSchedule(optim_cfg, cfg.train.train_iters), ddp, save)
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    def _payload(self, role: Role) -> dict:
-        return {"iteration": self.iteration, "model": role.model.state_dict(),
-                "optimizer": role.optimizer.state_dict(), "scheduler": role.schedule.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": rng_state(), "args": asdict(self.cfg),
-                "data_info": self.info, "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
-                "partition_dims": partition_dims(role.model), "role": role.name,
-                "student_sigmas": self.sigmas.tolist(), "pair_id": f"{self.iteration}-{self.pair_token}",
-                "checkpoint_version": 1}
+    def _extras(self) -> str:
+        d = self.cfg.dmd2
+        gan = (f"GAN head on block {self.roles['critic'].model.gan_layer} (disc {d.gan_disc_weight}, gen "
+               f"{d.gan_gen_weight}, noise {d.gan_noise})" if d.gan else "GAN off")
+        return gan + (f"; student EMA {d.ema_decay} from cycle {d.ema_start_iter}" if self.ema else "; EMA off")
 
+    # ---- checkpoints (dmd2/checkpoints.py) -----------------------------------------------------
     def save(self) -> None:
-        """Both roles' iteration directories, then the critic's tracker, then the student's (the commit)."""
-        for name in ("critic", "student"):
-            role = self.roles[name]
-            if role.sleeper is not None:
-                role.sleeper.wake()
-            write_iteration(role.save_dir, self.iteration, self._payload(role), self.ps)
-        commit([self.roles["critic"].save_dir, self.roles["student"].save_dir], self.iteration, self.ps)
-        self.saved_iteration = self.iteration
-        print_rank0(f"> saved student to {self.cfg.train.save} and critic to {critic_dir(self.cfg.train.save)} "
-                    f"at cycle {self.iteration}", self.ps.rank)
+        save_pair(self)
 
     def load(self, root: str) -> None:
-        student = load_payload(root, self.ps)
-        if student is None:
-            print_rank0(f"> WARNING: no checkpoint in --load {root}; starting from --teacher-load", self.ps.rank)
-            return
-        cdir, n = critic_dir(root), int(student["iteration"])
-        if not os.path.isdir(cdir):
-            raise CheckpointError(f"--load {root}: the critic directory {cdir} is missing")
-        if not any(os.path.isdir(iter_dir(cdir, n) + s_) for s_ in ("", ".old")):
-            raise CheckpointError(f"--load {root}: the critic directory {cdir} holds no checkpoint of cycle {n} "
-                                  f"(expected {iter_dir(cdir, n)}/, saved with the student of cycle {n})")
-        critic = load_payload(cdir, self.ps, iteration=n, pair_id=student.get("pair_id"))
-        t = self.cfg.train
-        for name, payload in (("student", student), ("critic", critic)):
-            role = self.roles[name]
-            load_model_weights(role.model, payload["model"], f"--load {root} ({name})",
-                               model_size_hint(payload, self.cfg.model.size))
-            if t.no_load_optim:
-                continue
-            if payload["saved_tp_size"] != self.ps.tp_size:
-                raise CheckpointError(f"--load {root} ({name}) was saved with --tensor-model-parallel-size "
-                                      f"{payload['saved_tp_size']} but this run uses {self.ps.tp_size}: weights "
-                                      f"reshard, optimizer state does not; pass --no-load-optim to continue from "
-                                      f"the weights with fresh optimizers")
-            role.optimizer.load_state_dict(payload["optimizer"])
-            role.schedule.load_state_dict(payload["scheduler"])
-        if t.no_load_optim:
-            print_rank0(f"> loaded student and critic weights of cycle {student['iteration']} from {root} "
-                        f"(fresh optimizers, cycle 0)", self.ps.rank)
-            return
-        self.sampler.load_state_dict(student["sampler"])
-        if not self.cfg.train.no_load_rng:
-            set_rng_state(student["rng"])
-        self.iteration = int(student["iteration"])
-        if t.save and os.path.abspath(root) == os.path.abspath(t.save):
-            self.saved_iteration = self.iteration  # nothing new to save until the next cycle
-        print_rank0(f"> resumed student and critic from {root} at cycle {self.iteration}", self.ps.rank)
+        load_pair(self, root)
 
     # ---- one cycle -----------------------------------------------------------------------------
     def cycle(self) -> dict:
@@ -194,25 +159,32 @@ class DMD2Trainer:
         lrs = {n: roles[n].schedule.apply(roles[n].optimizer, self.iteration) for n in ("student", "critic")}
         skipped = {n: roles[n].optimizer.skipped_steps for n in ("critic", "student")}
         shape = (self.info["in_channels"], self.info["image_size"], self.info["image_size"])
-        resident = {"rollout": enter_phase("rollout", roles)}
-        rollouts, critic_gens = [], []
+        gan = self.gan is not None
+        resident = {"rollout": enter_phase("rollout", roles, gan)}
+        rollouts, critic_gens, reals, actor_gens = [], [], [], []
         for j, idx in self.sampler.next_iteration():
-            cond = self.dataset.get_batch(idx)[1].to(ps.device)
+            images, cond = self.dataset.get_batch(idx)
+            cond = cond.to(ps.device)
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device, stream=ROLLOUT)
             offset = (self.iteration * self.num_micro * ps.dp_size + j) * k * b
             rollouts.append(rollout(roles["student"].model, gen, k * b, cond, self.sigmas, shape=shape,
                                     device=ps.device, sample_id_offset=offset,
                                     max_batch=b if ps.device.type == "cpu" else None))
             critic_gens.append(micro_batch_generator(t.seed, self.iteration, j, ps.device, stream=CRITIC))
-        resident["critic"] = enter_phase("critic", roles)
+            if gan:  # the real samples of the GAN are this micro-batch's dataset images
+                reals.append(images.to(ps.device))
+                actor_gens.append(micro_batch_generator(t.seed, self.iteration, j, ps.device, stream=ACTOR))
+        resident["critic"] = enter_phase("critic", roles, gan)
         null = roles["teacher"].model.null_cond
         scores, metrics = critic_phase(roles["critic"], roles["teacher"], rollouts, critic_gens, steps=k, micro=b,
                                        grid=self.grid, in_range=self.in_range, scoring=d.critic_scoring,
                                        loss_space=d.critic_loss_space, guidance=d.teacher_guidance_scale,
-                                       null_cond=null)
-        resident["actor"] = enter_phase("actor", roles)
-        metrics.update(actor_phase(roles["student"], scores))
+                                       null_cond=null, gan=self.gan, reals=reals)
+        resident["actor"] = enter_phase("actor", roles, gan)
+        metrics.update(actor_phase(roles["student"], scores, self.gan, roles["critic"], actor_gens))
         self.iteration += 1
+        if self.ema is not None:
+            self.ema.update(self.iteration)
         skipped = {n: roles[n].optimizer.skipped_steps - k_ for n, k_ in skipped.items()}
         return {"metrics": metrics, "lr": lrs, "resident": resident, "skipped": skipped}
 
@@ -220,14 +192,17 @@ class DMD2Trainer:
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
         from dmd2_mega.sampling import eval_conditions, generate_student
         t, ps = self.cfg.train, self.ps
-        enter_phase("rollout", self.roles)
+        enter_phase("rollout", self.roles, self.gan is not None)
         cond = eval_conditions(self.dataset, t.eval_num_samples)
         shape = (self.info["in_channels"], self.info["image_size"], self.info["image_size"])
-        images = generate_student(self.roles["student"].model, cond, self.sigmas, shape=shape, seed=t.seed + 7,
-                                  device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+        student = self.roles["student"].model
+        use_ema = self.ema is not None and not self.cfg.dmd2.no_ema
+        with self.ema.swapped_in(student) if use_ema else contextlib.nullcontext():
+            images = generate_student(student, cond, self.sigmas, shape=shape, seed=t.seed + 7, device=ps.device,
+                                      dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
         if not ps.is_main:
             return None
-        result = {}
+        result = {"weights": "EMA" if use_ema else "raw"}
         if out_dir:
             from dmd2_mega.eval.grid import save_grid
             labels = cond if cond.dim() == 1 else None

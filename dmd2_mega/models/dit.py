@@ -98,24 +98,44 @@ class DiT(nn.Module):
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return torch.zeros((n, *self.cond_shape), device=device)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
-                features_at: Optional[int] = None):
-        """v [B, C, H, W]; with `features_at=l` also the token-mean of block l's output [B, hidden]
-        (the DMD2 GAN head's input), as (v, features)."""
-        b, ch, hh, ww = x.shape
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
+        """(tokens h [B, S, hidden], conditioning c [B, hidden])."""
+        b, ch, hh, _ = x.shape
         p, g = self.patch, hh // self.patch
         x = x.to(self.x_embed.weight.dtype)  # bf16 models take fp32 inputs
         tokens = x.reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, ch * p * p)
-        h = self.x_embed(tokens) + self.pos.to(tokens.dtype)
-        c = self.t_embed(sigma) + self.y_embed(cond)
+        return self.x_embed(tokens) + self.pos.to(tokens.dtype), self.t_embed(sigma) + self.y_embed(cond)
+
+    def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        blk = self.blocks[i]
+        return recompute(blk, h, c) if self.cfg.recompute_granularity == "full" and self.training else blk(h, c)
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
+        h, c = self._embed(x, sigma, cond)
+        for i in range(layer + 1):
+            h = self._block(i, h, c)
+        return h.mean(dim=1)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
+                features_at: Optional[int] = None, gan: Optional[tuple] = None):
+        """v [B, C, H, W]; with `features_at=l` also the token-mean of block l's output [B, hidden],
+        as (v, features). With `gan=(x', sigma', cond')` (a critic carrying a GAN head, see
+        dmd2.gan.attach_head) also the head's logits [B'] on x', as (v, logits): one forward call, so
+        that DDP sees the critic's flow-matching and GAN terms together."""
+        b, ch, hh, ww = x.shape
+        p, g = self.patch, hh // self.patch
+        h, c = self._embed(x, sigma, cond)
         feats = None
-        for i, blk in enumerate(self.blocks):
-            h = recompute(blk, h, c) if self.cfg.recompute_granularity == "full" and self.training else blk(h, c)
+        for i in range(len(self.blocks)):
+            h = self._block(i, h, c)
             if i == features_at:
                 feats = h.mean(dim=1)
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
         v = out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
+        if gan is not None:
+            return v, self.gan_head(self.features(*gan, self.gan_layer))
         return v if features_at is None else (v, feats)
 
 
