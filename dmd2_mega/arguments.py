@@ -145,6 +145,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
                    help="critic block whose token-mean output feeds the head (default the middle block)")
     g.add_argument("--dmd2-gan-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="noise real and fake to a sigma in the score range (default) or feed them clean")
+    g.add_argument("--dmd2-gan-sigma-range", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="unshifted sigma range of the head's input noise (default: --dmd2-score-sigma-range)")
     g.add_argument("--dmd2-gan-disc-weight", type=float, default=1e-2)
     g.add_argument("--dmd2-gan-gen-weight", type=float, default=3e-3)
     g.add_argument("--ema-decay", type=float, default=0.0, help="student EMA decay (0 = off)")
@@ -169,6 +171,7 @@ def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
                    critic_weight_decay=a.critic_weight_decay, critic_adam_beta1=a.critic_adam_beta1,
                    critic_adam_beta2=a.critic_adam_beta2, offload_inactive=a.offload_inactive, gan=a.dmd2_gan,
                    gan_feature_layer=a.dmd2_gan_feature_layer, gan_noise=a.dmd2_gan_noise,
+                   gan_sigma_range=tuple(a.dmd2_gan_sigma_range) if a.dmd2_gan_sigma_range else None,
                    gan_disc_weight=a.dmd2_gan_disc_weight, gan_gen_weight=a.dmd2_gan_gen_weight,
                    ema_decay=a.ema_decay, ema_start_iter=a.ema_start_iter, no_ema=a.no_ema)
     return DistillConfig(model=model_config(a), parallel=ParallelConfig(a.tensor_model_parallel_size, a.distributed_backend),

@@ -222,6 +222,8 @@ class DMD2Config:
     """--dmd2-gan-feature-layer: critic block feeding the head (default the middle one)."""
     gan_noise: bool = True
     """--dmd2-gan-noise / --no-dmd2-gan-noise: noise the head's inputs to a score-range sigma."""
+    gan_sigma_range: Optional[tuple] = None
+    """--dmd2-gan-sigma-range MIN MAX: UNSHIFTED range of the head's input noise (default: the score range)."""
     gan_disc_weight: float = 1e-2
     """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
     gan_gen_weight: float = 3e-3
@@ -249,6 +251,12 @@ class DMD2Config:
         _check(self.gan_disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.gan_disc_weight}")
         _check(self.gan_gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gan_gen_weight}")
         _check(self.gan or self.gan_feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
+        if self.gan_sigma_range is not None:
+            glo, ghi = self.gan_sigma_range
+            _check(0.0 <= glo < ghi <= 1.0, f"--dmd2-gan-sigma-range needs 0 <= MIN < MAX <= 1, got {glo} {ghi}")
+            n = self.critic_grid_size
+            _check(any(glo <= (n - i) / n <= ghi for i in range(n)),
+                   f"--dmd2-gan-sigma-range {glo} {ghi} holds no point of the {n}-point critic grid")
         _check(0.0 <= self.ema_decay < 1.0, f"--ema-decay must be in [0, 1) (0 = off), got {self.ema_decay}")
         _check(self.ema_start_iter >= 0, f"--ema-start-iter must be >= 0, got {self.ema_start_iter}")
         if self.student_sigmas is not None:  # validated here, before any setup work

@@ -9,7 +9,8 @@ samples.npz: `images` float32 [N, C, H, W] in [-1, 1], `labels` int64 [N] (class
 0..K-1 repeated; for embedding-conditioned models the first N conditions of --data).
 The checkpoint may have been saved at any TP degree; weights are resharded on load. A DMD2 student
 (`launch/pretrain_dmd2.py --save`) samples on the grid saved in its checkpoint unless --steps N is
-given (then the N-point grid, shifted); --guidance applies to teachers only.
+given (then the N-point grid, shifted), and with the EMA weights saved beside it (--ema-decay)
+unless --no-ema; --guidance applies to teachers only.
 """
 import argparse
 import os
@@ -42,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--data", default=None, help="condition source for embedding-conditioned models")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--no-ema", action="store_true", help="DMD2 student: sample its raw weights, not its EMA")
     a = p.parse_args(argv)
     if a.num_samples < 1 or (a.steps is not None and a.steps < 1):
         raise ConfigError(f"--num-samples and --steps must be >= 1, got {a.num_samples}, {a.steps}")
@@ -59,7 +61,10 @@ def main(argv=None) -> int:
             raise ConfigError(f"--load {a.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
         args, info = payload["args"], payload["data_info"]
         model = build_model(ModelConfig(**args["model"]), info, ps)
-        load_model_weights(model, payload["model"], f"--load {a.load}")
+        state, weights = payload["model"], "raw weights"
+        if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
+            state, weights = {**state, **payload["ema"]}, "EMA weights"
+        load_model_weights(model, state, f"--load {a.load}")
         model = cast_model(model, a.bf16)
         shift = a.shift if a.shift is not None else args["train"]["timestep_shift"]
         if info["num_classes"] is not None:
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
             os.replace(tmp, os.path.join(a.out, "samples.npz"))
             k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
             grid = save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
-            print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {a.steps} steps, "
+            print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {weights}, {a.steps} steps, "
                   f"guidance {a.guidance}) to {a.out}/samples.npz and {grid}", flush=True)
     finally:
         destroy_distributed()

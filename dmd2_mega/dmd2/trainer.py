@@ -86,8 +86,10 @@ class DMD2Trainer:
                                      d.student_sigmas, t.timestep_shift).to(ps.device)
         grid, in_range = critic_grid(d.critic_grid_size, t.timestep_shift, d.score_sigma_range)
         self.grid, self.in_range = grid.to(ps.device), in_range.to(ps.device)
-        self.gan = (GANSettings(d.gan_disc_weight, d.gan_gen_weight, d.gan_noise, self.grid[self.in_range])
-                    if d.gan else None)
+        self.gan = None
+        if d.gan:  # the head's input noise: grid points in --dmd2-gan-sigma-range (default the score range)
+            gan_mask = critic_grid(d.critic_grid_size, t.timestep_shift, d.gan_sigma_range or d.score_sigma_range)[1]
+            self.gan = GANSettings(d.gan_disc_weight, d.gan_gen_weight, d.gan_noise, self.grid[gan_mask.to(ps.device)])
         self.roles = {name: self._build_role(name, teacher_payload) for name in ("student", "critic", "teacher")}
         student = self.roles["student"].model
         self.ema = StudentEMA(student, d.ema_decay, d.ema_start_iter) if d.ema_decay > 0 else None
@@ -141,8 +143,9 @@ class DMD2Trainer:
 
     def _extras(self) -> str:
         d = self.cfg.dmd2
+        noise = f"noise {list(d.gan_sigma_range or d.score_sigma_range)}" if d.gan_noise else "clean"
         gan = (f"GAN head on block {self.roles['critic'].model.gan_layer} (disc {d.gan_disc_weight}, gen "
-               f"{d.gan_gen_weight}, noise {d.gan_noise})" if d.gan else "GAN off")
+               f"{d.gan_gen_weight}, {noise})" if d.gan else "GAN off")
         return gan + (f"; student EMA {d.ema_decay} from cycle {d.ema_start_iter}" if self.ema else "; EMA off")
 
     # ---- checkpoints (dmd2/checkpoints.py) -----------------------------------------------------

@@ -1,0 +1,176 @@
+"""Quality ablation on digits: what DMD2's GAN head and the student EMA buy, at a fixed wall clock.
+
+    python benchmarks/quality_ablation.py --teacher-load runs/quickstart/teacher \
+        [--out runs/ablation] [--budget-4step 240] [--budget-1step 170] [--seeds 1 2] \
+        [--configs dmd gan gan_ema] [--results benchmarks/RESULTS.md]
+
+Cells: the 4-step and the 1-step student x {DMD only, DMD + GAN, DMD + GAN + EMA} x seeds, each
+distilled from the same teacher by `launch/pretrain_dmd2.py` with the quickstart's settings (digits
+DiT, B = 64, K = 5, lr 1e-4 -> 1e-5 cosine, teacher CFG 1.375 for 4 steps and 1.25 for 1 step)
+plus the cell's flags (`CONFIGS`). Fixed wall clock: a 6-cycle calibration run of each (steps,
+GAN) pair measures the seconds per cycle (the mean of cycles 3-6), and the cell runs
+floor(budget / that) cycles, so that its LR schedule ends where its time does; a cell that runs
+slow still stops at 1.25 x its budget (--exit-duration-in-mins, checkpoint saved). Each student
+then samples 500 class-balanced digits (`launch/sample.py`, seed 0, EMA weights when kept) scored
+by `dmd2_mega.eval.digits` (Frechet distance of classifier features to held-out digits, class
+accuracy, diversity relative to real), next to the teacher at 50/4/1 Euler steps (CFG 1.25).
+Prints a per-run table and a mean-per-cell table (Markdown); --results appends both to a file.
+Resumable: a finished cell (its samples.npz exists) is not run again. A script, not a unit test.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
+    "dmd": ("DMD only", []),
+    "gan": ("DMD + GAN", ["--dmd2-gan"]),
+    "gan_ema": ("DMD + GAN + EMA", ["--dmd2-gan", "--ema-decay", "0.99", "--ema-start-iter", "50"]),
+}
+GUIDANCE = {4: 1.375, 1: 1.25}  # the teacher's CFG in DMD2's real score (the quickstart's)
+
+
+def base_args(teacher: str, steps: int, seed: int) -> list:
+    return ["--model-size", "digits", "--data", "digits", "--teacher-load", teacher,
+            "--dmd2-denoising-steps", str(steps), "--dmd2-critic-steps-per-rollout", "5",
+            "--dmd2-teacher-guidance-scale", str(GUIDANCE[steps]), "--micro-batch-size", "64",
+            "--global-batch-size", "64", "--lr", "1e-4", "--min-lr", "1e-5", "--clip-grad", "1.0",
+            "--seed", str(seed)]
+
+
+def run(cmd: list, log: str) -> str:
+    """Run `cmd` (stdout + stderr into `log`); raise with the log's tail if it fails."""
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    text = open(log).read()
+    if rc != 0:
+        raise SystemExit(f"error: {' '.join(cmd[:3])} ... exited {rc}; see {log}:\n{text[-3000:]}")
+    return text
+
+
+def seconds_per_cycle(a, out: str, steps: int, extra: list) -> float:
+    log = os.path.join(out, f"calibrate_{steps}step_{'gan' if '--dmd2-gan' in extra else 'dmd'}.log")
+    text = run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, 1), *extra,
+                "--train-iters", "6", "--log-interval", "1", "--loss-trace", log + ".jsonl"], log)
+    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+    if len(ms) < 6:
+        raise SystemExit(f"error: calibration log {log} has {len(ms)} timed cycles, expected 6")
+    return sum(ms[2:]) / len(ms[2:]) / 1000.0
+
+
+def score(npz: str) -> dict:
+    from dmd2_mega.eval.digits import evaluate_digits
+    import numpy as np
+    with np.load(npz) as z:
+        return evaluate_digits(z["images"], z["labels"])
+
+
+def sample(load: str, out: str, extra: list) -> dict:
+    npz = os.path.join(out, "samples.npz")
+    if not os.path.exists(npz):
+        run([sys.executable, "launch/sample.py", "--load", load, "--num-samples", "500", "--seed", "0",
+             "--out", out, *extra], out + ".log")
+    return score(npz)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--teacher-load", required=True)
+    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--budget-4step", type=float, default=240.0, help="seconds of distillation per 4-step cell")
+    p.add_argument("--budget-1step", type=float, default=170.0, help="seconds of distillation per 1-step cell")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--extra", default="", help="further pretrain_dmd2.py flags for every cell (one string)")
+    p.add_argument("--results", default=None, help="append the tables to this Markdown file")
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if not os.path.exists(os.path.join(a.teacher_load, "latest_checkpointed_iteration.txt")):
+        raise SystemExit(f"error: --teacher-load {a.teacher_load} holds no checkpoint (run launch/quickstart.sh "
+                         f"or launch/pretrain_flow.py first)")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    extra_all = a.extra.split()
+    rows = []
+    teacher_out = os.path.join(a.out, "teacher")
+    for n in (50, 4, 1):
+        r = sample(a.teacher_load, os.path.join(teacher_out, f"{n}step"), ["--steps", str(n), "--guidance", "1.25"])
+        rows.append({"model": f"teacher, {n} Euler steps, CFG 1.25", **r})
+        print(f"> teacher {n} steps: FD {r['frechet_distance']:.3f}", flush=True)
+    cells = []
+    for steps in a.steps:
+        budget = a.budget_4step if steps == 4 else a.budget_1step
+        per_cycle = {}
+        for cfg in a.configs:
+            label, flags = CONFIGS[cfg]
+            key = "--dmd2-gan" in flags
+            if key not in per_cycle:
+                per_cycle[key] = seconds_per_cycle(a, a.out, steps, flags + extra_all)
+                print(f"> {steps}-step {'with' if key else 'without'} GAN: {per_cycle[key]:.3f} s per cycle",
+                      flush=True)
+            iters = max(1, int(budget // per_cycle[key]))
+            for seed in a.seeds:
+                name = f"{steps}step_{cfg}_seed{seed}"
+                save = os.path.join(a.out, name)
+                info_path = save + ".json"
+                if not os.path.exists(info_path):
+                    t0 = time.time()
+                    run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, seed), *flags,
+                         *extra_all, "--train-iters", str(iters), "--save", save, "--save-interval", str(iters),
+                         "--log-interval", "25", "--exit-duration-in-mins", str(1.25 * budget / 60)],
+                        save + ".log")
+                    done = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+                    with open(info_path, "w") as f:
+                        json.dump({"cycles": done, "planned": iters, "seconds": time.time() - t0}, f)
+                info = json.load(open(info_path))
+                r = sample(save, os.path.join(a.out, "samples", name), [])
+                cells.append({"steps": steps, "config": label, "seed": seed, **info, **r})
+                print(f"> {name}: {info['cycles']} cycles in {info['seconds']:.0f} s, FD {r['frechet_distance']:.3f}, "
+                      f"acc {100 * r['class_accuracy']:.1f}%, diversity {r['diversity']:.2f}", flush=True)
+    text = report(rows, cells, a)
+    print(text)
+    with open(os.path.join(a.out, "ablation.json"), "w") as f:
+        json.dump({"teacher": rows, "cells": cells}, f, indent=1)
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(f"\n## Quality ablation ({datetime.date.today()}, {platform.processor() or platform.machine()}, "
+                    f"{os.cpu_count()} cores)\n\n`python benchmarks/quality_ablation.py {' '.join(argv or sys.argv[1:])}`"
+                    f"\n\n{text}\n")
+    return 0
+
+
+def report(rows: list, cells: list, a) -> str:
+    floor = rows[0]["frechet_floor"]
+    head = [f"| model | cycles (wall s) | Frechet distance (floor {floor:.3f}) | class accuracy | diversity |",
+            "|---|---|---|---|---|"]
+    per_run = head + [f"| {r['model']} | - | {r['frechet_distance']:.3f} | {100 * r['class_accuracy']:.1f}% | "
+                      f"{r['diversity']:.2f} |" for r in rows]
+    per_run += [f"| {c['steps']}-step, {c['config']}, seed {c['seed']} | {c['cycles']} ({c['seconds']:.0f}) | "
+                f"{c['frechet_distance']:.3f} | {100 * c['class_accuracy']:.1f}% | {c['diversity']:.2f} |" for c in cells]
+    mean = ["| student | configuration | Frechet distance, mean (per seed) | class accuracy, mean | diversity, mean |",
+            "|---|---|---|---|---|"]
+    for steps in a.steps:
+        for cfg in a.configs:
+            group = [c for c in cells if c["steps"] == steps and c["config"] == CONFIGS[cfg][0]]
+            if not group:
+                continue
+            m = lambda k: sum(c[k] for c in group) / len(group)  # noqa: E731
+            seeds = ", ".join(f"{c['frechet_distance']:.3f}" for c in group)
+            mean.append(f"| {steps}-step | {CONFIGS[cfg][0]} | {m('frechet_distance'):.3f} ({seeds}) | "
+                        f"{100 * m('class_accuracy'):.1f}% | {m('diversity'):.2f} |")
+    budgets = f"budgets: 4-step {a.budget_4step:.0f} s, 1-step {a.budget_1step:.0f} s per run"
+    return "\n".join(per_run) + "\n\n" + budgets + "\n\n" + "\n".join(mean)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
