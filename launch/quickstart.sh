@@ -5,8 +5,13 @@
 # Env: RUN_DIR (default runs/quickstart), NPROC (torchrun ranks, default 1), TEACHER_ITERS,
 # DMD2_ITERS_4STEP, DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling), DMD2_GUIDANCE_4STEP,
 # DMD2_GUIDANCE_1STEP (teacher CFG of DMD2's real score; 1.375 lifted the 4-step student's class
-# accuracy from 97.0% to 98.0% at 1.25's cost in Frechet distance, 2.08 -> 2.48, both below the
-# 4-step teacher's 2.95).
+# accuracy from 97.0% to 98.0%; 1.0 for the 1-step student raised diversity 0.85 -> 0.93 but cost
+# accuracy, 99.1% -> 96.1%), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (further pretrain_dmd2.py flags,
+# e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
+# model moved between 2.24 and 2.65 across sampling seeds).
+# The students' recipe is the best cell of benchmarks/quality_ablation.py (README, "Quality
+# ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
+# GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.5-1.7x per cycle and did not pay for itself there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
@@ -15,11 +20,14 @@ export TORCH_COMPILE_DISABLE=1
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
 NPROC="${NPROC:-1}"
 TEACHER_ITERS="${TEACHER_ITERS:-2000}"
-DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-300}"
-DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-300}"
+DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-360}"
+DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-360}"
 GUIDANCE="${GUIDANCE:-1.25}"
 DMD2_GUIDANCE_4STEP="${DMD2_GUIDANCE_4STEP:-1.375}"
 DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-1.25}"
+DMD2_FLAGS_4STEP="${DMD2_FLAGS_4STEP-}"
+DMD2_FLAGS_1STEP="${DMD2_FLAGS_1STEP-}"
+NUM_SAMPLES="${NUM_SAMPLES:-2000}"
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
     LAUNCH=(torchrun --standalone --nproc-per-node "$NPROC")
@@ -41,6 +49,7 @@ echo "   teacher ready after ${SECONDS}s"
 for steps in 4 1; do
     iters_var="DMD2_ITERS_${steps}STEP"
     guidance_var="DMD2_GUIDANCE_${steps}STEP"
+    flags_var="DMD2_FLAGS_${steps}STEP"
     echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
     start=$SECONDS
     "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
@@ -48,18 +57,18 @@ for steps in 4 1; do
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "${!guidance_var}" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
         --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 100 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step"
+        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 120 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step" ${!flags_var}
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
 done
 
-echo "== 3/4 samples (500 each, class-balanced)"
+echo "== 3/4 samples ($NUM_SAMPLES each, class-balanced)"
 for steps in 50 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples 500 --steps "$steps" \
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
         --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
 for steps in 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples 500 \
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples "$NUM_SAMPLES" \
         --out "$RUN_DIR/samples/student_${steps}step"
 done
 
