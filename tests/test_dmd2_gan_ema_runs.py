@@ -4,6 +4,7 @@ Runs (the module's debug teacher; B = 4, K = 2, global batch 8, lr 1e-3, teacher
 with weights 1 and 1 so that the GAN terms move the trace, --ema-decay 0.5 from cycle 2):
   ref      TP=1, 4 cycles, --no-offload-inactive, saved at 2 and 4
   tp2      the same at TP=2                      -> every trace key within 1e-5 relative of ref
+  dp2      the same at DP=2                      -> likewise
   offload  the same with --offload-inactive      -> the identical trace; resident MB of the actor
            phase - that of the rollout phase (the student alone) = the critic's weights, counted
            from its checkpoint (weights only: no grads, no optimizer state)
@@ -48,6 +49,7 @@ def runs(tmp_path_factory):
 
     res = {"ref": go("ref", 1, ["--no-offload-inactive"]), "offload": go("offload", 1, ["--offload-inactive"]),
            "tp2": go("tp2", 2, ["--no-offload-inactive", "--tensor-model-parallel-size", "2"]),
+           "dp2": go("dp2", 2, ["--no-offload-inactive"]),
            "split_a": go("split", 1, ["--no-offload-inactive"], iters=2)}
     res["split_b"] = go("split", 1, ["--no-offload-inactive"], iters=4, load=str(d / "split"))
     return {"d": d, "res": res, "teacher": teacher, "base": base}
@@ -70,6 +72,14 @@ def test_tp2_with_gan_equals_tp1(runs):
     assert [r["iteration"] for r in ref] == [1, 2, 3, 4]
     assert min(r["actor-gan-loss"] for r in ref) > 0.1 and max(abs(r["gan-logit-gap"]) for r in ref) > 1e-4
     assert_traces_close(trace(runs, "tp2"), ref, 1e-5, "GAN TP=2 vs TP=1", keys=GAN_KEYS)
+
+
+def test_dp2_with_gan_equals_dp1(runs):
+    """DP=2 (one micro-batch per rank, the global indices of DP=1's two): the real samples and the
+    GAN noise follow the micro-batch, so the trace is DP=1's."""
+    out = runs["res"]["dp2"].check("GAN DP=2").stdout
+    assert "TP=1 DP=2" in out and "M=1" in out
+    assert_traces_close(trace(runs, "dp2"), trace(runs, "ref"), 1e-5, "GAN DP=2 vs DP=1", keys=GAN_KEYS)
 
 
 def _resident(stdout: str, phase: str) -> list:

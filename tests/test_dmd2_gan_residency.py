@@ -6,13 +6,15 @@ masters exist), each with a Sleeper. `enter_phase("actor", gan=True)`: the criti
 equal its parameters' + buffers' bytes (counted here from the module, independently of offload's
 accounting), its grads / Adam state / masters are freed (storage nbytes 0), a frozen forward of the
 head works and an optimizer step raises RoleAsleepError. Back in the critic phase every critic
-tensor equals a clone taken before, bit for bit. Without GAN the critic sleeps entirely in the actor
+tensor equals a clone taken before, bit for bit. The student's EMA sleeps and wakes with the
+student, bit-exact. Without GAN the critic sleeps entirely in the actor
 phase (the table without GAN_PHASE_ROLES).
 """
 import pytest
 import torch
 
 from dmd2_mega.config import ModelConfig, OptimConfig
+from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import attach_head, gan_logits
 from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
 from dmd2_mega.offload import RoleAsleepError, Sleeper
@@ -51,7 +53,11 @@ def make_roles(ps, bf16: bool) -> dict:
                                                              if name == "critic" else 0)
             loss.backward()  # grads present at the phase switch, so they must sleep too
         roles[name] = Role(name, model, opt)
-        roles[name].sleeper = Sleeper(name, [model], [opt] if opt else [])
+        extra = []
+        if name == "student":  # the EMA lives beside the student, as the trainer builds it
+            roles[name].ema = StudentEMA(model, 0.9)
+            extra = roles[name].ema.tensors()
+        roles[name].sleeper = Sleeper(name, [model], [opt] if opt else [], extra)
     return roles
 
 
@@ -89,6 +95,20 @@ def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
     assert len(after) == len(before)
     for a, b in zip(after, before):
         assert a.dtype == b.dtype and torch.equal(a, b), "critic tensor changed across the actor phase"
+
+
+def test_student_ema_sleeps_with_the_student(ps):
+    roles = make_roles(ps, False)
+    ema = roles["student"].ema
+    with torch.no_grad():
+        for t in ema.shadow:
+            t.add_(0.5)  # an EMA that differs from the weights
+    before = [t.clone() for t in ema.shadow]
+    enter_phase("critic", roles, gan=True)  # the student is not needed: weights, state and EMA sleep
+    assert roles["student"].resident_bytes() == 0
+    assert all(t.untyped_storage().nbytes() == 0 for t in ema.shadow)
+    enter_phase("rollout", roles, gan=True)
+    assert all(torch.equal(a, b) for a, b in zip(ema.shadow, before))
 
 
 def test_without_gan_the_critic_sleeps_in_the_actor_phase(ps):
