@@ -163,6 +163,8 @@ def test_bad_feature_layer_named(runs):
     (["--dmd2-gan-disc-weight", "-1"], "--dmd2-gan-disc-weight"),
     (["--dmd2-gan-gen-weight", "-0.1"], "--dmd2-gan-gen-weight"),
     (["--dmd2-gan-feature-layer", "0"], "--dmd2-gan-feature-layer needs --dmd2-gan"),
+    (["--dmd2-gan", "--dmd2-gan-sigma-range", "0.5", "0.2"], "--dmd2-gan-sigma-range needs 0 <= MIN < MAX"),
+    (["--dmd2-gan", "--dmd2-gan-sigma-range", "0.4001", "0.4009"], "holds no point of the 1000-point"),
     (["--ema-decay", "1.0"], "--ema-decay"),
     (["--ema-start-iter", "-2"], "--ema-start-iter"),
 ])

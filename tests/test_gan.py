@@ -47,3 +47,9 @@ def test_head_shape_and_dit_feature_tap():
     c = model.t_embed(s) + model.y_embed(y)
     torch.testing.assert_close(f, model.blocks[0](h, c).mean(1))
     assert GANHead(model.spec.hidden_size)(f).shape == (3,)
+    # the early-exit path the GAN head uses gives the same features without running later blocks
+    torch.testing.assert_close(model.features(x, s, y, 0), f)
+    calls = []
+    model.blocks[1].register_forward_pre_hook(lambda *_: calls.append(1))
+    model.features(x, s, y, 0)
+    assert calls == [], "features(layer=0) ran block 1"
