@@ -30,8 +30,9 @@ two roles must not share storage.
 While asleep, reading a sleeping tensor is undefined in torch: some ops raise "setStorage ... out
 of bounds for storage of size 0", others read freed memory (a segfault on CPU). The entry points
 are therefore guarded: a forward of a registered module (a forward-pre-hook; needs the weights) and
-`step()` of a registered optimizer (needs the state) raise `RoleAsleepError("role <name> is asleep ...")`. Other reads (printing a
-parameter, `state_dict()` for a checkpoint) are not guarded: wake the role first.
+`step()` of a registered optimizer (needs the state) raise `RoleAsleepError("role <name> is
+asleep ...")`. Other reads (printing a parameter, `state_dict()` for a checkpoint) are not guarded:
+wake the role first.
 """
 from __future__ import annotations
 
