@@ -31,11 +31,11 @@ from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.loop import after_iteration, finish_run
+from dmd2_mega.loop import train_loop
 from dmd2_mega.models import DiT, count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.resilience import ExitController, account_skips
+from dmd2_mega.resilience import ExitController
 from dmd2_mega.sampling import eval_conditions, generate
 
 
@@ -196,33 +196,13 @@ class FlowTrainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
-        t, ps = self.cfg.train, self.ps
-        out_dir = t.save or t.tensorboard_dir
-        logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, self.iteration)
-        pending: list = []
-        result: dict = {}
-        start = time.time()
-        try:
-            while self.iteration < t.train_iters:
-                skipped_before = self.optimizer.skipped_steps
-                loss, norm, lr = self.train_step()
-                skipped = self.optimizer.skipped_steps - skipped_before
-                pending.append((self.iteration, loss, norm, lr, skipped))
-                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                    self._log(logger, pending)
-                    pending = []
-                account_skips({"model": self.optimizer}, {"model": skipped}, t.max_nan_iterations,
-                              f"iteration {self.iteration}", ps.rank)  # may stop the run, before any save
-                evaluated, stop = after_iteration(self, logger, "iteration", out_dir)
-                result = result if evaluated is None else evaluated
-                if stop:
-                    break
-            finish_run(self, logger, pending)
-        finally:
-            self.exit.close()
-            logger.close()
-        print_rank0(f"> training done: {self.iteration} iterations in {time.time() - start:.1f} s", ps.rank)
-        return result
+        def step():
+            skipped_before = self.optimizer.skipped_steps
+            loss, norm, lr = self.train_step()
+            skipped = self.optimizer.skipped_steps - skipped_before
+            return (self.iteration, loss, norm, lr, skipped), {"model": self.optimizer}, {"model": skipped}
+
+        return train_loop(self, step, "iteration", "training")
 
     def _log(self, logger: TrainLogger, pending: list) -> None:
         t, ps = self.cfg.train, self.ps

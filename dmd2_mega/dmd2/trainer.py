@@ -40,12 +40,12 @@ from dmd2_mega.dmd2.gan import GANSettings, attach_head, resolve_layer
 from dmd2_mega.dmd2.roles import Role, enter_phase
 from dmd2_mega.dmd2.rollout import rollout, student_sigmas
 from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.loop import after_iteration, finish_run
+from dmd2_mega.loop import train_loop
 from dmd2_mega.models import count_parameters
 from dmd2_mega.offload import Sleeper
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.resilience import ExitController, account_skips
+from dmd2_mega.resilience import ExitController
 from dmd2_mega.training import build_model, cast_model, data_info, enable_determinism
 
 ROLLOUT, CRITIC, ACTOR = 0, 1, 2
@@ -218,28 +218,11 @@ class DMD2Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
-        t, ps = self.cfg.train, self.ps
-        logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, self.iteration)
-        pending, result, start = [], {}, time.time()
-        try:
-            while self.iteration < t.train_iters:
-                out = self.cycle()
-                pending.append((self.iteration, out))
-                if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
-                    self._log(logger, pending)
-                    pending = []
-                account_skips({n: self.roles[n].optimizer for n in out["skipped"]}, out["skipped"],
-                              t.max_nan_iterations, f"cycle {self.iteration}", ps.rank)  # may stop the run
-                evaluated, stop = after_iteration(self, logger, "cycle", t.save or t.tensorboard_dir)
-                result = result if evaluated is None else evaluated
-                if stop:
-                    break
-            finish_run(self, logger, pending)
-        finally:
-            self.exit.close()
-            logger.close()
-        print_rank0(f"> DMD2 done: {self.iteration} cycles in {time.time() - start:.1f} s", ps.rank)
-        return result
+        def step():
+            out = self.cycle()
+            return (self.iteration, out), {n: self.roles[n].optimizer for n in out["skipped"]}, out["skipped"]
+
+        return train_loop(self, step, "cycle", "DMD2")
 
     def _log(self, logger: TrainLogger, pending: list) -> None:
         keys = list(pending[0][1]["metrics"])
