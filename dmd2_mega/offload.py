@@ -85,6 +85,21 @@ def _optimizer_tensors(opt) -> list[Tensor]:
     return out
 
 
+def weight_tensors(modules: Sequence[torch.nn.Module]) -> list[Tensor]:
+    """A role's weights part: its modules' parameters and buffers."""
+    return [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
+
+
+def state_tensors(modules: Sequence[torch.nn.Module], optimizers: Sequence = (),
+                  extra: Sequence[Tensor] = ()) -> list[Tensor]:
+    """A role's state part: grads, optimizer tensors, extra tensors (collected per call: grads and
+    optimizer state appear lazily)."""
+    out = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    for opt in optimizers:
+        out += _optimizer_tensors(opt)
+    return out + list(extra)
+
+
 PARTS = ("weights", "state")
 LEVELS = {"all": PARTS, "weights": ("weights",), "none": ()}
 
@@ -163,17 +178,10 @@ class Sleeper:
         return next(k for k, parts in LEVELS.items() if set(parts) == set(PARTS) - set(self._saved))
 
     def weight_tensors(self) -> list[Tensor]:
-        out = []
-        for m in self.modules:
-            out += list(m.parameters()) + list(m.buffers())
-        return out
+        return weight_tensors(self.modules)
 
     def state_tensors(self) -> list[Tensor]:
-        """Grads and optimizer state appear lazily, so these are collected per call."""
-        out = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
-        for opt in self.optimizers:
-            out += _optimizer_tensors(opt)
-        return out + self.extra
+        return state_tensors(self.modules, self.optimizers, self.extra)
 
     def tensors(self) -> list[Tensor]:
         return self.weight_tensors() + self.state_tensors()

@@ -7,12 +7,12 @@ its device storage while a phase does not need it (DESIGN section 3).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from dmd2_mega.offload import Sleeper
+from dmd2_mega.offload import Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.optim import LRSchedule, Optimizer
 
 # phase -> {role: what of it must be resident}: "all" (weights and, if trained, grads + optimizer
@@ -45,6 +45,7 @@ class Role:
     ddp: Optional[torch.nn.Module] = None
     save_dir: Optional[str] = None
     sleeper: Optional[Sleeper] = None
+    extra: list = field(default_factory=list)  # further tensors of the role (the student's EMA)
 
     @property
     def trainable(self) -> bool:
@@ -56,15 +57,11 @@ class Role:
         return self.ddp if self.ddp is not None else self.model
 
     def resident_bytes(self) -> int:
+        """Device bytes of the role's weights, grads, optimizer state and extra tensors."""
         if self.sleeper is not None:
             return self.sleeper.resident_bytes()
-        from dmd2_mega.offload import resident_bytes
-        tensors = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()
-                                                          if p.grad is not None]
-        if self.optimizer is not None:
-            from dmd2_mega.offload import _optimizer_tensors
-            tensors += _optimizer_tensors(self.optimizer)
-        return resident_bytes(tensors)
+        modules, optimizers = [self.model], [self.optimizer] if self.optimizer else []
+        return resident_bytes(weight_tensors(modules) + state_tensors(modules, optimizers, self.extra))
 
 
 def enter_phase(phase: str, roles: dict[str, Role], gan: bool = False) -> int:

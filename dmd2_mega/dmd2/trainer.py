@@ -94,10 +94,11 @@ class DMD2Trainer:
         student = self.roles["student"].model
         self.ema = StudentEMA(student, d.ema_decay, d.ema_start_iter) if d.ema_decay > 0 else None
         offload = d.offload_inactive if d.offload_inactive is not None else torch.cuda.is_available()
+        if self.ema is not None:
+            self.roles["student"].extra = self.ema.tensors()
         if offload:
             for r in self.roles.values():
-                extra = self.ema.tensors() if r.name == "student" and self.ema is not None else []
-                r.sleeper = Sleeper(r.name, [r.model], [r.optimizer] if r.optimizer else [], extra, device=ps.device)
+                r.sleeper = Sleeper(r.name, [r.model], [r.optimizer] if r.optimizer else [], r.extra, device=ps.device)
         nparams = count_parameters(self.roles["student"].model, ps.tp_group)
         print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); TP={ps.tp_size} "
                     f"DP={ps.dp_size}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} M={self.num_micro}; "
