@@ -22,6 +22,6 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-timeout", "import-linter>=2.1"],
     },
 )

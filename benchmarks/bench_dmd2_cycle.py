@@ -38,7 +38,7 @@ from dmd2_mega.dmd2.trainer import CRITIC, ROLLOUT  # noqa: E402
 from dmd2_mega.offload import Sleeper  # noqa: E402
 from dmd2_mega.optim import LRSchedule, build_optimizer  # noqa: E402
 from dmd2_mega.parallel import init_distributed, micro_batch_generator as mbg  # noqa: E402
-from dmd2_mega.training import build_model, cast_model, data_info, flow_loss_micro  # noqa: E402
+from dmd2_mega.builders import build_model, cast_model, data_info  # noqa: E402
 
 FLAGS = [("--model-size", str, "digits"), ("--micro-batch-size", int, 64), ("--dmd2-denoising-steps", int, 4),
          ("--dmd2-critic-steps-per-rollout", int, 5), ("--dmd2-teacher-guidance-scale", float, 1.0),

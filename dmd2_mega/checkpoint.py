@@ -31,29 +31,45 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from dmd2_mega.models.dit import tp_partition_dim
-from dmd2_mega.parallel import ParallelState, barrier
+from dmd2_mega.atomic import atomic_write, fsync_dir
+from dmd2_mega.errors import CheckpointError
+from dmd2_mega.megatron_compat import rng_tracker_states, set_rng_tracker_states
+from dmd2_mega.parallel import ParallelState, barrier, tp_partition_dim
 from dmd2_mega.resilience import kill_point
+
+@dataclass(frozen=True)
+class RunState:
+    """Where a run stands, besides its roles' tensors: what a save records and a resume restores.
+
+    iteration: completed iterations (cycles); saved_iteration: the iteration --save holds from this
+    process (None: nothing yet), so the final save is skipped when it is already there; sampler:
+    `GlobalBatchSampler.state_dict()` (the data position, consumed_samples) of the save or resume;
+    pair_token: DMD2's per-process token that, with the iteration, ties a student save to its critic save.
+    """
+
+    iteration: int = 0
+    saved_iteration: Optional[int] = None
+    sampler: Optional[dict] = None
+    pair_token: str = ""
+
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 RESHARDED = ("model", "ema")  # payload entries keyed by parameter name, resharded on a TP change
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked; the message names the file and the reason."""
-
-
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def rank_file(root: str, iteration: int, tp_rank: int) -> str:
-    return os.path.join(iter_dir(root, iteration), f"mp_rank_{tp_rank:02d}", FILENAME)
+def rank_file(iteration_dir: str, tp_rank: int) -> str:
+    """The file of TP rank `tp_rank` inside an iteration directory (iter_N/, or its .tmp / .old)."""
+    return os.path.join(iteration_dir, f"mp_rank_{tp_rank:02d}", FILENAME)
 
 
 def partition_dims(model: torch.nn.Module) -> dict:
@@ -61,7 +77,6 @@ def partition_dims(model: torch.nn.Module) -> dict:
 
 
 def rng_state() -> dict:
-    from dmd2_mega.megatron_compat import rng_tracker_states
     state = {"cpu": torch.get_rng_state(), "tracker": rng_tracker_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -69,38 +84,10 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from dmd2_mega.megatron_compat import set_rng_tracker_states
     torch.set_rng_state(state["cpu"])
     set_rng_tracker_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_torch_save(obj, path: str, iteration: int) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    kill_point("rank-file-tmp", iteration)
-    os.replace(tmp, path)
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def check_writable(root: str) -> None:
@@ -123,9 +110,8 @@ def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     if ps.dp_rank == 0:
-        rank_dir = os.path.join(tmp, f"mp_rank_{ps.tp_rank:02d}")
-        os.makedirs(rank_dir, exist_ok=True)
-        _atomic_torch_save(payload, os.path.join(rank_dir, FILENAME), iteration)
+        atomic_write(rank_file(tmp, ps.tp_rank), lambda f: torch.save(payload, f),
+                     before_replace=lambda: kill_point("rank-file-tmp", iteration))
         kill_point("rank-file", iteration)
     barrier()
     if ps.is_main:
@@ -135,7 +121,7 @@ def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState)
             os.replace(final, final + ".old")
             kill_point("old-aside", iteration)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     barrier()
     return final
 
@@ -147,8 +133,8 @@ def commit(roots: Sequence[str], iteration: int, ps: ParallelState) -> None:
         for i, root in enumerate(roots):
             if i:
                 kill_point("between-trackers", iteration)
-            _write_text(os.path.join(root, TRACKER), str(iteration))
-            _fsync_dir(root)
+            atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
+            fsync_dir(root)
         for root in roots:  # the replaced copy, and left-overs of saves killed before their rename
             shutil.rmtree(iter_dir(root, iteration) + ".old", ignore_errors=True)
             for name in os.listdir(root):
@@ -223,15 +209,12 @@ def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
 
 
 def _load_dir(d: str, ps: ParallelState) -> dict:
-    def rank(r: int) -> str:
-        return os.path.join(d, f"mp_rank_{r:02d}", FILENAME)
-
-    first = _read(rank(0 if ps.tp_size > 1 else ps.tp_rank))
+    first = _read(rank_file(d, 0 if ps.tp_size > 1 else ps.tp_rank))
     saved_tp = int(first["tp_size"])
     if saved_tp == ps.tp_size:
-        payload = first if ps.tp_rank == 0 else _read(rank(ps.tp_rank))
+        payload = first if ps.tp_rank == 0 else _read(rank_file(d, ps.tp_rank))
     else:
-        others = [_read(rank(r)) for r in range(1, saved_tp)]
+        others = [_read(rank_file(d, r)) for r in range(1, saved_tp)]
         payload = dict(first)
         for key in RESHARDED:  # the weights, and a DMD2 student's EMA of them (same names)
             if key in first:

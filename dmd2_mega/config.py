@@ -1,16 +1,19 @@
 """Configuration as small composed dataclasses, validated in `__post_init__`.
 
-`arguments.py` only maps Megatron-style flags onto these; nothing else reads argparse.
-Each check raises `ConfigError` naming the flag a user would fix.
+`arguments.py` only maps Megatron-style flags onto these (its defaults ARE these defaults); nothing
+else reads argparse. Every value is checked here, once, and each check raises `ConfigError` naming
+the flag a user would fix. (Checks that need the world size or the built model run where those
+exist: `TrainConfig.resolve_batches`, `dmd2.gan.resolve_layer`.)
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A bad flag value; the message names the flag and what was expected."""
+from dmd2_mega import flow
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.models.family import BuildOptions
+from dmd2_mega.models.registry import get_size
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -20,7 +23,7 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """The DiT. Sizes come from the registry in `models/registry.py` via `--model-size`."""
+    """The model: a `--model-size` of the registry (`models/registry.py`: family + spec) and how it runs."""
 
     size: str = "debug"
     """Registry name: debug (tests), digits (quickstart), 600m, 2b, 8b."""
@@ -32,14 +35,16 @@ class ModelConfig:
     """None or 'full': megatron-core activation checkpointing of each block."""
 
     def __post_init__(self):
-        from dmd2_mega.models.registry import MODEL_SIZES  # lazy: the registry imports ConfigError
-        _check(self.size in MODEL_SIZES, f"--model-size {self.size!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
+        get_size(self.size)  # ConfigError naming --model-size and the choices
         _check(self.attention_backend in ("sdpa", "flash"),
                f"--attention-backend must be 'sdpa' or 'flash', got {self.attention_backend!r}")
         _check(self.transformer_impl in ("local", "transformer_engine"),
                f"--transformer-impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
         _check(self.recompute_granularity in (None, "full"),
                f"--recompute-granularity must be 'full' when given, got {self.recompute_granularity!r}")
+
+    def options(self) -> BuildOptions:
+        return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity == "full")
 
 
 @dataclass
@@ -82,10 +87,12 @@ class OptimConfig:
     optimizer_impl: str = "torch"
     """--optimizer-impl: torch (AdamW, fused on CUDA) or apex (apex FusedAdam, CUDA only)."""
     bf16: bool = False
-    """--bf16: bf16 autocast compute with fp32 master weights and optimizer state."""
+    """--bf16: the model's parameters are cast to bf16 (bf16 weights and compute); the optimizer keeps fp32
+    master weights and Adam state (not autocast)."""
 
     def __post_init__(self):
         _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
         _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr}")
         _check(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
         _check(self.lr_decay_style in ("cosine", "constant"),
@@ -216,24 +223,6 @@ class DMD2Config:
     critic_adam_beta2: Optional[float] = None
     offload_inactive: Optional[bool] = None
     """--offload-inactive / --no-offload-inactive: sleep the roles a phase does not use (default on with CUDA)."""
-    gan: bool = False
-    """--dmd2-gan: GAN head on the critic's features (dmd2/gan.py)."""
-    gan_feature_layer: Optional[int] = None
-    """--dmd2-gan-feature-layer: critic block feeding the head (default the middle one)."""
-    gan_noise: bool = True
-    """--dmd2-gan-noise / --no-dmd2-gan-noise: noise the head's inputs to a score-range sigma."""
-    gan_sigma_range: Optional[tuple] = None
-    """--dmd2-gan-sigma-range MIN MAX: UNSHIFTED range of the head's input noise (default: the score range)."""
-    gan_disc_weight: float = 1e-2
-    """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
-    gan_gen_weight: float = 3e-3
-    """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
-    ema_decay: float = 0.0
-    """--ema-decay: student EMA decay in [0, 1) (0 = off)."""
-    ema_start_iter: int = 0
-    """--ema-start-iter: before this cycle the EMA copies the student."""
-    no_ema: bool = False
-    """--no-ema: evaluate the raw student weights even when an EMA is kept."""
 
     def __post_init__(self):
         _check(self.denoising_steps >= 1, f"--dmd2-denoising-steps must be >= 1, got {self.denoising_steps}")
@@ -248,23 +237,58 @@ class DMD2Config:
         _check(self.teacher_guidance_scale >= 1.0,
                f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
-        _check(self.gan_disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.gan_disc_weight}")
-        _check(self.gan_gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gan_gen_weight}")
-        _check(self.gan or self.gan_feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
-        if self.gan_sigma_range is not None:
-            glo, ghi = self.gan_sigma_range
-            _check(0.0 <= glo < ghi <= 1.0, f"--dmd2-gan-sigma-range needs 0 <= MIN < MAX <= 1, got {glo} {ghi}")
-            n = self.critic_grid_size
-            _check(any(glo <= (n - i) / n <= ghi for i in range(n)),
-                   f"--dmd2-gan-sigma-range {glo} {ghi} holds no point of the {n}-point critic grid")
-        _check(0.0 <= self.ema_decay < 1.0, f"--ema-decay must be in [0, 1) (0 = off), got {self.ema_decay}")
-        _check(self.ema_start_iter >= 0, f"--ema-start-iter must be >= 0, got {self.ema_start_iter}")
-        if self.student_sigmas is not None:  # validated here, before any setup work
-            from dmd2_mega.dmd2.rollout import student_sigmas  # lazy: rollout imports ConfigError
-            student_sigmas(len(self.student_sigmas), self.student_sigmas)
+        flow.student_sigmas(self.denoising_steps, self.student_sigmas)  # GridError naming the flag
+        self.score_sigma_range = tuple(self.score_sigma_range)
         g = self.critic_grid_size
-        _check(any(lo <= (g - i) / g <= hi for i in range(g)),
+        _check(bool(flow.critic_grid(g, 1.0, self.score_sigma_range)[1].any()),
                f"--dmd2-score-sigma-range {lo} {hi} holds no point of the {g}-point critic grid")
+
+
+@dataclass
+class GANConfig:
+    """DMD2's GAN head on the critic's features (dmd2/gan.py); off by default."""
+
+    enabled: bool = False
+    """--dmd2-gan: train a GAN head on the critic's features; its generator loss joins the actor's."""
+    feature_layer: Optional[int] = None
+    """--dmd2-gan-feature-layer: critic block feeding the head (default the middle one)."""
+    noise: bool = True
+    """--dmd2-gan-noise / --no-dmd2-gan-noise: noise the head's inputs to a sigma of the GAN range."""
+    sigma_range: Optional[tuple] = None
+    """--dmd2-gan-sigma-range MIN MAX: UNSHIFTED range of the head's input noise (default: the score range)."""
+    disc_weight: float = 1e-2
+    """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
+    gen_weight: float = 3e-3
+    """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
+
+    def __post_init__(self):
+        _check(self.disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.disc_weight}")
+        _check(self.gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gen_weight}")
+        _check(self.enabled or self.feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
+        if self.sigma_range is not None:
+            self.sigma_range = tuple(self.sigma_range)
+            glo, ghi = self.sigma_range
+            _check(0.0 <= glo < ghi <= 1.0, f"--dmd2-gan-sigma-range needs 0 <= MIN < MAX <= 1, got {glo} {ghi}")
+
+
+@dataclass
+class EMAConfig:
+    """Exponential moving average of the student's weights (dmd2/ema.py); off by default."""
+
+    decay: float = 0.0
+    """--ema-decay: student EMA decay in [0, 1) (0 = off)."""
+    start_iter: int = 0
+    """--ema-start-iter: before this cycle the EMA copies the student."""
+    no_ema: bool = False
+    """--no-ema: evaluate the raw student weights even when an EMA is kept."""
+
+    def __post_init__(self):
+        _check(0.0 <= self.decay < 1.0, f"--ema-decay must be in [0, 1) (0 = off), got {self.decay}")
+        _check(self.start_iter >= 0, f"--ema-start-iter must be >= 0, got {self.start_iter}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.decay > 0
 
 
 @dataclass
@@ -276,9 +300,20 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dmd2: DMD2Config = field(default_factory=DMD2Config)
+    gan: GANConfig = field(default_factory=GANConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
     def __post_init__(self):
         _check(self.dmd2.teacher_load is not None, "--teacher-load is required (the trained teacher's checkpoint)")
+        if self.gan.sigma_range is not None:
+            n = self.dmd2.critic_grid_size
+            glo, ghi = self.gan.sigma_range
+            _check(bool(flow.critic_grid(n, 1.0, self.gan.sigma_range)[1].any()),
+                   f"--dmd2-gan-sigma-range {glo} {ghi} holds no point of the {n}-point critic grid")
+
+    def gan_sigma_range(self) -> tuple:
+        """The UNSHIFTED sigma range of the GAN head's input noise."""
+        return self.gan.sigma_range or self.dmd2.score_sigma_range
 
     def critic_optim(self) -> OptimConfig:
         d, o = self.dmd2, self.optim

@@ -5,26 +5,27 @@ sample) broadcast over D by `expand_like` to [B, 1, ..., 1].
 
     x_sigma = (1 - sigma) * x0 + sigma * eps          (sigma = 0: data, sigma = 1: noise)
     v       = eps - x0                                (= d x_sigma / d sigma)
-    x0      = x_sigma - sigma * v
+    x0      = x_sigma - sigma * v                      (the fused `kernels.x0_from_velocity`)
     eps     = x_sigma + (1 - sigma) * v
     shift_k(s) = k s / (1 + (k - 1) s) = k s / (k s + 1 - s)      (k > 0; k > 1 pushes toward noise)
     CFG:    v = v_neg + g * (v_pos - v_neg)           (g = 1: no guidance, no negative forward)
 
-A grid is N points of UNSHIFTED sigma in (0, 1], s_i = (N - i) / N, shifted for use.
+A grid is N points of UNSHIFTED sigma in (0, 1], s_i = (N - i) / N (`unshifted_grid`), shifted for
+use. Three grids are built from it here: the Euler sampler's (`sigma_grid`), the few-step student's
+(`student_sigmas`, or an explicit list) and DMD2's critic grid with its score-range mask (`critic_grid`).
 Sampling integrates dx/dsigma = v(x, sigma) from sigma = 1 (x = noise) down to sigma = 0 with
 Euler steps. The model receives sigma itself (a [B] fp32 tensor); the timestep sigma * 1000 is the
 model's business.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import math
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-
-class FlowError(ValueError):
-    """A bad argument to the flow maths; the message names the argument and what was expected."""
+from dmd2_mega.errors import FlowError, GridError
 
 
 def expand_like(sigma: Tensor, x: Tensor) -> Tensor:
@@ -64,11 +65,6 @@ def velocity_target(x0: Tensor, eps: Tensor) -> Tensor:
     return eps - x0
 
 
-def x0_from_velocity(x_s: Tensor, v: Tensor, sigma: Tensor) -> Tensor:
-    """x0 = x_sigma - sigma v. x_s, v [B, *D]; sigma [B]. Returns x_s.dtype."""
-    return (x_s - expand_like(sigma, x_s) * v).to(x_s.dtype)
-
-
 def eps_from_velocity(x_s: Tensor, v: Tensor, sigma: Tensor) -> Tensor:
     """eps = x_sigma + (1 - sigma) v. x_s, v [B, *D]; sigma [B]. Returns x_s.dtype."""
     return (x_s + (1 - expand_like(sigma, x_s)) * v).to(x_s.dtype)
@@ -93,16 +89,52 @@ def shift_sigma(s: Union[Tensor, float], k: float) -> Union[Tensor, float]:
     return k * s / (k * s + (1 - s))
 
 
+def unshifted_grid(n: int, flag: str = "grid size n") -> Tensor:
+    """[n] float64 UNSHIFTED grid s_i = (n - i) / n, i = 0..n-1 (1 down to 1/n): every grid's points."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GridError(f"{flag} must be an int >= 1, got {n!r}")
+    return torch.arange(n, 0, -1, dtype=torch.float64) / n
+
+
 def sigma_grid(n: int, shift: float = 1.0, dtype: torch.dtype = torch.float32,
                device: Optional[torch.device] = None) -> Tensor:
-    """[n] descending shifted grid: sigma_i = shift_k((n - i) / n), i = 0..n-1 (1 down to shift(1/n)).
+    """[n] descending shifted grid of the Euler sampler: sigma_i = shift_k((n - i) / n), i = 0..n-1.
 
     Computed in float64, returned in `dtype` (float32 by default).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise FlowError(f"grid size n must be an int >= 1, got {n!r}")
-    s = torch.arange(n, 0, -1, dtype=torch.float64) / n
-    return shift_sigma(s, shift).to(dtype=dtype, device=device)
+    return shift_sigma(unshifted_grid(n), shift).to(dtype=dtype, device=device)
+
+
+def student_sigmas(num_steps: int = 4, explicit: Optional[Sequence[float]] = None,
+                   shift: float = 1.0) -> Tensor:
+    """[N] float32 descending shifted grid of the few-step student (DMD2's rollout and sampler).
+
+    `explicit` (the UNSHIFTED `--dmd2-student-sigmas` values) wins over `num_steps` when given; it
+    must start at 1.0 and decrease strictly within (0, 1]. Otherwise s_i = (N - i) / N with
+    N = `num_steps` (`--dmd2-denoising-steps`). Shifted with `shift_sigma` in float64.
+    """
+    if explicit is None:
+        s = unshifted_grid(num_steps, "--dmd2-denoising-steps")
+    else:
+        vals = [float(v) for v in explicit]
+        if not vals:
+            raise GridError("--dmd2-student-sigmas needs at least one value (e.g. 1.0 0.75 0.5 0.25)")
+        if not all(math.isfinite(v) and 0.0 < v <= 1.0 for v in vals):
+            raise GridError(f"--dmd2-student-sigmas values must lie in (0, 1] (unshifted sigma), got {vals}")
+        if vals[0] != 1.0:
+            raise GridError(f"--dmd2-student-sigmas must start at 1.0 (pure noise), got {vals}")
+        if any(b >= a for a, b in zip(vals, vals[1:])):
+            raise GridError(f"--dmd2-student-sigmas must be strictly decreasing, got {vals}")
+        s = torch.tensor(vals, dtype=torch.float64)
+    return shift_sigma(s, shift).to(torch.float32)
+
+
+def critic_grid(size: int, shift: float, sigma_range: tuple) -> tuple[Tensor, Tensor]:
+    """(sigmas [G] fp32 shifted, in_range [G] bool) of DMD2's critic grid; `in_range` marks the points
+    whose UNSHIFTED value lies in `sigma_range` = (MIN, MAX) (the score range, or the GAN's)."""
+    s = unshifted_grid(size, "--dmd2-critic-grid-size")
+    lo, hi = sigma_range
+    return shift_sigma(s, shift).float(), (s >= lo) & (s <= hi)
 
 
 def sample_train_sigma(batch: int, shift: float, generator: torch.Generator,

@@ -1,23 +1,45 @@
-"""The training loop both trainers (teacher `training.FlowTrainer`, `dmd2.trainer.DMD2Trainer`) run,
-written once: step, interval log, NaN accounting, interval save / eval, exit check, final save.
-
-A trainer provides: `cfg.train`, `ps`, `iteration`, `saved_iteration`, `exit` (resilience's
-ExitController), `save()`, `evaluate(out_dir) -> dict | None` and `_log(logger, pending)`.
+"""The training loop both trainers (`teacher_trainer.FlowTrainer`, `dmd2.student_trainer.DMD2Trainer`)
+run, written once: step, interval log, NaN accounting, interval save / eval, exit check, final save.
+What it needs of a trainer is the `Trainer` protocol below.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
-from dmd2_mega.resilience import account_skips
+from dmd2_mega.parallel import ParallelState
+from dmd2_mega.resilience import ExitController, account_skips
 
 
-def train_loop(trainer, step: Callable[[], tuple], unit: str, name: str) -> dict:
+class Trainer(Protocol):
+    cfg: object  # .train: config.TrainConfig
+    ps: ParallelState
+    exit: ExitController
+
+    @property
+    def iteration(self) -> int:
+        """Completed iterations (cycles)."""
+
+    @property
+    def saved_iteration(self) -> Optional[int]:
+        """The iteration --save holds from this process, or None."""
+
+    def save(self) -> None:
+        """Collective checkpoint of the current iteration."""
+
+    def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
+        """Samples + metrics (rank 0's result; None on other ranks)."""
+
+    def log(self, logger: TrainLogger, pending: list) -> None:
+        """Log the records `step()` returned since the last log (the one host sync per interval)."""
+
+
+def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str) -> dict:
     """Run `step()` until --train-iters; returns the last eval result ({} if none ran).
 
     step() advances `trainer.iteration` by one and returns (record, optimizers, skipped): the record
-    joins the pending list handed to `trainer._log`; {role: optimizer} and {role: steps skipped this
+    joins the pending list handed to `trainer.log`; {role: optimizer} and {role: steps skipped this
     iteration} feed the NaN accounting (which may stop the run, before any save). `unit` names an
     iteration in messages ("iteration", "cycle"); `name` the run in the closing line."""
     t, ps = trainer.cfg.train, trainer.ps
@@ -28,7 +50,7 @@ def train_loop(trainer, step: Callable[[], tuple], unit: str, name: str) -> dict
             record, optimizers, skipped = step()
             pending.append(record)
             if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters:
-                trainer._log(logger, pending)
+                trainer.log(logger, pending)
                 pending = []
             account_skips(optimizers, skipped, t.max_nan_iterations, f"{unit} {trainer.iteration}", ps.rank)
             evaluated, stop = after_iteration(trainer, logger, unit, t.save or t.tensorboard_dir)
@@ -43,7 +65,7 @@ def train_loop(trainer, step: Callable[[], tuple], unit: str, name: str) -> dict
     return result
 
 
-def after_iteration(trainer, logger: TrainLogger, unit: str, out_dir: Optional[str]) -> tuple[Optional[dict], bool]:
+def after_iteration(trainer: Trainer, logger: TrainLogger, unit: str, out_dir: Optional[str]) -> tuple[Optional[dict], bool]:
     """Interval save, interval eval, then the all-rank exit check.
 
     Returns (the eval result, or None if no eval ran; True if the run must stop now)."""
@@ -61,9 +83,9 @@ def after_iteration(trainer, logger: TrainLogger, unit: str, out_dir: Optional[s
     return result, bool(reason)
 
 
-def finish_run(trainer, logger: TrainLogger, pending: list) -> None:
+def finish_run(trainer: Trainer, logger: TrainLogger, pending: list) -> None:
     """Log what the last interval left and save the final iteration unless it is saved already."""
     if pending:
-        trainer._log(logger, pending)
+        trainer.log(logger, pending)
     if trainer.cfg.train.save and trainer.saved_iteration != trainer.iteration:
         trainer.save()

@@ -17,6 +17,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mcore_random
 
 
@@ -99,10 +102,8 @@ def recompute(fn, *args):
     checkpoint (which restores the CPU RNG itself) does the same recompute.
     """
     if cuda_available():
-        from megatron.core import tensor_parallel
         return tensor_parallel.checkpoint(fn, False, *args)
-    import torch.utils.checkpoint as ckpt
-    return ckpt.checkpoint(fn, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -113,7 +114,6 @@ class _GatherLastDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        from megatron.core import parallel_state as mpu
         group = mpu.get_tensor_model_parallel_group()
         world, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         ctx.rank, ctx.n = rank, x.shape[-1]
@@ -128,10 +128,8 @@ class _GatherLastDim(torch.autograd.Function):
 
 def gather_from_tp(x: torch.Tensor) -> torch.Tensor:
     """megatron-core's `gather_from_tensor_model_parallel_region` (allocates on CUDA) or its CPU twin."""
-    from megatron.core import parallel_state as mpu
     if mpu.get_tensor_model_parallel_world_size() == 1:
         return x
     if cuda_available():
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        return gather_from_tensor_model_parallel_region(x)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(x)
     return _GatherLastDim.apply(x)

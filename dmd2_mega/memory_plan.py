@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from dmd2_mega.models.registry import DiTSpec, get_spec
+from dmd2_mega.models import DiTSpec, get_spec
 
 PHASES = ("rollout", "critic", "actor")
 # phase -> (roles resident when time-sliced, the role trained in it)  (mirrors dmd2/roles.PHASE_ROLES)

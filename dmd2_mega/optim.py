@@ -26,8 +26,9 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.config import ConfigError, OptimConfig
-from dmd2_mega.models.dit import tp_partition_dim
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.config import OptimConfig
+from dmd2_mega.parallel import tp_partition_dim
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -15,7 +15,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from dmd2_mega import megatron_compat
-from dmd2_mega.config import ConfigError, ParallelConfig
+from dmd2_mega.errors import ConfigError
+
+
+class ParallelSettings(Protocol):
+    """What `init_distributed` reads (`config.ParallelConfig` is one; this module sits below config)."""
+
+    tensor_model_parallel_size: int
+    distributed_backend: Optional[str]
 
 
 @dataclass
@@ -57,7 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cfg: ParallelConfig, seed: int = 1234) -> ParallelState:
+def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
     """Join the torchrun job (or make a world of one), build TP/DP groups, seed megatron's RNG.
 
     Without torchrun's environment (plain `python launch/...py`) a single-rank world is created.
@@ -116,6 +123,12 @@ def micro_batch_generator(seed: int, iteration: int, micro_index: int, device: t
     gen = torch.Generator(device=device)
     gen.manual_seed(int(words[0]) | (int(words[1]) << 31))
     return gen
+
+
+def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
+    """The dim a parameter is split along across TP ranks (megatron-core's `partition_dim`
+    attribute), or None if it is replicated."""
+    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
 
 
 def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from dmd2_mega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from dmd2_mega.logger import print_rank0
 
 KILL_ENV = "DMD2_MEGA_TEST_KILL_AT"
 KILL_STAGES = ("rank-file-tmp", "rank-file", "before-dir-rename", "old-aside", "before-tracker",
                "between-trackers")
-
-
-class NonFiniteError(RuntimeError):
-    """A role had too many consecutive optimizer steps with a non-finite loss or gradient norm."""
 
 
 def kill_point(stage: str, iteration: int) -> None:
@@ -128,11 +126,6 @@ def run_main(train, teardown) -> int:
     """The launch scripts' main: `train()`, then `teardown()`. 0 on success or a preemption exit; a
     bad flag, file or value (ConfigError, DataError, CheckpointError) or a NaN stop prints ONE line
     `<ErrorType>: <message>` to stderr (prefixed by the rank in a multi-rank job) and returns 1."""
-    import sys
-
-    from dmd2_mega.checkpoint import CheckpointError
-    from dmd2_mega.config import ConfigError
-    from dmd2_mega.data import DataError
     try:
         train()
         return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import kernels
 from dmd2_mega import flow
 
 
@@ -77,7 +78,7 @@ def few_step_sample(model, noise: torch.Tensor, cond: torch.Tensor, sigmas: torc
     b = x.shape[0]
     for i, s in enumerate(sigmas.tolist()):
         sig = torch.full((b,), s, device=x.device, dtype=torch.float32)
-        x0 = flow.x0_from_velocity(x, model(x, sig, cond).to(x.dtype), sig)
+        x0 = kernels.x0_from_velocity(x, model(x, sig, cond).to(x.dtype), sig)
         if i + 1 < len(sigmas):
             x = flow.add_noise(x0, noise[i + 1], sigmas[i + 1].expand(b).to(x.device))
     return x0

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dmd2_mega.arguments import parse_flow_args  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
-from dmd2_mega.training import FlowTrainer  # noqa: E402
+from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:

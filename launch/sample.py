@@ -21,12 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from dmd2_mega.atomic import atomic_write  # noqa: E402
+from dmd2_mega.builders import build_model, cast_model  # noqa: E402
 from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
-from dmd2_mega.config import ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
+from dmd2_mega.data import build_dataset  # noqa: E402
+from dmd2_mega.errors import ConfigError  # noqa: E402
+from dmd2_mega.eval.grid import save_grid  # noqa: E402
+from dmd2_mega.flow import student_sigmas  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
-from dmd2_mega.dmd2.rollout import student_sigmas  # noqa: E402
-from dmd2_mega.sampling import generate, generate_student  # noqa: E402
-from dmd2_mega.training import build_model, cast_model  # noqa: E402
+from dmd2_mega.sampling import eval_conditions, generate, generate_student  # noqa: E402
 
 
 def parse(argv=None):
@@ -70,8 +74,6 @@ def main(argv=None) -> int:
         if info["num_classes"] is not None:
             cond = torch.arange(a.num_samples) % info["num_classes"]
         else:
-            from dmd2_mega.data import build_dataset
-            from dmd2_mega.sampling import eval_conditions
             cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
         shape = (info["in_channels"], info["image_size"], info["image_size"])
         dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
@@ -85,12 +87,10 @@ def main(argv=None) -> int:
             images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
                               seed=a.seed, **dp)
         if ps.is_main:
-            from dmd2_mega.eval.grid import save_grid
             os.makedirs(a.out, exist_ok=True)
             labels = cond.long().numpy() if cond.dim() == 1 else np.arange(a.num_samples)
-            tmp = os.path.join(a.out, "samples.tmp.npz")
-            np.savez(tmp, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64))
-            os.replace(tmp, os.path.join(a.out, "samples.npz"))
+            atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
+                f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
             k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
             grid = save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
             print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {weights}, {a.steps} steps, "

@@ -22,7 +22,7 @@ dmd-normaliser, dmd-fake-real-gap, dmd-grad-rms).
      within 1e-4 relative. Regenerate (after an intended change of the numerics) with
          DMD2_REGEN_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_dmd2_cycle.py -k golden
      A missing golden file FAILS the test.
-  f. Flag validation (in-process, parse_dmd2_args / DMD2Config / validate_dmd2_args): each rejected
+  f. Flag validation (in-process, parse_dmd2_args / DMD2Config / TrainConfig.resolve_batches): each rejected
      combination raises ConfigError naming the flag.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.config import ConfigError, DMD2Config
-from dmd2_mega.dmd2.trainer import validate_dmd2_args
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.config import DMD2Config
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, find_tmp, launch, python,
                          read_trace, train_debug_teacher)
 
@@ -263,7 +263,7 @@ def test_defaults_parse():
     c = cfg.critic_optim()
     assert c.lr == 2e-4 and c.adam_beta1 == 0.0 and c.adam_beta2 == cfg.optim.adam_beta2
     assert parse_dmd2_args(BASE + ["--critic-lr", "5e-5"]).critic_optim().lr == 5e-5
-    assert validate_dmd2_args(parse_dmd2_args(BASE + ["--micro-batch-size", "4", "--global-batch-size", "16"]), 2) == 2
+    assert parse_dmd2_args(BASE + ["--micro-batch-size", "4", "--global-batch-size", "16"]).train.resolve_batches(2) == 2
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -298,7 +298,7 @@ def test_score_range_checked_in_dmd2config():
 def test_global_batch_must_be_multiple_of_micro_times_dp(micro, global_, dp):
     cfg = parse_dmd2_args(BASE + ["--micro-batch-size", str(micro), "--global-batch-size", str(global_)])
     with pytest.raises(ConfigError) as e:
-        validate_dmd2_args(cfg, dp)
+        cfg.train.resolve_batches(dp)
     msg = str(e.value)
     assert f"--global-batch-size ({global_}) must be a multiple of --micro-batch-size x data-parallel size" in msg
     assert f"({micro} x {dp} = {micro * dp})" in msg, msg

@@ -19,7 +19,7 @@ from dmd2_mega.dmd2.gan import attach_head, gan_logits
 from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
 from dmd2_mega.offload import RoleAsleepError, Sleeper
 from dmd2_mega.optim import Optimizer
-from dmd2_mega.training import build_model, cast_model
+from dmd2_mega.builders import build_model, cast_model
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)

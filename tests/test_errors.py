@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_flow_args
-from dmd2_mega.checkpoint import (TRACKER, CheckpointError, check_writable, latest_iteration, load_model_weights,
-                                  load_payload, rank_file)
-from dmd2_mega.config import ConfigError, ModelConfig, TrainConfig
-from dmd2_mega.data import DataError, build_dataset, write_shards
+from dmd2_mega.errors import CheckpointError, ConfigError, DataError
+from dmd2_mega.checkpoint import (TRACKER, check_writable, latest_iteration, load_model_weights, iter_dir, load_payload, rank_file)
+from dmd2_mega.config import ModelConfig, TrainConfig
+from dmd2_mega.data import build_dataset, write_shards
 from dmd2_mega.models import MODEL_SIZES, DiT
 from dmd2_mega.parallel import ParallelState
 from tests.utils import PRETRAIN, python, world_of_one
@@ -138,7 +138,7 @@ def test_missing_load_directory_end_to_end(tmp_path):
 def _fake_checkpoint(root, iteration=5, tp=1) -> list:
     paths = []
     for r in range(tp):
-        path = rank_file(str(root), iteration, r)
+        path = rank_file(iter_dir(str(root), iteration), r)
         os.makedirs(os.path.dirname(path))
         torch.save({"iteration": iteration, "tp_size": tp, "model": {"w": torch.randn(64, 64)},
                     "partition_dims": {"w": 0}}, path)

@@ -10,7 +10,7 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-from dmd2_mega.eval import EvalInputError
+from dmd2_mega.errors import EvalInputError
 from dmd2_mega.eval.classifier import CACHE_ENV, CACHE_NAME, load_or_train_classifier, load_split
 from dmd2_mega.eval.digits import evaluate_digits
 from dmd2_mega.eval.frechet import frechet_distance

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from dmd2_mega.arguments import parse_flow_args
-from dmd2_mega.config import ConfigError, ModelConfig
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.config import ModelConfig
 from dmd2_mega.models import DiT, MODEL_SIZES, count_parameters, get_spec, tp_partition_dim
 from tests.utils import world_of_one
 

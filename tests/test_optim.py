@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dmd2_mega.config import ConfigError, OptimConfig
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.config import OptimConfig
 from dmd2_mega.optim import LRSchedule, Optimizer, clip_gradients, grad_norm
 
 

@@ -23,7 +23,7 @@ from dmd2_mega.dmd2.rollout import rollout, student_sigmas
 from dmd2_mega.models.dit import tp_partition_dim
 from dmd2_mega.offload import Sleeper, resident_bytes
 from dmd2_mega.optim import build_optimizer
-from dmd2_mega.training import build_model, cast_model
+from dmd2_mega.builders import build_model, cast_model
 from launch import plan_memory
 from tests.utils import world_of_one
 

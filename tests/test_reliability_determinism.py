@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.dmd2.trainer import DMD2Trainer
-from dmd2_mega.training import FlowTrainer
+from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN, PRETRAIN_DMD2, read_trace, run, world_of_one
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.checkpoint import rank_file
+from dmd2_mega.checkpoint import iter_dir, rank_file
 from dmd2_mega.data import write_shards
-from dmd2_mega.dmd2.trainer import DMD2Trainer
-from dmd2_mega.training import FlowTrainer
+from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, PRETRAIN_DMD2, run, world_of_one
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,7 +94,7 @@ def copy_of(src: str, dst) -> str:
 @pytest.mark.parametrize("damage", ["truncated", "bit-flip"])
 def test_damaged_checkpoint_file(ckpts, tmp_path, capsys, damage):
     ck = copy_of(ckpts["teacher"], tmp_path / "ck")
-    path = rank_file(ck, 10, 0)
+    path = rank_file(iter_dir(ck, 10), 0)
     data = bytearray(open(path, "rb").read())
     if damage == "truncated":
         data = data[: len(data) // 2]
@@ -127,13 +127,13 @@ def test_teacher_of_another_size(ckpts, tmp_path, capsys):
 
 def _as_tp2(root: str, it: int) -> None:
     """Rewrite root's iteration `it` (TP=1) as a TP=2 checkpoint: sharded parameters split in two."""
-    p = torch.load(rank_file(root, it, 0), weights_only=False)
+    p = torch.load(rank_file(iter_dir(root, it), 0), weights_only=False)
     for r in range(2):
         q = dict(p, tp_size=2, model={n: (w if p["partition_dims"].get(n) is None else
                                           w.chunk(2, dim=p["partition_dims"][n])[r].clone())
                                       for n, w in p["model"].items()})
-        os.makedirs(os.path.dirname(rank_file(root, it, r)), exist_ok=True)
-        torch.save(q, rank_file(root, it, r))
+        os.makedirs(os.path.dirname(rank_file(iter_dir(root, it), r)), exist_ok=True)
+        torch.save(q, rank_file(iter_dir(root, it), r))
 
 
 def test_dmd2_optimizer_at_another_tp_degree(ckpts, tmp_path, capsys):
@@ -146,7 +146,7 @@ def test_dmd2_optimizer_at_another_tp_degree(ckpts, tmp_path, capsys):
     with world_of_one():  # --no-load-optim: the resharded weights (= the TP=1 originals), fresh optimizers
         tr = DMD2Trainer(parse_dmd2_args(dmd2_args(ckpts["teacher"]) + ["--train-iters", "4", "--load", ck,
                                                                         "--no-load-optim"]))
-        orig = torch.load(rank_file(ckpts["student"] + "_critic", 2, 0), weights_only=False)["model"]
+        orig = torch.load(rank_file(iter_dir(ckpts["student"] + "_critic", 2), 0), weights_only=False)["model"]
         assert tr.iteration == 0
         for n, w in tr.roles["critic"].model.state_dict().items():
             assert not torch.is_tensor(w) or torch.equal(w, orig[n]), n

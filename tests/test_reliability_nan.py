@@ -23,11 +23,11 @@ import torch
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.checkpoint import latest_iteration, load_payload
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.trainer import DMD2Trainer
+from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.optim import Optimizer
 from dmd2_mega.parallel import ParallelState
-from dmd2_mega.resilience import NonFiniteError
-from dmd2_mega.training import FlowTrainer
+from dmd2_mega.errors import NonFiniteError
+from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(240)

@@ -24,9 +24,9 @@ import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.checkpoint import latest_iteration
-from dmd2_mega.dmd2.trainer import DMD2Trainer
+from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.resilience import ExitController
-from dmd2_mega.training import FlowTrainer
+from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, PRETRAIN_DMD2, REPO, Result, child_env, world_of_one
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,8 +11,9 @@ not change its output) records the batch size of every call.
 import pytest
 import torch
 
-from dmd2_mega.config import ConfigError, ModelConfig
-from dmd2_mega.dmd2 import Rollout, RolloutError, rollout, student_sigmas
+from dmd2_mega.errors import ConfigError, RolloutError
+from dmd2_mega.config import ModelConfig
+from dmd2_mega.dmd2 import Rollout, rollout, student_sigmas
 from dmd2_mega.flow import shift_sigma
 from dmd2_mega.models import DiT
 from dmd2_mega.parallel import micro_batch_generator

@@ -17,9 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-
-class DataError(ValueError):
-    """A dataset that cannot be used: the message names the flag / file / shard and the mismatch."""
+from dmd2_mega.errors import DataError
 
 
 class ImageDataset:

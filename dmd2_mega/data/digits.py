@@ -15,7 +15,8 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from . import DataError, ImageDataset
+from dmd2_mega.errors import DataError
+from . import ImageDataset
 
 SPLIT_SEED = 0
 HELDOUT_FRACTION = 0.2

@@ -16,7 +16,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from . import DataError
+from dmd2_mega.errors import DataError
 
 
 class GlobalBatchSampler:

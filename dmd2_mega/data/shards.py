@@ -28,7 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import DataError, ImageDataset
+from dmd2_mega.atomic import atomic_write
+from dmd2_mega.errors import DataError
+from . import ImageDataset
 
 INDEX = "index.json"
 
@@ -164,8 +166,5 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
         sl = slice(start, start + shard_size)
         save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, os.path.join(path, name))
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
-    tmp = os.path.join(path, INDEX + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=1)
-    os.replace(tmp, os.path.join(path, INDEX))
+    atomic_write(os.path.join(path, INDEX), lambda f: json.dump(index, f, indent=1), text=True)
     return index

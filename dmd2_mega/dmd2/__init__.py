@@ -1,7 +1,9 @@
-"""DMD2 distillation (DESIGN section 2): the student's backward-simulation rollout (`rollout`).
+"""DMD2 distillation (DESIGN section 2).
 
-Time-slicing of the roles lives in `dmd2_mega.offload`.
+`cycle` (`run_cycle`: one cycle, written once) over `rollout` (the student's backward simulation),
+`critic` (K critic steps, `teacher_scores`), `actor` (the student's DMD step); `records` (the plain
+data a cycle passes: `MicroBatch`, `CycleSettings`, `Scores`), `roles` (`Role`, the phase table,
+`enter_phase`: time-slicing through `dmd2_mega.offload`), `gan` (`GANCritic`: the critic's trunk and
+GAN head), `ema` (`StudentEMA`), `pair_checkpoint` (student + critic saved and resumed as one pair) and
+`student_trainer` (`DMD2Trainer`, behind `launch/pretrain_dmd2.py`).
 """
-from dmd2_mega.dmd2.rollout import Rollout, RolloutError, rollout, student_sigmas
-
-__all__ = ["Rollout", "RolloutError", "rollout", "student_sigmas"]

@@ -17,17 +17,18 @@ from typing import Optional
 import torch
 
 import kernels
-from dmd2_mega.dmd2.critic import Scores
-from dmd2_mega.dmd2.gan import GANSettings, gan_inputs, gan_logits, generator_loss
+from dmd2_mega.dmd2.gan import GANSettings, gan_inputs, generator_loss
+from dmd2_mega.dmd2.records import MicroBatch, Scores
 from dmd2_mega.optim import step_optimizer
 
 
 def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None, critic=None,
-                gens: Optional[list[torch.Generator]] = None) -> dict:
+                batches: Optional[list[MicroBatch]] = None) -> dict:
     """One optimizer step of `student` (a role) on `scores`; returns device-tensor metrics.
 
-    With `gan`: + gen_weight * L_G on x0hat noised with draws from gens[j] (micro-batch j's actor
-    generator), through `critic` (a role, awake for its weights) whose parameters get no gradient."""
+    With `gan`: + gen_weight * L_G on x0hat noised with draws from batches[j].actor_gen (micro-batch
+    j's actor generator), through `critic` (a role whose model is a `GANCritic`, awake for its
+    weights) whose parameters get no gradient."""
     dev = scores[0].x.device
     total = torch.zeros((), device=dev)
     objective = torch.zeros((), device=dev)
@@ -45,8 +46,8 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
             obj = loss
             if gan is not None:
-                x_g, sigma_g = gan_inputs(x0hat, gens[j], gan)
-                g_loss = generator_loss(gan_logits(critic.model, x_g, sigma_g, sc.cond))
+                x_g, sigma_g = gan_inputs(x0hat, batches[j].actor_gen, gan)
+                g_loss = generator_loss(critic.model.logits(x_g, sigma_g, sc.cond))
                 obj = loss + gan.gen_weight * g_loss
                 g_total = g_total + g_loss.detach() / m
             (obj / m).backward(inputs=inputs)  # with GAN: the student's parameters only, not the critic's

@@ -1,6 +1,6 @@
 """Critic phase: K flow-matching steps of the critic on the rollout, then the teacher's score.
 
-Critic grid: G points of unshifted sigma s_g = (G - g) / G, shifted: sigma_g = shift_k(s_g).
+Critic grid (`flow.critic_grid`): G points of unshifted sigma s_g = (G - g) / G, shifted: sigma_g = shift_k(s_g).
 Step k (k = 0..K-1) trains on micro-batch k of every rollout (rows [kB, (k+1)B)), for each
 micro-batch j of this rank (gradient accumulation over j, then one optimizer step):
     sigma ~ U{grid}            (last step: U{grid points with MIN <= s_g <= MAX}, the score range)
@@ -12,7 +12,7 @@ Scoring, `shared` (default): the last step's forward also yields, detached, x_s,
     fresh eps) and a no-grad critic forward give x_s, sigma, x0_fake; the last step then trains on
     the full grid like the others.
 A step whose loss or gradient norm is non-finite is skipped (`optim.Optimizer`; the trainer counts it).
-After the K steps the frozen teacher scores x_s with CFG g over the null condition, both
+After the K steps the frozen teacher scores x_s (`teacher_scores`) with CFG g over the null condition, both
 conditions in one batched forward (g = 1: the positive one only):
     x0_real = x_s - sigma * (v_neg + g (v_pos - v_neg))                  kernels.cfg_x0
 Random draws of micro-batch j come, in order, from one generator keyed (seed, cycle, j, CRITIC).
@@ -21,95 +21,75 @@ Shapes: x_s, x0_fake, x0_real [B, C, H, W]; sigma [B] fp32.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 import kernels
 from dmd2_mega import flow
-from dmd2_mega.dmd2.gan import GANSettings, discriminator_loss, gan_inputs
+from dmd2_mega.dmd2.gan import discriminator_loss, gan_inputs
+from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
 from dmd2_mega.dmd2.rollout import Rollout
 from dmd2_mega.optim import step_optimizer
 
 
-@dataclass
-class Scores:
-    """What the actor needs for micro-batch j, keyed by sample id (plain data, no shared state)."""
+def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBatch],
+                 settings: CycleSettings) -> tuple[list[Scores], dict]:
+    """K critic optimizer steps, then the teacher's scores; returns (scores per micro-batch j, metrics).
 
-    sample_id: Tensor   # [B] int64
-    x: Tensor           # [B, C, H, W] student input at the stop step
-    sigma: Tensor       # [B] fp32     student sigma at the stop step
-    cond: Tensor        # [B, ...]
-    x0_fake: Tensor     # [B, C, H, W] critic x0 at (x_s, sigma_s), detached
-    x0_real: Tensor     # [B, C, H, W] teacher CFG x0 at (x_s, sigma_s)
-
-
-def critic_grid(size: int, shift: float, score_range: tuple) -> tuple[Tensor, Tensor]:
-    """(sigmas [G] fp32 shifted, in_range [G] bool on the UNSHIFTED value) of the critic grid."""
-    s = torch.arange(size, 0, -1, dtype=torch.float64) / size
-    lo, hi = score_range
-    return flow.shift_sigma(s, shift).float(), (s >= lo) & (s <= hi)
-
-
-def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Generator], *, steps: int,
-                 micro: int, grid: Tensor, in_range: Tensor, scoring: str, loss_space: str,
-                 guidance: float, null_cond, gan: Optional[GANSettings] = None,
-                 reals: Optional[list[Tensor]] = None) -> tuple[list[Scores], dict]:
-    """K critic optimizer steps and the teacher's scores; returns (scores per micro j, metrics).
-
-    critic/teacher: roles (`.net` forward, critic `.optimizer`, `.ddp`); rollouts[j] has K*B rows;
-    gens[j] the critic generator of micro-batch j; null_cond(n, device) the negative condition.
-    With `gan`, reals[j] [K*B, C, H, W] are the dataset images of micro-batch j (the rollout's
-    conditions); step k adds disc_weight * L_D on (x0hat, reals[j]) rows [kB, (k+1)B), noised with
-    draws from gens[j] after the flow-matching ones (see dmd2.gan).
+    critic/teacher: roles (`.model`, `.net` forward; the critic's `.optimizer`, `.ddp`); rollouts[j] has
+    K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With `settings.gan`, batches[j].real
+    [K*B, C, H, W] are the dataset images of micro-batch j (the rollout's conditions); step k adds
+    disc_weight * L_D on (x0hat, real) rows [kB, (k+1)B), noised with draws from the critic generator
+    after the flow-matching ones (see dmd2.gan).
     Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
-    full, score_choices = grid, grid[in_range]
-    kept: list = [None] * len(rollouts)
+    steps, micro, gan = settings.critic_steps, settings.micro_batch_size, settings.gan
+    full, score_choices, dev = settings.critic_grid, settings.score_choices, settings.critic_grid.device
+    shared, m = settings.scoring == "shared", len(rollouts)
+    kept: list = [None] * m
     losses, d_losses, gaps = [], [], []
     for k in range(steps):
         last = k == steps - 1
-        if last and scoring == "original":
+        if last and not shared:  # "original": a separate no-grad draw and forward before the last step
             with torch.no_grad():
-                for j, r in enumerate(rollouts):
+                for j, (r, mb) in enumerate(zip(rollouts, batches)):
                     b = r.micro_batch(k, micro)
-                    x_s, sigma, _ = flow.noise_on_grid(b.x0hat, gens[j], score_choices)
+                    x_s, sigma, _ = flow.noise_on_grid(b.x0hat, mb.critic_gen, score_choices)
                     v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
-        choices = score_choices if last and scoring == "shared" else full
-        total = torch.zeros((), device=grid.device)
-        objective = torch.zeros((), device=grid.device)
-        for j, r in enumerate(rollouts):
+        choices = score_choices if last and shared else full
+        total = torch.zeros((), device=dev)
+        objective = torch.zeros((), device=dev)
+        for j, (r, mb) in enumerate(zip(rollouts, batches)):
             b = r.micro_batch(k, micro)
-            x_s, sigma, eps = flow.noise_on_grid(b.x0hat, gens[j], choices)
-            sync = critic.ddp is None or j == len(rollouts) - 1
+            x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
+            sync = critic.ddp is None or j == m - 1
             with contextlib.nullcontext() if sync else critic.ddp.no_sync():
                 if gan is None:
                     v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
                 else:
-                    real = reals[j][k * micro:(k + 1) * micro]
-                    x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), gens[j], gan)
-                    v, logits = critic.net(x_s, sigma, b.cond, gan=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
+                    real = mb.real[k * micro:(k + 1) * micro]
+                    x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, gan)
+                    v, logits = critic.net(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
                     v = v.to(x_s.dtype)
                     n = b.x0hat.shape[0]
                     d_loss = discriminator_loss(logits[:n], logits[n:])
                     d_losses.append(d_loss.detach())
                     gaps.append((logits[n:].mean() - logits[:n].mean()).detach())
-                loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=loss_space).mean()
+                loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space).mean()
                 obj = loss if gan is None else loss + gan.disc_weight * d_loss
-                (obj / len(rollouts)).backward()
-            total = total + loss.detach() / len(rollouts)
-            objective = objective + obj.detach() / len(rollouts)
-            if last and scoring == "shared":
+                (obj / m).backward()
+            total = total + loss.detach() / m
+            objective = objective + obj.detach() / m
+            if last and shared:
                 with torch.no_grad():
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v.detach(), sigma))
         norm = step_optimizer(critic.optimizer, objective)  # skipped if it or the norm is non-finite
         critic.optimizer.zero_grad()
         losses.append(total)
-    scores = [_teacher_score(teacher, *kj, guidance=guidance, null_cond=null_cond) for kj in kept]
-    metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(grid.device)}
+    scores = [teacher_scores(teacher, *kj, guidance=settings.guidance) for kj in kept]
+    metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(dev)}
     if gan is not None:
         metrics["gan-disc-loss"] = torch.stack(d_losses).mean().float()
         metrics["gan-logit-gap"] = torch.stack(gaps).mean().float()  # mean D(real) - mean D(fake)
@@ -117,13 +97,13 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], gens: list[torch.Gene
 
 
 @torch.no_grad()
-def _teacher_score(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Tensor, *, guidance: float,
-                   null_cond) -> Scores:
+def teacher_scores(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Tensor, *, guidance: float) -> Scores:
+    """The frozen teacher's CFG x0 at (x_s, sigma) for the scored rows `b`, with the critic's x0_fake."""
     n = x_s.shape[0]
     if guidance == 1.0:
         x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
     else:
-        neg = null_cond(n, x_s.device)
+        neg = teacher.model.null_cond(n, x_s.device)
         v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).to(x_s.dtype)
         x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
     return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=x0_fake, x0_real=x0_real)

@@ -17,10 +17,7 @@ import torch
 
 class StudentEMA:
     def __init__(self, model: torch.nn.Module, decay: float, start_iter: int = 0):
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"--ema-decay must be in (0, 1) when EMA is on, got {decay}")
-        if start_iter < 0:
-            raise ValueError(f"--ema-start-iter must be >= 0, got {start_iter}")
+        """decay in (0, 1), start_iter >= 0: validated with the flags (`config.EMAConfig`)."""
         self.decay, self.start_iter = decay, start_iter
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]

@@ -1,12 +1,16 @@
 """DMD2's GAN head on the critic's intermediate features (tianweiy/DMD2's diffusion GAN).
 
-features f = mean over tokens of the critic's block-l output [B, hidden] (l =
-`--dmd2-gan-feature-layer`, default the middle block; the blocks after l are not run); the head
-is a replicated MLP hidden -> hidden -> 1 on the critic (`critic.gan_head`), initialised from a
-generator keyed by --seed, so every TP and DP rank starts identical (TP ranks hold identical
-features, hence identical head gradients). It is a submodule of the critic: trained by the
-critic's optimizer, saved in the critic's checkpoint, asleep with the critic.
-Inputs, noised to a sigma drawn from the critic grid's score range (`--dmd2-gan-noise`, default;
+`GANCritic` is the critic role's model when `--dmd2-gan` is on: it owns the critic's trunk (any
+family model, `models.family`) and the head, so the critic's optimizer, DDP, Sleeper and checkpoint
+see both (state-dict keys `trunk.*` and `head.*`).
+    features f = trunk.features(x, sigma, cond, l): mean over tokens of block l's output [B, hidden]
+        (l = `--dmd2-gan-feature-layer`, default the middle block; the blocks after l are not run);
+    head: a replicated MLP hidden -> hidden -> 1, initialised from a generator keyed by --seed, so every
+        TP and DP rank starts identical (TP ranks hold identical features, hence identical head grads).
+`GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `gan_inputs=(x', sigma', cond')` it
+also returns the head's logits on x' from the same call, so that DDP sees the flow-matching and GAN
+terms of a critic step together. `logits(x, sigma, cond)` is the head alone (the actor's frozen critic).
+Inputs, noised to a sigma drawn from the critic grid's GAN range (`--dmd2-gan-noise`, default;
 `--no-dmd2-gan-noise` feeds clean samples at sigma 0):
     x = (1 - sigma) x0 + sigma eps,  eps ~ N(0, I)
 Non-saturating losses on the logits D(.):
@@ -20,6 +24,7 @@ d softplus(z) / dz = sigmoid(z).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -27,7 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dmd2_mega import flow
-from dmd2_mega.config import ConfigError
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.models import FamilyModel
+
+HEAD_SEED_OFFSET = 9173  # the head's init generator is seeded with --seed + this
 
 
 class GANHead(nn.Module):
@@ -45,6 +53,36 @@ class GANHead(nn.Module):
         return self.mlp(feats.to(self.mlp[0].weight.dtype)).squeeze(-1).float()
 
 
+class GANCritic(FamilyModel):
+    """The critic's trunk and its GAN head as one module (see the module docstring)."""
+
+    def __init__(self, trunk: FamilyModel, layer: int, seed: int):
+        super().__init__()
+        self.trunk, self.layer = trunk, layer
+        self.spec, self.num_feature_layers, self.feature_dim = trunk.spec, trunk.num_feature_layers, trunk.feature_dim
+        gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
+        self.head = GANHead(trunk.feature_dim, generator=gen).to(next(trunk.parameters()).device)
+
+    def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, gan_inputs: Optional[tuple] = None):
+        """v [B, *shape]; with gan_inputs = (x', sigma', cond'): (v, logits [B'] on x')."""
+        v = self.trunk(x, sigma, cond)
+        return v if gan_inputs is None else (v, self.logits(*gan_inputs))
+
+    def logits(self, x: Tensor, sigma: Tensor, cond: Tensor) -> Tensor:
+        return self.head(self.trunk.features(x, sigma, cond, self.layer))
+
+    def features(self, x: Tensor, sigma: Tensor, cond: Tensor, layer: int) -> Tensor:
+        return self.trunk.features(x, sigma, cond, layer)
+
+    def null_cond(self, n: int, device) -> Tensor:
+        return self.trunk.null_cond(n, device)
+
+
+def holds_head(state: dict) -> bool:
+    """Whether a critic state dict was saved with its GAN head (a `GANCritic`)."""
+    return any(k.startswith("head.") for k in state)
+
+
 def discriminator_loss(logits_fake: Tensor, logits_real: Tensor) -> Tensor:
     return F.softplus(logits_fake).mean() + F.softplus(-logits_real).mean()
 
@@ -53,9 +91,9 @@ def generator_loss(logits_fake: Tensor) -> Tensor:
     return F.softplus(-logits_fake).mean()
 
 
-@dataclass
+@dataclass(frozen=True)
 class GANSettings:
-    """What the critic and actor phases need; `choices` [n] fp32 are the score-range sigmas."""
+    """What the critic and actor phases need; `choices` [n] fp32 are the GAN range's grid sigmas."""
 
     disc_weight: float
     gen_weight: float
@@ -64,25 +102,12 @@ class GANSettings:
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:
-    """--dmd2-gan-feature-layer (default the middle block, num_layers // 2), checked."""
+    """--dmd2-gan-feature-layer (default the middle block, num_layers // 2), checked against the model."""
     layer = num_layers // 2 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise ConfigError(f"--dmd2-gan-feature-layer must be in [0, {num_layers - 1}] (the critic has "
                           f"{num_layers} blocks), got {layer}")
     return layer
-
-
-def attach_head(model: nn.Module, layer: int, seed: int) -> GANHead:
-    """Give the critic DiT its GAN head (a submodule, so optimizer, DDP and checkpoints see it)."""
-    gen = torch.Generator().manual_seed(seed + 9173)
-    head = GANHead(model.spec.hidden_size, generator=gen).to(next(model.parameters()).device)
-    model.gan_head, model.gan_layer = head, layer
-    return head
-
-
-def gan_logits(model: nn.Module, x: Tensor, sigma: Tensor, cond) -> Tensor:
-    """The head's logits [B] for inputs x (a forward outside DDP: the actor's frozen critic)."""
-    return model.gan_head(model.features(x, sigma, cond, model.gan_layer))
 
 
 def gan_inputs(x0: Tensor, gen: torch.Generator, gan: GANSettings) -> tuple[Tensor, Tensor]:

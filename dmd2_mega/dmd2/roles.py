@@ -2,12 +2,13 @@
 
 student (trained by the actor phase, runs the rollout), critic (trained by the critic phase,
 the "fake score"), teacher (frozen, the "real score"). Each role owns its model, optimizer, LR
-schedule, DDP wrapper, checkpoint directory and, with --offload-inactive, a `Sleeper` that frees
-its device storage while a phase does not need it (DESIGN section 3).
+schedule, DDP wrapper, checkpoint directory, further tensors (`extra`: the student's EMA) and, with
+--offload-inactive, a `Sleeper` that frees its device storage while a phase does not need it
+(DESIGN section 3). A Role is built whole and never mutated (`with_offload` returns a copy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -33,10 +34,11 @@ def phase_roles(phase: str, gan: bool = False) -> dict[str, str]:
     return needed
 
 
+# phase -> the role its optimizer step trains (the roles with an optimizer; the teacher is frozen)
 TRAINED_IN: dict[str, str] = {"critic": "critic", "actor": "student"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Role:
     name: str
     model: torch.nn.Module
@@ -44,8 +46,13 @@ class Role:
     schedule: Optional[LRSchedule] = None
     ddp: Optional[torch.nn.Module] = None
     save_dir: Optional[str] = None
+    extra: tuple = ()  # further tensors of the role (the student's EMA)
     sleeper: Optional[Sleeper] = None
-    extra: list = field(default_factory=list)  # further tensors of the role (the student's EMA)
+
+    def with_offload(self, device: torch.device) -> "Role":
+        """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing)."""
+        return replace(self, sleeper=Sleeper(self.name, [self.model], [self.optimizer] if self.optimizer else [],
+                                             list(self.extra), device=device))
 
     @property
     def trainable(self) -> bool:

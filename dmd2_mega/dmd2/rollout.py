@@ -1,8 +1,8 @@
 """Backward-simulation rollout of the few-step student (DESIGN section 2, "rollout").
 
-Student grid: N points of UNSHIFTED sigma s_0 = 1 > s_1 > ... > s_{N-1} > 0, by default
-s_i = (N - i) / N (`--dmd2-denoising-steps N`) or an explicit list (`--dmd2-student-sigmas`), then
-shifted: sigma_i = shift_k(s_i) (k = `--timestep-shift`; flow.shift_sigma). sigmas: [N] fp32.
+Student grid (`flow.student_sigmas`): N points of UNSHIFTED sigma s_0 = 1 > s_1 > ... > s_{N-1} > 0,
+by default s_i = (N - i) / N (`--dmd2-denoising-steps N`) or an explicit list (`--dmd2-student-sigmas`),
+then shifted: sigma_i = shift_k(s_i) (k = `--timestep-shift`). sigmas: [N] fp32.
 
 One rollout of n samples (n = K*B per DP rank), all under torch.no_grad():
     i_n ~ U{0, ..., N-1}                       stop step of sample n
@@ -31,47 +31,17 @@ equal generators produce identical rollouts), in this order and independent of t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+import kernels
 from dmd2_mega import flow
-from dmd2_mega.config import ConfigError
+from dmd2_mega.errors import RolloutError
 
 StudentFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-class RolloutError(ConfigError):
-    """A bad student grid or rollout argument; the message names the flag or argument."""
-
-
-def student_sigmas(num_steps: int = 4, explicit: Optional[Sequence[float]] = None,
-                   shift: float = 1.0) -> Tensor:
-    """[N] float32 descending shifted student grid.
-
-    `explicit` (the UNSHIFTED `--dmd2-student-sigmas` values) wins over `num_steps` when given; it
-    must start at 1.0 and decrease strictly within (0, 1]. Otherwise s_i = (N - i) / N with
-    N = `num_steps` (`--dmd2-denoising-steps`). Shifted with flow.shift_sigma in float64.
-    """
-    if explicit is None:
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise RolloutError(f"--dmd2-denoising-steps must be an int >= 1, got {num_steps!r}")
-        s = torch.arange(num_steps, 0, -1, dtype=torch.float64) / num_steps
-    else:
-        vals = [float(v) for v in explicit]
-        if not vals:
-            raise RolloutError("--dmd2-student-sigmas needs at least one value (e.g. 1.0 0.75 0.5 0.25)")
-        if not all(math.isfinite(v) and 0.0 < v <= 1.0 for v in vals):
-            raise RolloutError(f"--dmd2-student-sigmas values must lie in (0, 1] (unshifted sigma), got {vals}")
-        if vals[0] != 1.0:
-            raise RolloutError(f"--dmd2-student-sigmas must start at 1.0 (pure noise), got {vals}")
-        if any(b >= a for a, b in zip(vals, vals[1:])):
-            raise RolloutError(f"--dmd2-student-sigmas must be strictly decreasing, got {vals}")
-        s = torch.tensor(vals, dtype=torch.float64)
-    return flow.shift_sigma(s, shift).to(torch.float32)
 
 
 @dataclass
@@ -143,7 +113,7 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
             step = c if not max_batch else max_batch
             v = torch.cat([student(x[a:min(a + step, c)], s_i[a:min(a + step, c)], cond_sorted[a:min(a + step, c)])
                            for a in range(0, c, step)]).to(dtype)
-            x0 = flow.x0_from_velocity(x[:c], v, s_i)
+            x0 = kernels.x0_from_velocity(x[:c], v, s_i)
             kept_x.append(x[c_next:c])       # rows that stop at step i
             kept_x0.append(x0[c_next:c])
         if i + 1 < steps:

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dmd2_mega.eval import atomic_write
+from dmd2_mega.atomic import atomic_write
+from dmd2_mega.data.digits import DigitsDataset
 
 CACHE_ENV = "DMD2_MEGA_CACHE"
 CACHE_NAME = "digits_classifier_v1.pt"
@@ -33,8 +34,6 @@ FEATURE_DIM = 64
 
 def load_split(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(images float32 [N, 1, 8, 8] in [-1, 1], labels int64 [N]) of DigitsDataset(split)."""
-    from dmd2_mega.data.digits import DigitsDataset
-
     ds = DigitsDataset(split=split)
     x = ds.x if hasattr(ds, "x") else ds.images  # ImageDataset names them x / cond
     y = ds.cond if hasattr(ds, "cond") else ds.labels

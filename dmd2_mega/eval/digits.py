@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from dmd2_mega.eval import EvalInputError
+from dmd2_mega.errors import EvalInputError
 from dmd2_mega.eval.classifier import NUM_CLASSES, cache_dir, load_or_train_classifier, load_split
 from dmd2_mega.eval.frechet import frechet_distance
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dmd2_mega.eval import EvalInputError
+from dmd2_mega.errors import EvalInputError
 
 
 def _as_feats(x, name: str) -> np.ndarray:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_mega.eval import EvalInputError, atomic_write
+from dmd2_mega.atomic import atomic_write
+from dmd2_mega.errors import EvalInputError
 
 
 def _to_numpy(a) -> np.ndarray:

@@ -11,7 +11,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from dmd2_mega.config import ConfigError
+from dmd2_mega.errors import ConfigError
 
 
 def check_backend(backend: str) -> None:

@@ -1,4 +1,4 @@
-"""A tensor-parallel DiT with adaLN-Zero blocks on megatron-core linears.
+"""The DiT family: a tensor-parallel DiT with adaLN-Zero blocks on megatron-core linears.
 
 Shapes: x [B, C, H, W] -> tokens [B, S, hidden] with S = (H/p)^2; sigma [B] (model input
 t = sigma * 1000); cond labels [B] int64 or embeddings [B, D] / [B, L, D]. Output: velocity
@@ -8,30 +8,43 @@ Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
     shift1, scale1, gate1, shift2, scale2, gate2 = adaLN(silu(c))        # column, gathered
     h = h + gate1 * proj(attn(qkv(LN(h) * (1 + scale1) + shift1)))    # qkv column, proj row
     h = h + gate2 * fc2(gelu(fc1(LN(h) * (1 + scale2) + shift2))))    # fc1 column, fc2 row
-The qkv projection's output is laid out per head as [heads, 3, d], so its column split gives each
-TP rank whole heads. adaLN and the final projection start at zero (adaLN-Zero).
+LN + modulation is the fused `kernels.adaln_modulate` (Triton on CUDA, fwd + bwd). The qkv
+projection's output is laid out per head as [heads, 3, d], so its column split gives each TP rank
+whole heads. adaLN and the final projection start at zero (adaLN-Zero).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dmd2_mega.config import ConfigError, ModelConfig
+import kernels
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.megatron_compat import recompute
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention, check_backend
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, sincos_2d
-from dmd2_mega.models.registry import DiTSpec, get_spec
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+
+
+@dataclass(frozen=True)
+class DiTSpec:
+    name: str
+    """The `--model-size` it is registered under (named in errors)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int
+    mlp_ratio: float = 4.0
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep features fed to the timestep MLP."""
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """layer_norm(x) * (1 + scale) + shift; x [B, S, H], shift/scale [B, H]."""
-    x = F.layer_norm(x, x.shape[-1:], eps=1e-6)
-    return x * (1 + scale[:, None]) + shift[:, None]
+    """layer_norm(x) * (1 + scale) + shift; x [B, S, H], shift/scale [B, H] (fused kernel)."""
+    return kernels.adaln_modulate(x, shift, scale, eps=1e-6)
 
 
 class DiTBlock(nn.Module):
@@ -59,23 +72,26 @@ class DiTBlock(nn.Module):
         return h + gate2[:, None] * m
 
 
-class DiT(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, in_channels: int, image_size: int, tp_size: int = 1,
-                 num_classes: Optional[int] = None, cond_shape: Optional[tuple] = None):
+class DiT(FamilyModel):
+    """The DiT family's model (interface: `models.family`); built by `build_dit` / `registry.build_model`."""
+
+    def __init__(self, spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
-        spec = get_spec(cfg.size)
-        check_backend(cfg.attention_backend)
-        if cfg.transformer_impl == "transformer_engine":
+        check_backend(options.attention_backend)
+        if options.transformer_impl == "transformer_engine":
             linears.require_transformer_engine()
         if spec.num_heads % tp_size:
             raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention "
-                              f"heads ({spec.num_heads}) of --model-size {cfg.size}")
-        if image_size % spec.patch_size:
-            raise ConfigError(f"image size {image_size} is not a multiple of the patch size "
-                              f"{spec.patch_size} of --model-size {cfg.size}")
-        if (num_classes is None) == (cond_shape is None):
+                              f"heads ({spec.num_heads}) of --model-size {spec.name}")
+        if shape.image_size % spec.patch_size:
+            raise ConfigError(f"image size {shape.image_size} is not a multiple of the patch size "
+                              f"{spec.patch_size} of --model-size {spec.name}")
+        if (shape.num_classes is None) == (shape.cond_shape is None):
             raise ValueError("exactly one of num_classes (labels) or cond_shape (embeddings) must be given")
-        self.spec, self.cfg = spec, cfg
+        in_channels, image_size, num_classes, cond_shape = (shape.in_channels, shape.image_size, shape.num_classes,
+                                                            shape.cond_shape)
+        self.spec, self.options, self.shape = spec, options, shape
+        self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
         self.in_channels, self.image_size, self.patch = in_channels, image_size, spec.patch_size
         self.num_classes, self.cond_shape = num_classes, cond_shape
         h, p = spec.hidden_size, spec.patch_size
@@ -86,7 +102,7 @@ class DiT(nn.Module):
         self.register_buffer("pos", sincos_2d(image_size // p, h), persistent=False)
         self.t_embed = TimestepEmbedder(h, spec.freq_dim)
         self.y_embed = LabelEmbedder(num_classes, h) if num_classes is not None else TextEmbedder(cond_shape, h)
-        self.blocks = nn.ModuleList(DiTBlock(spec, mcfg, tp_size, cfg.transformer_impl, cfg.attention_backend)
+        self.blocks = nn.ModuleList(DiTBlock(spec, mcfg, tp_size, options.transformer_impl, options.attention_backend)
                                     for _ in range(spec.num_layers))
         self.final_adaln = linears.column(h, 2 * h, mcfg, nn.init.zeros_, gather_output=True)
         self.final = nn.Linear(h, p * p * in_channels)
@@ -108,7 +124,7 @@ class DiT(nn.Module):
 
     def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         blk = self.blocks[i]
-        return recompute(blk, h, c) if self.cfg.recompute_granularity == "full" and self.training else blk(h, c)
+        return recompute(blk, h, c) if self.options.recompute and self.training else blk(h, c)
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
@@ -117,39 +133,20 @@ class DiT(nn.Module):
             h = self._block(i, h, c)
         return h.mean(dim=1)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
-                features_at: Optional[int] = None, gan: Optional[tuple] = None):
-        """v [B, C, H, W]; with `features_at=l` also the token-mean of block l's output [B, hidden],
-        as (v, features). With `gan=(x', sigma', cond')` (a critic carrying a GAN head, see
-        dmd2.gan.attach_head) also the head's logits [B'] on x', as (v, logits): one forward call, so
-        that DDP sees the critic's flow-matching and GAN terms together."""
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """v [B, C, H, W]."""
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
         h, c = self._embed(x, sigma, cond)
-        feats = None
         for i in range(len(self.blocks)):
             h = self._block(i, h, c)
-            if i == features_at:
-                feats = h.mean(dim=1)
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
-        v = out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
-        if gan is not None:
-            return v, self.gan_head(self.features(*gan, self.gan_layer))
-        return v if features_at is None else (v, feats)
+        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
 
 
-def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
-    """The dim a parameter is split along across TP ranks, or None if replicated."""
-    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+def build_dit(spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()) -> DiT:
+    return DiT(spec, shape, tp_size, options)
 
 
-def count_parameters(model: nn.Module, tp_group=None) -> int:
-    """Parameters of the whole (TP=1-equivalent) model: TP shards summed, replicas counted once."""
-    sharded = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is not None)
-    replicated = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is None)
-    if dist.is_initialized() and tp_group is not None and dist.get_world_size(tp_group) > 1:
-        t = torch.tensor([sharded], dtype=torch.float64)
-        dist.all_reduce(t, group=tp_group)
-        sharded = int(t.item())
-    return sharded + replicated
+DIT = ModelFamily("dit", build_dit)

@@ -14,7 +14,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 
-from dmd2_mega.config import ConfigError
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.megatron_compat import gather_from_tp
 
 

@@ -1,4 +1,4 @@
-"""Teacher pretraining: the flow-matching training loop behind `launch/pretrain_flow.py`.
+"""The teacher trainer behind `launch/pretrain_flow.py`: flow-matching pretraining of the teacher.
 
 One iteration = one optimizer step on a global batch of G samples: each DP rank runs
 M = G / (micro x DP) micro-batches, for each micro-batch j (global index) with noise from
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional
 
 import torch
@@ -25,45 +25,22 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmd2_mega import flow
-from dmd2_mega.checkpoint import (CheckpointError, check_writable, load_model_weights, load_payload,
-                                  model_size_hint, partition_dims, rng_state, save_checkpoint, set_rng_state)
+from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
+from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, load_payload, model_size_hint,
+                                  partition_dims, rng_state, save_checkpoint, set_rng_state)
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
+from dmd2_mega.errors import CheckpointError
+from dmd2_mega.eval.digits import evaluate_digits
+from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import train_loop
-from dmd2_mega.models import DiT, count_parameters
+from dmd2_mega.models import count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
-from dmd2_mega.parallel import ParallelState, all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.sampling import eval_conditions, generate
-
-
-def enable_determinism() -> None:
-    """--deterministic: deterministic torch kernels (cuBLAS needs its workspace setting before the
-    first GEMM), no cuDNN autotuning. The project's Triton kernels reduce without atomics."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-
-
-def data_info(dataset) -> dict:
-    return {"in_channels": dataset.channels, "image_size": dataset.image_size,
-            "num_classes": dataset.num_classes,
-            "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
-
-
-def build_model(model_cfg, info: dict, ps: ParallelState) -> DiT:
-    """Built on the CPU from the default RNG (identical on every rank: TP-invariant), then moved."""
-    model = DiT(model_cfg, in_channels=info["in_channels"], image_size=info["image_size"],
-                tp_size=ps.tp_size, num_classes=info["num_classes"], cond_shape=info["cond_shape"])
-    return model.to(ps.device)
-
-
-def cast_model(model: DiT, bf16: bool) -> DiT:
-    """--bf16: bf16 parameters and compute (fp32 masters live in the optimizer)."""
-    return model.to(torch.bfloat16) if bf16 else model
 
 
 def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout: float):
@@ -87,27 +64,34 @@ class FlowTrainer:
         if t.deterministic:
             enable_determinism()
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
-        self.num_micro = t.resolve_batches(ps.dp_size)
+        self.num_micro_batches = t.resolve_batches(ps.dp_size)
         if t.save:
             check_writable(t.save)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
         self.model = cast_model(build_model(cfg.model, self.info, ps), cfg.optim.bf16)
-        nparams = count_parameters(self.model, ps.tp_group)
+        nparams = count_parameters(self.model, ps.tp_group, ps.device)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
                     f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
-                    f"x {self.num_micro} micro-batches; data {self.dataset!r}", ps.rank)
+                    f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
         self.ddp = DDP(self.model, process_group=ps.dp_group) if ps.dp_size > 1 else None
         self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group, ps.dp_group)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
-        self.iteration = 0
-        self.saved_iteration: Optional[int] = None  # the iteration --save holds from this process
+        self.state = RunState()
         if t.load:
             self.load(t.load)
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @property
+    def saved_iteration(self) -> Optional[int]:
+        return self.state.saved_iteration
 
     # ---- checkpoints -------------------------------------------------------------------------
     def payload(self) -> dict:
@@ -119,7 +103,7 @@ class FlowTrainer:
 
     def save(self) -> None:
         path = save_checkpoint(self.cfg.train.save, self.iteration, self.payload(), self.ps)
-        self.saved_iteration = self.iteration
+        self.state = replace(self.state, saved_iteration=self.iteration)
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
 
     def load(self, root: str) -> None:
@@ -144,9 +128,10 @@ class FlowTrainer:
         self.sampler.load_state_dict(payload["sampler"])
         if not self.cfg.train.no_load_rng:
             set_rng_state(payload["rng"])
-        self.iteration = int(payload["iteration"])
-        if self.cfg.train.save and os.path.abspath(root) == os.path.abspath(self.cfg.train.save):
-            self.saved_iteration = self.iteration  # nothing new to save until the next step
+        n = int(payload["iteration"])
+        same = bool(self.cfg.train.save) and os.path.abspath(root) == os.path.abspath(self.cfg.train.save)
+        self.state = replace(self.state, iteration=n, sampler=payload["sampler"],
+                             saved_iteration=n if same else None)  # nothing new to save until the next step
         print_rank0(f"> resumed from {root} at iteration {self.iteration}", self.ps.rank)
 
     # ---- one optimizer step ------------------------------------------------------------------
@@ -155,20 +140,20 @@ class FlowTrainer:
         lr = self.schedule.apply(self.optimizer, self.iteration)
         net = self.ddp or self.model
         total = torch.zeros((), device=ps.device)
-        micro = self.sampler.next_iteration()
-        for k, (j, idx) in enumerate(micro):
+        batches = self.sampler.next_iteration()
+        for k, (j, idx) in enumerate(batches):
             x0, cond = self.dataset.get_batch(idx)
             x0, cond = x0.to(ps.device, non_blocking=True), cond.to(ps.device, non_blocking=True)
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
-            sync = self.ddp is None or k == len(micro) - 1
+            sync = self.ddp is None or k == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 loss = flow_loss_micro(net, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
                                        t.timestep_shift, t.cond_dropout)
-                (loss / len(micro)).backward()
-            total += loss.detach() / len(micro)
+                (loss / len(batches)).backward()
+            total += loss.detach() / len(batches)
         norm = self.optimizer.step(total)  # skipped (weights untouched) if total or the norm is non-finite
         self.optimizer.zero_grad()
-        self.iteration += 1
+        self.state = replace(self.state, iteration=self.iteration + 1)
         return total, norm, lr
 
     # ---- evaluation --------------------------------------------------------------------------
@@ -184,13 +169,11 @@ class FlowTrainer:
             return None
         result = {}
         if out_dir:
-            from dmd2_mega.eval.grid import save_grid
             labels = cond if cond.dim() == 1 else None
             path = save_grid(images[:100], labels[:100] if labels is not None else None,
                              os.path.join(out_dir, "samples", f"iter_{self.iteration:07d}.png"))
             result["grid"] = path
         if t.data == "digits":
-            from dmd2_mega.eval.digits import evaluate_digits
             result.update(evaluate_digits(images, cond))
         return result
 
@@ -204,7 +187,7 @@ class FlowTrainer:
 
         return train_loop(self, step, "iteration", "training")
 
-    def _log(self, logger: TrainLogger, pending: list) -> None:
+    def log(self, logger: TrainLogger, pending: list) -> None:
         t, ps = self.cfg.train, self.ps
         stats = torch.stack([torch.stack([p[1], p[2].to(p[1].device)]) for p in pending])
         stats[:, 0] = all_reduce_mean(stats[:, 0].contiguous(), ps.dp_group)

@@ -1,0 +1,43 @@
+"""Builders both trainers (and the benchmarks, tests and `launch/sample.py`) share.
+
+`data_info(dataset)`: the dict of sample shape and condition kind that checkpoints store and compare;
+`build_model(model_cfg, info, ps)`: the `--model-size` model (registry: family + spec) at this run's TP
+degree, built on the CPU from the default RNG (identical on every rank: TP-invariant) and moved to
+the compute device; `cast_model(model, bf16)`: `--bf16` casts the parameters (fp32 masters live in
+the optimizer); `enable_determinism()`: `--deterministic`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dmd2_mega.config import ModelConfig
+from dmd2_mega.models import DataShape, FamilyModel
+from dmd2_mega.models import build_model as build_registered
+from dmd2_mega.parallel import ParallelState
+
+
+def enable_determinism() -> None:
+    """--deterministic: deterministic torch kernels (cuBLAS needs its workspace setting before the
+    first GEMM), no cuDNN autotuning. The project's Triton kernels reduce without atomics."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def data_info(dataset) -> dict:
+    return {"in_channels": dataset.channels, "image_size": dataset.image_size,
+            "num_classes": dataset.num_classes,
+            "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
+
+
+def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState) -> FamilyModel:
+    model = build_registered(model_cfg.size, DataShape.from_info(info), ps.tp_size, model_cfg.options())
+    return model.to(ps.device)
+
+
+def cast_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
+    """--bf16: bf16 parameters and compute (fp32 masters live in the optimizer)."""
+    return model.to(torch.bfloat16) if bf16 else model

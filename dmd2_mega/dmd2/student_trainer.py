@@ -1,0 +1,239 @@
+"""The DMD2 trainer behind `launch/pretrain_dmd2.py`: trains the student (and its critic) from a teacher.
+
+One iteration = one cycle (`dmd2.cycle.run_cycle`, DESIGN section 2). Per DP rank, M = G / (B x DP)
+micro-batches j (global index), each drawing K*B dataset conditions (and images, for the GAN head)
+and three generators keyed (seed, cycle, j, stream) with streams ROLLOUT, CRITIC, ACTOR (`records`):
+    rollout  (student, no grad)   K*B samples
+    critic   K optimizer steps, step k on rows [kB, (k+1)B) of every rollout j; teacher CFG scores
+    actor    one student optimizer step on the scored samples of every j
+This module builds the roles (student and critic initialised from the teacher unless --student-load /
+--critic-load; the critic is a `GANCritic` with --dmd2-gan), the micro-batch records, the LR schedules
+and the EMA around the cycle, and runs `loop.train_loop`. Phases switch once per cycle; with
+--offload-inactive the roles a phase does not need sleep (`roles.PHASE_ROLES`). Host syncs: one
+non-finite check per optimizer step (a NaN/inf loss or grad norm skips that role's step;
+`--max-nan-iterations` consecutive skips of one role stop the run), the exit check per cycle with
+`--exit-signal-handler` / `--exit-duration-in-mins`, and the log / eval / save intervals.
+With --ema-decay the student's EMA is updated after each actor step and used by the eval unless --no-ema.
+Checkpoints: dmd2/pair_checkpoint.py (student + EMA in --save, critic in <save>_critic, one commit).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from dataclasses import asdict, replace
+from typing import Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
+from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
+from dmd2_mega.config import DistillConfig
+from dmd2_mega.data import build_dataset
+from dmd2_mega.data.sampler import GlobalBatchSampler
+from dmd2_mega.dmd2.cycle import run_cycle
+from dmd2_mega.dmd2.ema import StudentEMA
+from dmd2_mega.dmd2.gan import GANCritic, holds_head, resolve_layer
+from dmd2_mega.dmd2.pair_checkpoint import critic_dir, load_pair, save_pair
+from dmd2_mega.dmd2.records import ACTOR, CRITIC, ROLLOUT, CycleSettings, MicroBatch
+from dmd2_mega.dmd2.roles import TRAINED_IN, Role, enter_phase
+from dmd2_mega.errors import CheckpointError
+from dmd2_mega.eval.digits import evaluate_digits
+from dmd2_mega.eval.grid import save_grid
+from dmd2_mega.logger import TrainLogger, print_rank0
+from dmd2_mega.loop import train_loop
+from dmd2_mega.models import count_parameters
+from dmd2_mega.optim import LRSchedule, build_optimizer
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.resilience import ExitController
+from dmd2_mega.sampling import eval_conditions, generate_student
+
+__all__ = ["DMD2Trainer", "critic_dir"]
+
+
+class DMD2Trainer:
+    def __init__(self, cfg: DistillConfig):
+        self.cfg = cfg
+        t, d = cfg.train, cfg.dmd2
+        start = time.time()
+        if t.deterministic:
+            enable_determinism()
+        self.ps = ps = init_distributed(cfg.parallel, t.seed)
+        self.num_micro_batches = t.resolve_batches(ps.dp_size)
+        if t.save:
+            check_writable(t.save)
+            check_writable(critic_dir(t.save))
+        self.dataset = build_dataset(t.data, "train")
+        self.info = data_info(self.dataset)
+        teacher_payload = load_payload(d.teacher_load, ps)
+        if teacher_payload is None:
+            raise CheckpointError(f"--teacher-load {d.teacher_load} holds no checkpoint "
+                                  f"(no latest_checkpointed_iteration.txt)")
+        if teacher_payload["data_info"] != self.info:
+            raise CheckpointError(f"--teacher-load {d.teacher_load} was trained on data {teacher_payload['data_info']} "
+                                  f"but --data {t.data} is {self.info}")
+        self.shape = (self.info["in_channels"], self.info["image_size"], self.info["image_size"])
+        self.settings = CycleSettings.from_config(cfg, self.shape, ps.device)
+        student = self._build_model("student", teacher_payload)
+        self.ema = StudentEMA(student, cfg.ema.decay, cfg.ema.start_iter) if cfg.ema.enabled else None
+        self.offload = d.offload_inactive if d.offload_inactive is not None else torch.cuda.is_available()
+        self.roles = {"student": self._role("student", student, tuple(self.ema.tensors()) if self.ema else ()),
+                      "critic": self._role("critic", self._build_model("critic", teacher_payload)),
+                      "teacher": self._role("teacher", self._build_model("teacher", teacher_payload))}
+        nparams = count_parameters(student, ps.tp_group, ps.device)
+        print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); TP={ps.tp_size} "
+                    f"DP={ps.dp_size}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} "
+                    f"M={self.num_micro_batches}; student sigmas "
+                    f"{[round(s, 4) for s in self.settings.student_sigmas.tolist()]}; scoring {d.critic_scoring}; "
+                    f"teacher guidance {d.teacher_guidance_scale}; offload-inactive {self.offload}; {self._extras()}",
+                    ps.rank)
+        k, b = d.critic_steps_per_rollout, t.micro_batch_size
+        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
+                                          ps.dp_rank, ps.dp_size, t.seed)
+        self.state = RunState(pair_token=uuid.uuid4().hex)
+        self.static = {"args": asdict(cfg), "data_info": self.info,
+                       "student_sigmas": self.settings.student_sigmas.tolist()}
+        if t.load:
+            self.load(t.load)
+        self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @property
+    def saved_iteration(self) -> Optional[int]:
+        return self.state.saved_iteration
+
+    # ---- roles ---------------------------------------------------------------------------------
+    def _build_model(self, name: str, teacher_payload: dict) -> torch.nn.Module:
+        """The role's model with its init weights: --<name>-load, else the teacher's. With --dmd2-gan the
+        critic is a GANCritic: a critic saved with its head loads whole, else the head is fresh."""
+        cfg, ps, d = self.cfg, self.ps, self.cfg.dmd2
+        model = build_model(cfg.model, self.info, ps)
+        own = {"teacher": d.teacher_load, "student": d.student_load, "critic": d.critic_load}[name]
+        source = own or d.teacher_load
+        flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"
+        payload = teacher_payload if source == d.teacher_load else load_payload(source, ps)
+        if payload is None:
+            raise CheckpointError(f"{flag} holds no checkpoint")
+        hint = model_size_hint(payload, cfg.model.size)
+        if name == "critic" and cfg.gan.enabled:
+            layer = resolve_layer(cfg.gan.feature_layer, model.num_feature_layers)
+            if holds_head(payload["model"]):  # a --critic-load saved with its head
+                model = GANCritic(model, layer, cfg.train.seed)
+                load_model_weights(model, payload["model"], flag, hint)
+            else:  # a fresh head on the loaded trunk
+                load_model_weights(model, payload["model"], flag, hint)
+                model = GANCritic(model, layer, cfg.train.seed)
+        else:
+            load_model_weights(model, payload["model"], flag, hint)
+        return cast_model(model, cfg.optim.bf16)
+
+    def _role(self, name: str, model: torch.nn.Module, extra: tuple = ()) -> Role:
+        cfg, ps = self.cfg, self.ps
+        if name == "teacher":
+            model.requires_grad_(False)
+            model.eval()
+            role = Role(name, model)
+        else:
+            optim_cfg = cfg.optim if name == "student" else cfg.critic_optim()
+            ddp = DDP(model, process_group=ps.dp_group, broadcast_buffers=False) if ps.dp_size > 1 else None
+            save = cfg.train.save if name == "student" else (critic_dir(cfg.train.save) if cfg.train.save else None)
+            role = Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group),
+                        LRSchedule(optim_cfg, cfg.train.train_iters), ddp, save, extra)
+        return role.with_offload(ps.device) if self.offload else role
+
+    def _extras(self) -> str:
+        g, e = self.cfg.gan, self.cfg.ema
+        noise = f"noise {list(self.cfg.gan_sigma_range())}" if g.noise else "clean"
+        gan = (f"GAN head on block {self.roles['critic'].model.layer} (disc {g.disc_weight}, gen "
+               f"{g.gen_weight}, {noise})" if g.enabled else "GAN off")
+        return gan + (f"; student EMA {e.decay} from cycle {e.start_iter}" if self.ema else "; EMA off")
+
+    # ---- checkpoints (dmd2/pair_checkpoint.py) -------------------------------------------------
+    def save(self) -> None:
+        self.state = save_pair(self.roles, replace(self.state, sampler=self.sampler.state_dict()), self.static,
+                               self.ps, self.ema)
+
+    def load(self, root: str) -> None:
+        self.state = load_pair(self.roles, root, self.state, self.cfg, self.ps, self.ema)
+        if self.state.sampler is not None:
+            self.sampler.load_state_dict(self.state.sampler)
+
+    # ---- one cycle -----------------------------------------------------------------------------
+    def micro_batches(self) -> list[MicroBatch]:
+        """This rank's micro-batch records of the next cycle (advances the sampler)."""
+        t, ps, it = self.cfg.train, self.ps, self.iteration
+        n, gan = self.settings.critic_steps * self.settings.micro_batch_size, self.settings.gan is not None
+        out = []
+        for j, idx in self.sampler.next_iteration():
+            images, cond = self.dataset.get_batch(idx)
+            out.append(MicroBatch(
+                index=j, cond=cond.to(ps.device), sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
+                rollout_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ROLLOUT),
+                critic_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=CRITIC),
+                actor_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ACTOR) if gan else None,
+                real=images.to(ps.device) if gan else None))  # the GAN's real samples: these images
+        return out
+
+    def cycle(self) -> dict:
+        """One cycle with this iteration's learning rates, then the EMA update. Returns device-tensor metrics,
+        the lr per phase, resident bytes per phase and the optimizer steps each trained role skipped."""
+        trained = {name: self.roles[name] for name in TRAINED_IN.values()}
+        lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
+               for phase, name in TRAINED_IN.items()}
+        skipped = {name: r.optimizer.skipped_steps for name, r in trained.items()}
+        result = run_cycle(self.roles, self.micro_batches(), self.settings)
+        self.state = replace(self.state, iteration=self.iteration + 1)
+        if self.ema is not None:
+            self.ema.update(self.iteration)
+        skipped = {name: r.optimizer.skipped_steps - skipped[name] for name, r in trained.items()}
+        return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped}
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
+        t, ps = self.cfg.train, self.ps
+        enter_phase("rollout", self.roles, self.settings.gan is not None)
+        cond = eval_conditions(self.dataset, t.eval_num_samples)
+        student = self.roles["student"].model
+        use_ema = self.ema is not None and not self.cfg.ema.no_ema
+        with self.ema.swapped_in(student) if use_ema else contextlib.nullcontext():
+            images = generate_student(student, cond, self.settings.student_sigmas, shape=self.shape, seed=t.seed + 7,
+                                      device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+        if not ps.is_main:
+            return None
+        result = {"weights": "EMA" if use_ema else "raw"}
+        if out_dir:
+            labels = cond if cond.dim() == 1 else None
+            result["grid"] = save_grid(images[:100], labels[:100] if labels is not None else None,
+                                       os.path.join(out_dir, "samples", f"cycle_{self.iteration:07d}.png"))
+        if t.data == "digits":
+            result.update(evaluate_digits(images, cond))
+        return result
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> dict:
+        def step():
+            out = self.cycle()
+            optimizers = {name: self.roles[name].optimizer for name in out["skipped"]}
+            return (self.iteration, out), optimizers, out["skipped"]
+
+        return train_loop(self, step, "cycle", "DMD2")
+
+    def log(self, logger: TrainLogger, pending: list) -> None:
+        keys = list(pending[0][1]["metrics"])
+        stats = torch.stack([torch.stack([o["metrics"][k_].float() for k_ in keys]) for _, o in pending])
+        stats = all_reduce_mean(stats.contiguous(), self.ps.dp_group)
+        vals = stats.cpu().tolist()  # the one host sync per log interval
+        per_iter = [dict(iteration=it, **dict(zip(keys, v))) for (it, _), v in zip(pending, vals)]
+        last = pending[-1][1]
+        metrics = {f"{phase}-lr": last["lr"][phase] for phase in TRAINED_IN}
+        metrics.update({k_: sum(v[i] for v in vals) / len(vals) for i, k_ in enumerate(keys)})
+        metrics.update({f"resident-MB-{p}": r / 2**20 for p, r in last["resident"].items()})
+        metrics.update({f"{phase} nan iterations": sum(o["skipped"][name] for _, o in pending)
+                        for phase, name in TRAINED_IN.items()})
+        metrics["_samples_per_iter"] = self.cfg.train.global_batch_size
+        logger.log(self.iteration, self.sampler.consumed_samples, metrics, per_iter)

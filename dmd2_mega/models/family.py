@@ -1,0 +1,99 @@
+"""The model-family interface: what DMD2, sampling, checkpoints and the planner may ask of a model.
+
+A family (the DiT today) is one module of `dmd2_mega/models/` that provides a `ModelFamily`: a name and
+`build(spec, shape, tp_size, options) -> FamilyModel`, which builds the model at a TP size from a
+named spec (`registry.MODEL_SIZES` maps each `--model-size` to its family and spec). Every model is
+a `FamilyModel`:
+
+    forward(x [B, *shape], sigma [B] fp32, cond) -> v [B, *shape]
+        velocity in DESIGN section 1's convention: x_s = (1 - s) x0 + s eps, v = eps - x0; the
+        timestep s * 1000 is the model's business. cond: labels [B] int64 or embeddings [B, ...].
+    features(x, sigma, cond, layer) -> [B, feature_dim]
+        token mean of block `layer`'s output (0 <= layer < num_feature_layers; the blocks after it
+        are not run): what DMD2's GAN head reads.
+    null_cond(n, device) -> [n, ...]
+        the negative / null condition of classifier-free guidance.
+    tp_split() -> {parameter name: dim it is split along across TP ranks, or None if replicated}
+        what checkpoints reshard and the optimizer's gradient norm counts once.
+
+Nothing outside `models/` knows which family it holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmd2_mega.parallel import tp_partition_dim
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a model is built for: sample shape and condition kind (exactly one of the two last)."""
+
+    in_channels: int
+    image_size: int
+    num_classes: Optional[int] = None
+    """Labels in [0, num_classes); the model adds a learned null class."""
+    cond_shape: Optional[tuple] = None
+    """Per-sample embedding shape [D] or [L, D]; the null condition is zeros."""
+
+    @classmethod
+    def from_info(cls, info: dict) -> "DataShape":
+        """From the `data_info` dict that checkpoints store."""
+        cond = info.get("cond_shape")
+        return cls(info["in_channels"], info["image_size"], info.get("num_classes"),
+                   tuple(cond) if cond is not None else None)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Implementation choices that do not change the weights (validated in `config.ModelConfig`)."""
+
+    attention_backend: str = "sdpa"
+    transformer_impl: str = "local"
+    recompute: bool = False
+    """Recompute each block in backward (activation checkpointing) while training."""
+
+
+class FamilyModel(nn.Module):
+    """Base class of every family's model (see the module docstring)."""
+
+    spec: object
+    num_feature_layers: int
+    feature_dim: int
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def null_cond(self, n: int, device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tp_split(self) -> dict:
+        return {name: tp_partition_dim(p) for name, p in self.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    build: Callable[..., FamilyModel]
+    """build(spec, shape: DataShape, tp_size: int, options: BuildOptions) -> FamilyModel on the CPU."""
+
+
+def count_parameters(model: nn.Module, tp_group=None, device: Optional[torch.device] = None) -> int:
+    """Parameters of the whole (TP=1-equivalent) model: TP shards summed, replicas counted once.
+    The TP all-reduce runs on `device` (the run's compute device: NCCL takes no host tensors)."""
+    sharded = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is not None)
+    replicated = sum(p.numel() for p in model.parameters() if tp_partition_dim(p) is None)
+    if dist.is_initialized() and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dev = device if device is not None else next(model.parameters()).device
+        t = torch.tensor([sharded], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, group=tp_group)
+        sharded = int(t.item())
+    return sharded + replicated

@@ -1,0 +1,37 @@
+"""The import layers of `.importlinter` hold (kernels standalone, models below dmd2, nothing in the
+package imports launch/ or benchmarks/, no cycle between the modules of a package), checked by
+import-linter's `lint-imports` on this checkout; and the contracts really fail on a violation."""
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lint(root: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
+    assert exe, "lint-imports is missing: pip install -e '.[test]' (import-linter)"
+    env = {**os.environ, "PYTHONPATH": root}
+    return subprocess.run([exe, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold():
+    res = lint(REPO)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "4 kept, 0 broken" in res.stdout, res.stdout[-2000:]
+
+
+def test_contracts_catch_a_cycle_and_a_forbidden_import(tmp_path):
+    """A copy of the tree with flow -> config (config imports flow: a cycle) and kernels -> dmd2_mega."""
+    root = tmp_path / "tree"
+    for name in ("dmd2_mega", "kernels", "launch", "benchmarks"):
+        shutil.copytree(os.path.join(REPO, name), root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(REPO, ".importlinter"), root / ".importlinter")
+    for path, line in ((root / "dmd2_mega" / "flow.py", "from dmd2_mega import config  # noqa\n"),
+                       (root / "kernels" / "cfg.py", "import dmd2_mega.flow  # noqa\n")):
+        path.write_text(path.read_text() + line)
+    res = lint(str(root))
+    assert res.returncode != 0
+    assert "kernels import nothing from dmd2_mega BROKEN" in res.stdout, res.stdout[-3000:]
+    assert "no import cycles between the modules of a package BROKEN" in res.stdout, res.stdout[-3000:]
