@@ -4,15 +4,18 @@
         --dmd2-critic-steps-per-rollout 5 [--bf16] [--recompute-granularity full] [--peak-tflops 989] [--csv c.csv]
     # realistic latents on a GPU: --model-size 600m --data synthetic --image-size 32 --in-channels 4 --bf16
 
-No checkpoint needed: the teacher is a random DiT, weights perturbed by N(0, 0.02^2) (adaLN-Zero gates open);
-student, critic and the plain-step baseline are copies. `cycle()` is DMD2Trainer.cycle call for call, but M = 1,
-no DDP, critic grid 1000 / shift 1 / score range 0.02-0.98, velocity loss, no logs or checkpoints. Overhead
-ratio = cycle / (rollout + critic phase + actor step, each run alone); critic steps end at the critic optimizer's
-step (a hook). CUDA events, else perf_counter; warm-up, then every variant round-robin --repeats times, medians;
-the cycle variants of a repeat share the cycle index (same rollout draws). Memory per phase, offload on / off:
-CUDA max_memory_allocated, and the role storage on the device as the offload layer accounts it (all roles'
-Sleeper.resident_bytes) at each phase end and before each optimizer step. --bf16: the kernels reject the bf16
-DiT's velocity next to fp32 x_s / x0hat in critic_phase / actor_phase (KernelError); a hook returns fp32 here.
+What is timed is the product's own code: the teacher trainer (`teacher_trainer.FlowTrainer`) builds a random
+DiT, perturbs its weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2
+trainer (`dmd2.student_trainer.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
+`DMD2Trainer.cycle` (which runs `dmd2.cycle.run_cycle`), its phases timed through the cycle's hook. Critic grid,
+shift and score range are the trainer's defaults. The standalone pieces call the same phase functions (`rollout`,
+`critic_phase`, `teacher_scores`, `actor_phase`) and the plain flow-matching baseline is `FlowTrainer.train_step`.
+`--data synthetic` writes random latents as a shard directory in a temp dir (`data.write_shards`).
+Overhead ratio = cycle / (rollout + critic phase + actor step, each run alone); critic steps end at the critic
+optimizer's step (a hook). CUDA events, else perf_counter; warm-up, then every variant round-robin --repeats times,
+medians; the cycle variants of a repeat share the cycle index (same data and rollout draws). Memory per phase,
+offload on / off: CUDA max_memory_allocated, and the role storage on the device as the offload layer accounts it
+(all roles' Sleeper.resident_bytes) at each phase end and before each optimizer step.
 """
 from __future__ import annotations
 
@@ -21,24 +24,25 @@ import csv
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from dmd2_mega import memory_plan as mp  # noqa: E402
-from dmd2_mega.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from dmd2_mega.data import GlobalBatchSampler, ImageDataset, build_dataset  # noqa: E402
-from dmd2_mega.dmd2 import actor as A, critic as C, roles as R  # noqa: E402
-from dmd2_mega.dmd2.rollout import rollout, student_sigmas  # noqa: E402
-from dmd2_mega.dmd2.trainer import CRITIC, ROLLOUT  # noqa: E402
-from dmd2_mega.offload import Sleeper  # noqa: E402
-from dmd2_mega.optim import LRSchedule, build_optimizer  # noqa: E402
-from dmd2_mega.parallel import init_distributed, micro_batch_generator as mbg  # noqa: E402
-from dmd2_mega.builders import build_model, cast_model, data_info  # noqa: E402
+from dmd2_mega import flow, memory_plan as mp  # noqa: E402
+from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
+from dmd2_mega.data import write_shards  # noqa: E402
+from dmd2_mega.dmd2 import roles as R  # noqa: E402
+from dmd2_mega.dmd2.actor import actor_phase  # noqa: E402
+from dmd2_mega.dmd2.critic import critic_phase, teacher_scores  # noqa: E402
+from dmd2_mega.dmd2.rollout import rollout  # noqa: E402
+from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
+from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 FLAGS = [("--model-size", str, "digits"), ("--micro-batch-size", int, 64), ("--dmd2-denoising-steps", int, 4),
          ("--dmd2-critic-steps-per-rollout", int, 5), ("--dmd2-teacher-guidance-scale", float, 1.0),
@@ -59,107 +63,99 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def synthetic_shards(a, root: str, n: int) -> str:
+    g = torch.Generator().manual_seed(a.seed)
+    x = torch.randn(n, a.in_channels, a.image_size, a.image_size, generator=g).clamp(-1, 1)
+    write_shards(os.path.join(root, "data"), x, labels=torch.randint(0, a.num_classes, (n,), generator=g),
+                 num_classes=a.num_classes)
+    return os.path.join(root, "data")
+
+
 class Bench:
-    def __init__(self, a):
-        self.a, self.ps = a, init_distributed(ParallelConfig(), a.seed)
-        self.dev, self.cuda = self.ps.device, self.ps.device.type == "cuda"
-        self.k, self.b, g = a.dmd2_critic_steps_per_rollout, a.micro_batch_size, torch.Generator().manual_seed(a.seed)
-        if a.data == "digits":
-            self.ds = build_dataset("digits")
-        else:
-            x = torch.randn(1024 + self.k * self.b, a.in_channels, a.image_size, a.image_size, generator=g).clamp(-1, 1)
-            y = torch.randint(0, a.num_classes, x.shape[:1], generator=g)
-            self.ds = ImageDataset(x, y, a.num_classes, None, a.data)
-        info = data_info(self.ds)
-        self.shape = (info["in_channels"], info["image_size"], info["image_size"])
-        self.ms = mp.model_shape(a.model_size, info["in_channels"], info["image_size"], num_classes=info["num_classes"])
-        mcfg = ModelConfig(size=a.model_size, attention_backend=a.attention_backend,
-                           transformer_impl=a.transformer_impl, recompute_granularity=a.recompute_granularity)
-        teacher = build_model(mcfg, info, self.ps)
+    def __init__(self, a, tmp: str):
+        self.a = a
+        self.k, self.b = a.dmd2_critic_steps_per_rollout, a.micro_batch_size
+        data = a.data if a.data == "digits" else synthetic_shards(a, tmp, 1024 + self.k * self.b)
+        common = ["--model-size", a.model_size, "--attention-backend", a.attention_backend, "--transformer-impl",
+                  a.transformer_impl, "--micro-batch-size", str(self.b), "--data", data, "--seed", str(a.seed),
+                  "--lr", "1e-5", "--train-iters", "1000", "--log-interval", "1000"]
+        common += ["--bf16"] * a.bf16 + (["--recompute-granularity", a.recompute_granularity]
+                                         if a.recompute_granularity else [])
+        teacher = os.path.join(tmp, "teacher")
+        self.plain = FlowTrainer(parse_flow_args(common + ["--save", teacher]))  # also the plain-step baseline
+        g = torch.Generator().manual_seed(a.seed)
         with torch.no_grad():
-            [p.add_(0.02 * torch.randn(p.shape, generator=g).to(p)) for p in teacher.parameters()]
-        state, ocfg = teacher.state_dict(), OptimConfig(lr=1e-5, bf16=a.bf16)
-        self.roles = {"teacher": R.Role("teacher", cast_model(teacher, a.bf16).requires_grad_(False).eval())}
-        for name in ("student", "critic", "plain"):  # plain: the flow-matching baseline step
-            model = build_model(mcfg, info, self.ps)
-            model.load_state_dict(state)
-            model = cast_model(model, a.bf16)
-            self.roles[name] = R.Role(name, model, build_optimizer(model, ocfg), LRSchedule(ocfg, 1000))
-        self.plain = self.roles.pop("plain")
-        [r.model.register_forward_hook(lambda m, i, o: o.float()) for r in self.roles.values() if a.bf16]  # see --bf16
-        self.sleepers = {n: Sleeper(n, [r.model], [r.optimizer] if r.optimizer else [], device=self.dev)
-                         for n, r in self.roles.items()}
-        self.sigmas = student_sigmas(a.dmd2_denoising_steps).to(self.dev)
-        self.grid, self.in_range = (t.to(self.dev) for t in C.critic_grid(1000, 1.0, (0.02, 0.98)))
-        self.sampler = GlobalBatchSampler(len(self.ds), self.k * self.b, self.k * self.b, 0, 1, a.seed)
-        self.it, self.probe, self.on_step, self.stop_counts = 0, None, None, []
+            [p.add_(0.02 * torch.randn(p.shape, generator=g).to(p)) for p in self.plain.model.parameters()]
+        self.plain.save()
+        self.tr = DMD2Trainer(parse_dmd2_args(common + [
+            "--teacher-load", teacher, "--no-offload-inactive", "--dmd2-denoising-steps", str(a.dmd2_denoising_steps),
+            "--dmd2-critic-steps-per-rollout", str(self.k),
+            "--dmd2-teacher-guidance-scale", str(a.dmd2_teacher_guidance_scale)]))
+        self.ps, self.dev = self.tr.ps, self.tr.ps.device
+        self.cuda = self.dev.type == "cuda"
+        self.shape = self.tr.shape
+        self.ms = mp.model_shape(a.model_size, self.shape[0], self.shape[1], num_classes=self.tr.info["num_classes"])
+        self.roles = {False: self.tr.roles, True: {n: r.with_offload(self.dev) for n, r in self.tr.roles.items()}}
+        self.sleepers = {n: r.sleeper for n, r in self.roles[True].items()}
+        self.probe, self.on_step, self.forwards = None, None, []
         for n in ("student", "critic"):  # before a step grads and optimizer state are alive: the in-phase peak
-            self.roles[n].optimizer.inner.register_step_pre_hook(lambda *_: self.probe and self.probe())
-        self.roles["critic"].optimizer.inner.register_step_post_hook(lambda *_: self.on_step and self.on_step())
+            self.tr.roles[n].optimizer.inner.register_step_pre_hook(lambda *_: self.probe and self.probe())
+        self.tr.roles["critic"].optimizer.inner.register_step_post_hook(lambda *_: self.on_step and self.on_step())
+
+    def at(self, it: int) -> None:
+        """Put the trainer at cycle `it` (data position included): the same draws for every variant."""
+        self.tr.state = replace(self.tr.state, iteration=it)
+        self.tr.sampler.consumed_samples = it * self.tr.sampler.global_batch_size
 
     def set_offload(self, on: bool) -> None:
-        for n, r in self.roles.items():
-            self.sleepers[n].wake()
-            r.sleeper = self.sleepers[n] if on else None
-
-    def do_rollout(self) -> tuple:
-        (j, idx), = self.sampler.next_iteration()
-        cond = self.ds.get_batch(idx)[1].to(self.dev)
-        gen, n = mbg(self.a.seed, self.it, j, self.dev, stream=ROLLOUT), self.k * self.b
-        r = rollout(self.roles["student"].model, gen, n, cond, self.sigmas, shape=self.shape, device=self.dev,
-                    sample_id_offset=self.it * n, max_batch=self.b if self.dev.type == "cpu" else None)
-        self.stop_counts.append(r.stop_step.sum() + len(r))  # sample-forwards (device scalar: no sync)
-        return [r], [mbg(self.a.seed, self.it, j, self.dev, stream=CRITIC)]
+        for s in self.sleepers.values():
+            s.wake()
+        self.tr.roles = self.roles[on]
 
     def cycle(self, scoring: str, mark=lambda phase: None) -> dict:
-        """DMD2Trainer.cycle; mark(phase) starts each phase (timing, memory)."""
-        roles = self.roles
-        for n in ("student", "critic"):
-            roles[n].schedule.apply(roles[n].optimizer, self.it)
-        mark("rollout")
-        R.enter_phase("rollout", roles)
-        self.rollouts, gens = self.do_rollout()
-        mark("critic")
-        R.enter_phase("critic", roles)
-        scores, metrics = self.critic_phase(scoring, gens)
-        mark("actor")
-        R.enter_phase("actor", roles)
-        metrics.update(A.actor_phase(roles["student"], scores))
-        self.it += 1
-        return metrics
-
-    def critic_phase(self, scoring: str, gens: list):
-        return C.critic_phase(self.roles["critic"], self.roles["teacher"], self.rollouts, gens, steps=self.k,
-                              micro=self.b, grid=self.grid, in_range=self.in_range, scoring=scoring,
-                              loss_space="velocity", guidance=self.a.dmd2_teacher_guidance_scale,
-                              null_cond=self.roles["teacher"].model.null_cond)
+        """DMD2Trainer.cycle with --dmd2-critic-scoring `scoring`; mark(phase) starts each phase."""
+        self.tr.settings = replace(self.tr.settings, scoring=scoring)
+        out = self.tr.cycle(hook=mark)
+        self.forwards.append(out["rollout_forwards"])  # device scalar: no sync
+        return out["metrics"]
 
     def standalone(self) -> dict:
         """Closures fn(mark) of the standalone pieces, each timed alone between two syncs."""
-        roles, a, t = self.roles, self.a, self.roles["teacher"]
-        gens = lambda: [mbg(a.seed, 0, 0, self.dev, stream=CRITIC)]  # noqa: E731
-        self.rollouts = self.do_rollout()[0]
-        scores, r0 = self.critic_phase("shared", gens())[0], self.rollouts[0]
-        b = r0.micro_batch(self.k - 1, self.b)
-        x_s, sigma, _ = C.flow.noise_on_grid(b.x0hat, gens()[0], self.grid[self.in_range])
-        x0, cond = (v.to(self.dev) for v in self.ds.get_batch(torch.arange(self.b) % len(self.ds)))
-        null, p, no_grad = self.ds.null_cond(self.b).to(self.dev), self.plain, torch.no_grad()
+        tr, a, st = self.tr, self.a, self.tr.settings
+        roles, t = tr.roles, tr.roles["teacher"]
+        self.at(0)
+        batches = tr.micro_batches()
+        mb = batches[0]
+        n = self.k * self.b
 
-        def plain_step(mark):  # FlowTrainer.train_step with M = 1
-            p.schedule.apply(p.optimizer, self.it)
-            flow_loss_micro(p.model, x0, cond, null, mbg(a.seed, self.it, 0, self.dev), 1.0, 0.1).backward()
-            p.optimizer.step()
-            p.optimizer.zero_grad()
-        return {"rollout": lambda mark: self.do_rollout(),
-                "critic phase": lambda mark: (mark("critic"), self.critic_phase("shared", gens())),
-                "critic phase original": lambda mark: self.critic_phase("original", gens()),
-                "actor step": lambda mark: A.actor_phase(roles["student"], scores),
-                "scoring": lambda mark: C._teacher_score(t, b, x_s, sigma, x_s, null_cond=t.model.null_cond,
-                                                                 guidance=a.dmd2_teacher_guidance_scale),
+        def do_rollout():  # as in the cycle: this micro-batch's record (data, generators), then the rollout
+            m = tr.micro_batches()[0]
+            return [rollout(roles["student"].model, m.rollout_gen, n, m.cond, st.student_sigmas, shape=st.shape,
+                            device=st.device, sample_id_offset=m.sample_id_offset, max_batch=st.rollout_chunk)]
+
+        def fresh(scoring="shared"):  # the critic phase draws from its generator: a fresh copy per call
+            gen = torch.Generator(device=mb.critic_gen.device)
+            gen.set_state(mb.critic_gen.get_state())
+            return [replace(mb, critic_gen=gen)], replace(st, scoring=scoring)
+
+        rollouts = do_rollout()
+        scores = critic_phase(roles["critic"], t, rollouts, *fresh())[0]
+        r0 = rollouts[0]
+        b = r0.micro_batch(self.k - 1, self.b)
+        x_s, sigma, _ = flow.noise_on_grid(b.x0hat, fresh()[0][0].critic_gen, st.score_choices)
+        g = a.dmd2_teacher_guidance_scale
+        no_grad = torch.no_grad()
+        return {"rollout": lambda mark: do_rollout(),
+                "critic phase": lambda mark: (mark("critic"), critic_phase(roles["critic"], t, rollouts, *fresh())),
+                "critic phase original": lambda mark: critic_phase(roles["critic"], t, rollouts, *fresh("original")),
+                "actor step": lambda mark: actor_phase(roles["student"], scores),
+                "scoring": lambda mark: teacher_scores(t, b, x_s, sigma, x_s, guidance=g),
                 "critic_fwd": no_grad(
-                    lambda mark: kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond), sigma)),
+                    lambda mark: kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
+                                                          sigma)),
                 "F": no_grad(lambda mark: t.model(x_s, sigma, b.cond)),
-                "F_KB": no_grad(lambda mark: t.model(r0.x, r0.sigma, r0.cond)), "plain": plain_step}
+                "F_KB": no_grad(lambda mark: t.model(r0.x, r0.sigma, r0.cond)),
+                "plain": lambda mark: self.plain.train_step()}
 
     def timed(self, fn, mem: dict = None) -> dict:
         """{'all', phase, 'critic step k', 'scoring': ms} of one fn(mark); mark(name) starts span `name`. With
@@ -224,7 +220,7 @@ def report(a, bench, med, mem, syncs, peak):
                 for s in ("shared", "original"))
     dev = torch.cuda.get_device_name(bench.dev) if cuda else \
         f"CPU ({torch.get_num_threads()} torch threads, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f})"
-    drawn, nparams = (torch.stack(bench.stop_counts).float().mean().item() / b,
+    drawn, nparams = (torch.stack(bench.forwards).float().mean().item() / b,
                       sum(p.numel() for p in bench.plain.model.parameters()))
     print(f"device: {dev} | torch {torch.__version__} | {a.model_size} ({nparams / 1e6:.2f} M params/role) | "
           f"{a.data} {'x'.join(map(str, bench.shape))} | B={b} K={k} N={a.dmd2_denoising_steps} g="
@@ -268,12 +264,16 @@ def main(argv=None):
     a = parse_args(argv)
     if not torch.cuda.is_available() and a.threads:
         torch.set_num_threads(a.threads)
-    bench = Bench(a)
+    with tempfile.TemporaryDirectory(prefix="bench_dmd2_") as tmp:
+        run(a, Bench(a, tmp))
+
+
+def run(a, bench: Bench) -> None:
     pieces, reps = bench.standalone(), []
     for rep in range(a.warmup + a.repeats):  # round-robin: drifting load hits every variant alike
-        t, it = {}, bench.it
+        t, it = {}, rep
         for v, (scoring, offload) in CYCLES.items():
-            bench.it = it  # the same rollout draws in every variant of this repeat
+            bench.at(it)  # the same data and rollout draws in every variant of this repeat
             bench.set_offload(offload)
             spans = bench.timed(lambda mark: bench.cycle(scoring, mark))
             bench.set_offload(False)

@@ -25,7 +25,7 @@ import kernels
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.dmd2.actor import actor_phase
-from dmd2_mega.dmd2.critic import Scores
+from dmd2_mega.dmd2.records import Scores
 from tests.test_dmd2_critic import F64, SHAPE, CLASSES, FakeRole, RecordingOptimizer, TinyNet, rel_err
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,7 +28,9 @@ import pytest
 import torch
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.critic import Scores, critic_grid, critic_phase
+from dmd2_mega.dmd2.critic import critic_phase
+from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
+from dmd2_mega.flow import critic_grid
 from dmd2_mega.dmd2.rollout import Rollout
 from dmd2_mega.optim import Optimizer
 
@@ -81,6 +83,9 @@ class FakeTeacher(torch.nn.Module):
         s = sigma.to(F64)
         return -0.5 * x + 0.3 * s[:, None, None, None] + MU.index_select(0, cond)
 
+    def null_cond(self, n, device):
+        return null_cond(n, device)
+
 
 class RecordingOptimizer:
     """dmd2_mega.optim.Optimizer that records (parameters, gradients) just before each step."""
@@ -115,6 +120,23 @@ class FakeRole:
 
 def null_cond(n, device):
     return torch.full((n,), CLASSES, dtype=torch.int64, device=device)
+
+
+def cycle_settings(k_steps: int, scoring: str = "shared", space: str = "velocity", guidance: float = 1.0,
+                   gan=None) -> CycleSettings:
+    """The settings record of these tests: grid G, shift 3, score range RANGE, micro-batch B."""
+    grid, in_range = critic_grid(G, SHIFT, RANGE)
+    return CycleSettings(critic_steps=k_steps, micro_batch_size=B, shape=SHAPE, device=torch.device("cpu"),
+                         student_sigmas=torch.ones(1), critic_grid=grid, score_choices=grid[in_range],
+                         scoring=scoring, loss_space=space, guidance=guidance, gan=gan)
+
+
+def micro_batches(rollouts: list[Rollout], reals=None, actor_seeds=None) -> list[MicroBatch]:
+    """Records whose critic generator j is seeded gen_seed(j) (what the replays draw from)."""
+    return [MicroBatch(index=j, cond=r.cond, sample_id_offset=int(r.sample_id[0]), rollout_gen=torch.Generator(),
+                       critic_gen=torch.Generator().manual_seed(gen_seed(j)),
+                       actor_gen=None if actor_seeds is None else torch.Generator().manual_seed(actor_seeds[j]),
+                       real=None if reals is None else reals[j]) for j, r in enumerate(rollouts)]
 
 
 def make_rollouts(k_steps: int, seed: int = 3) -> list[Rollout]:
@@ -230,11 +252,8 @@ def run_phase(k_steps, scoring, space, guidance):
     opt = RecordingOptimizer(critic, OptimConfig(lr=0.05, clip_grad=1.0, weight_decay=0.01))
     teacher = FakeTeacher()
     rollouts = make_rollouts(k_steps)
-    grid, in_range = critic_grid(G, SHIFT, RANGE)
-    gens = [torch.Generator().manual_seed(gen_seed(j)) for j in range(M)]
-    scores, metrics = critic_phase(FakeRole(critic, opt), FakeRole(teacher), rollouts, gens, steps=k_steps,
-                                   micro=B, grid=grid, in_range=in_range, scoring=scoring, loss_space=space,
-                                   guidance=guidance, null_cond=null_cond)
+    scores, metrics = critic_phase(FakeRole(critic, opt), FakeRole(teacher), rollouts, micro_batches(rollouts),
+                                   cycle_settings(k_steps, scoring, space, guidance))
     return dict(critic=critic, init=init, opt=opt, teacher=teacher, rollouts=rollouts, scores=scores,
                 metrics=metrics)
 

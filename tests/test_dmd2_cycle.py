@@ -39,7 +39,7 @@ from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.config import DMD2Config
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, find_tmp, launch, python,
-                         read_trace, train_debug_teacher)
+                         read_trace)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -54,8 +54,8 @@ def common(teacher: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    return train_debug_teacher(str(tmp_path_factory.mktemp("dmd2_teacher") / "teacher"))
+def teacher(debug_teacher):
+    return debug_teacher
 
 
 def _parallel(jobs: dict) -> dict:

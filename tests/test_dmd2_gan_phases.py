@@ -1,8 +1,8 @@
 """The GAN head inside the critic and actor phases, against float64 replays written here.
 
-Critic with a head: TinyGAN = TinyNet plus features(x, sigma, c, layer) = its hidden layer
-h = tanh(W1 x + table[c] + sigma w_s) [B, 5] and a float64 GANHead on it (gan_layer 0);
-forward(x, sigma, c, gan=(x', sigma', c')) returns (v, head(features(x'))).
+Critic with a head: the package's GANCritic (layer 0) around TinyTrunk = TinyNet plus
+features(x, sigma, c, 0) = its hidden layer h = tanh(W1 x + table[c] + sigma w_s) [B, 5], in float64;
+forward(x, sigma, c, gan_inputs=(x', sigma', c')) returns (v, head(features(x'))).
 Critic step k, micro j (generator of j, after the flow-matching draws idx, eps):
     idx' ~ randint(#score choices, 2B), eps' ~ randn(2B, ...):  x' = (1 - s') [x0hat; real] + s' eps'
     (--no-dmd2-gan-noise: x' = [x0hat; real], s' = 0, nothing drawn)
@@ -22,39 +22,41 @@ import torch.nn.functional as F
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.dmd2.actor import actor_phase
-from dmd2_mega.dmd2.critic import critic_grid, critic_phase
-from dmd2_mega.dmd2.gan import GANHead, GANSettings
+from dmd2_mega.dmd2.critic import critic_phase
+from dmd2_mega.dmd2.gan import GANCritic, GANSettings
+from dmd2_mega.flow import critic_grid
 from tests.test_dmd2_actor import make_scores, reference as dmd_reference
 from tests.test_dmd2_critic import (B, F64, G, M, RANGE, SHAPE, SHIFT, FakeRole, FakeTeacher, RecordingOptimizer,
-                                    TinyNet, gen_seed, make_rollouts, model_at, null_cond, ref_fm_loss, ref_grid,
-                                    rel_err)
+                                    TinyNet, cycle_settings, gen_seed, make_rollouts, micro_batches, model_at,
+                                    ref_fm_loss, ref_grid, rel_err)
 
 pytestmark = pytest.mark.timeout(60)
 W_D, W_G = 0.7, 0.9  # large weights, so a wrong GAN term shows well above round-off
 
 
-class TinyGAN(TinyNet):
-    def __init__(self, seed: int = 0):
-        super().__init__(seed)
-        self.gan_head = GANHead(5, generator=torch.Generator().manual_seed(seed + 1)).double()
-        with torch.no_grad():  # larger than the 0.02 init, so that the logits are O(1)
-            for p in self.gan_head.parameters():
-                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=F64))
-        self.gan_layer = 0
+class TinyTrunk(TinyNet):
+    """TinyNet with the family interface's features (its hidden layer, one feature layer)."""
+
+    spec, num_feature_layers, feature_dim = None, 1, 5
 
     def features(self, x, sigma, cond, layer):
         assert layer == 0
         return torch.tanh(x.reshape(x.shape[0], -1) @ self.w1 + self.table(cond) + sigma.to(F64)[:, None] * self.ws)
 
-    def forward(self, x, sigma, cond, gan=None):
-        v = super().forward(x, sigma, cond)
-        return v if gan is None else (v, self.gan_head(self.features(*gan, self.gan_layer)))
+
+def tiny_gan(seed: int) -> GANCritic:
+    model = GANCritic(TinyTrunk(seed), layer=0, seed=seed).double()
+    with torch.no_grad():  # larger than the 0.02 init, so that the logits are O(1)
+        for p in model.head.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=F64))
+    return model
 
 
 def ref_logits(model, x, sigma, cond):
     """The head maths written out: W2 silu(W1 h + b1) + b2 on the hidden layer h."""
-    h = torch.tanh(x.reshape(x.shape[0], -1) @ model.w1 + model.table(cond) + sigma.to(F64)[:, None] * model.ws)
-    l1, l2 = model.gan_head.mlp[0], model.gan_head.mlp[2]
+    t = model.trunk
+    h = torch.tanh(x.reshape(x.shape[0], -1) @ t.w1 + t.table(cond) + sigma.to(F64)[:, None] * t.ws)
+    l1, l2 = model.head.mlp[0], model.head.mlp[2]
     return (F.silu(h @ l1.weight.T + l1.bias) @ l2.weight.T + l2.bias).squeeze(-1)
 
 
@@ -71,14 +73,11 @@ def settings(noise: bool) -> GANSettings:
 @pytest.mark.parametrize("noise", [True, False], ids=["noised", "clean"])
 def test_critic_steps_with_gan_equal_float64_replay(noise):
     k_steps = 2
-    critic = TinyGAN(seed=1)
+    critic = tiny_gan(seed=1)
     opt = RecordingOptimizer(critic, OptimConfig(lr=0.05, clip_grad=1.0, weight_decay=0.01))
     rollouts, reals = make_rollouts(k_steps), reals_for(k_steps)
-    grid, in_range = critic_grid(G, SHIFT, RANGE)
-    gens = [torch.Generator().manual_seed(gen_seed(j)) for j in range(M)]
-    _, metrics = critic_phase(FakeRole(critic, opt), FakeRole(FakeTeacher()), rollouts, gens, steps=k_steps,
-                              micro=B, grid=grid, in_range=in_range, scoring="shared", loss_space="velocity",
-                              guidance=1.0, null_cond=null_cond, gan=settings(noise), reals=reals)
+    _, metrics = critic_phase(FakeRole(critic, opt), FakeRole(FakeTeacher()), rollouts,
+                              micro_batches(rollouts, reals=reals), cycle_settings(k_steps, gan=settings(noise)))
     full, mask = ref_grid()
     score = full[mask]
     rgens = [torch.Generator().manual_seed(gen_seed(j)) for j in range(M)]
@@ -113,17 +112,17 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
             assert grads[n] is not None, n
             err = rel_err(grads[n], p.grad)
             assert err < 1e-6, f"step {k}: gradient of {n} differs from the replay (rel {err:.2e})"
-        assert model.gan_head.mlp[2].weight.grad.abs().max() > 1e-4  # the head really trains
+        assert model.head.mlp[2].weight.grad.abs().max() > 1e-4  # the head really trains
     assert float(metrics["gan-disc-loss"]) == pytest.approx(sum(d_losses) / len(d_losses), rel=1e-6)
 
 
 def test_actor_generator_loss_reaches_student_only():
-    student, critic = TinyNet(seed=4), TinyGAN(seed=9)
+    student, critic = TinyNet(seed=4), tiny_gan(seed=9)
     init, critic_before = copy.deepcopy(student), copy.deepcopy(critic)
     scores = make_scores(student)
     opt = RecordingOptimizer(student, OptimConfig(lr=0.01, clip_grad=100.0))
-    gens = [torch.Generator().manual_seed(300 + j) for j in range(M)]
-    metrics = actor_phase(FakeRole(student, opt), scores, settings(True), FakeRole(critic), gens)
+    batches = micro_batches(make_rollouts(1), actor_seeds=[300 + j for j in range(M)])
+    metrics = actor_phase(FakeRole(student, opt), scores, settings(True), FakeRole(critic), batches)
     # reference: the DMD part by the actor test's replay, the GAN part written out here
     ref = copy.deepcopy(init)
     _, ref_metrics, _ = dmd_reference(ref, scores)

@@ -1,6 +1,6 @@
 """Time-slicing with the GAN head: in the actor phase the critic keeps exactly its weights resident.
 
-Roles built as the trainer builds them (debug DiT, the critic with its GAN head attached, the
+Roles built as the trainer builds them (debug DiT, the critic a GANCritic (trunk + head), the
 Megatron-style Optimizer, one training step taken so that grads, Adam state and, under --bf16, fp32
 masters exist), each with a Sleeper. `enter_phase("actor", gan=True)`: the critic's resident bytes
 equal its parameters' + buffers' bytes (counted here from the module, independently of offload's
@@ -15,11 +15,11 @@ import torch
 
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.dmd2.ema import StudentEMA
-from dmd2_mega.dmd2.gan import attach_head, gan_logits
-from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
-from dmd2_mega.offload import RoleAsleepError, Sleeper
-from dmd2_mega.optim import Optimizer
 from dmd2_mega.builders import build_model, cast_model
+from dmd2_mega.dmd2.gan import GANCritic
+from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
+from dmd2_mega.offload import RoleAsleepError
+from dmd2_mega.optim import Optimizer
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,33 +32,32 @@ def ps():
         yield state
 
 
-def make_roles(ps, bf16: bool) -> dict:
-    roles = {}
+def make_roles(ps, bf16: bool) -> tuple[dict, StudentEMA]:
+    """(roles with Sleepers, the student's EMA)."""
+    roles, ema = {}, None
     for name in ("student", "critic", "teacher"):
         torch.manual_seed(0)
         model = build_model(ModelConfig(size="debug"), INFO, ps)
         if name == "critic":
-            attach_head(model, 1, seed=3)
+            model = GANCritic(model, 1, seed=3)
         model = cast_model(model, bf16)
         opt = None
         if name != "teacher":
             opt = Optimizer(model, OptimConfig(lr=1e-3, bf16=bf16))
             x, s, y = torch.randn(4, 1, 8, 8), torch.rand(4), torch.arange(4)
-            loss = model(x, s, y).float().square().mean()
-            if name == "critic":
-                loss = loss + gan_logits(model, x, s, y).square().mean()
-            loss.backward()
-            opt.step()
-            loss = model(x, s, y).float().square().mean() + (gan_logits(model, x, s, y).square().mean()
-                                                             if name == "critic" else 0)
-            loss.backward()  # grads present at the phase switch, so they must sleep too
-        roles[name] = Role(name, model, opt)
-        extra = []
+            for _ in range(2):  # a step, then grads present at the phase switch, so they must sleep too
+                loss = model(x, s, y).float().square().mean()
+                if name == "critic":
+                    loss = loss + model.logits(x, s, y).square().mean()
+                loss.backward()
+                if _ == 0:
+                    opt.step()
+        extra = ()
         if name == "student":  # the EMA lives beside the student, as the trainer builds it
-            roles[name].ema = StudentEMA(model, 0.9)
-            extra = roles[name].ema.tensors()
-        roles[name].sleeper = Sleeper(name, [model], [opt] if opt else [], extra)
-    return roles
+            ema = StudentEMA(model, 0.9)
+            extra = tuple(ema.tensors())
+        roles[name] = Role(name, model, opt, extra=extra).with_offload(ps.device)
+    return roles, ema
 
 
 def weight_bytes(model) -> int:
@@ -67,7 +66,7 @@ def weight_bytes(model) -> int:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
-    roles = make_roles(ps, bf16)
+    roles, _ = make_roles(ps, bf16)
     critic = roles["critic"]
     assert phase_roles("actor", gan=True)["critic"] == "weights" and "critic" not in phase_roles("actor")
     enter_phase("critic", roles, gan=True)
@@ -87,7 +86,7 @@ def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
         assert all(m.dtype == torch.float32 and m.untyped_storage().nbytes() == 0 for m in masters)
     assert roles["teacher"].resident_bytes() == 0
     x, s, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])
-    assert gan_logits(critic.model, x, s, y).shape == (2,)  # the frozen forward runs
+    assert critic.model.logits(x, s, y).shape == (2,)  # the frozen forward runs
     with pytest.raises(RoleAsleepError, match="critic is asleep .*state"):
         critic.optimizer.step()
     enter_phase("critic", roles, gan=True)
@@ -98,8 +97,7 @@ def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
 
 
 def test_student_ema_sleeps_with_the_student(ps):
-    roles = make_roles(ps, False)
-    ema = roles["student"].ema
+    roles, ema = make_roles(ps, False)
     with torch.no_grad():
         for t in ema.shadow:
             t.add_(0.5)  # an EMA that differs from the weights
@@ -112,7 +110,7 @@ def test_student_ema_sleeps_with_the_student(ps):
 
 
 def test_without_gan_the_critic_sleeps_in_the_actor_phase(ps):
-    roles = make_roles(ps, False)
+    roles, _ = make_roles(ps, False)
     enter_phase("actor", roles, gan=False)
     assert roles["critic"].resident_bytes() == 0 and roles["critic"].sleeper.asleep
     with pytest.raises(RoleAsleepError, match="critic is asleep"):

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+from dmd2_mega.config import EMAConfig
 from dmd2_mega.dmd2.ema import StudentEMA
+from dmd2_mega.errors import ConfigError
 
 
 def test_ema_matches_recursion_and_start_iter():
@@ -34,5 +36,10 @@ def test_ema_state_roundtrip_and_swap():
     with ema.swapped_in(model):
         torch.testing.assert_close(model(x), torch.nn.functional.linear(x, ema.shadow[0], ema.shadow[1]))
     assert torch.equal(model.weight, before)
-    with pytest.raises(ValueError, match="--ema-decay"):
-        StudentEMA(model, decay=1.0)
+
+
+def test_ema_decay_and_start_iter_checked_by_ema_config():
+    with pytest.raises(ConfigError, match="--ema-decay"):
+        EMAConfig(decay=1.0)
+    with pytest.raises(ConfigError, match="--ema-start-iter"):
+        EMAConfig(decay=0.5, start_iter=-1)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_flow_args
-from dmd2_mega.errors import CheckpointError, ConfigError, DataError
-from dmd2_mega.checkpoint import (TRACKER, check_writable, latest_iteration, load_model_weights, iter_dir, load_payload, rank_file)
-from dmd2_mega.config import ModelConfig, TrainConfig
+from dmd2_mega.checkpoint import (TRACKER, check_writable, iter_dir, latest_iteration, load_model_weights,
+                                  load_payload, rank_file)
+from dmd2_mega.config import TrainConfig
 from dmd2_mega.data import build_dataset, write_shards
-from dmd2_mega.models import MODEL_SIZES, DiT
+from dmd2_mega.errors import CheckpointError, ConfigError, DataError
+from dmd2_mega.models import MODEL_SIZES, DataShape, build_model
 from dmd2_mega.parallel import ParallelState
 from tests.utils import PRETRAIN, python, world_of_one
 
@@ -51,10 +52,10 @@ def test_tp_not_dividing_world_size_end_to_end():
 
 @pytest.mark.parametrize("size", sorted(MODEL_SIZES))
 def test_heads_not_divisible_by_tp(size):
-    heads = MODEL_SIZES[size].num_heads
+    heads = MODEL_SIZES[size].spec.num_heads
     tp = 3 if heads % 3 else 5
     with pytest.raises(ConfigError, match=rf"--tensor-model-parallel-size {tp} must divide .*\({heads}\).*{size}"):
-        DiT(ModelConfig(size=size), in_channels=1, image_size=8, tp_size=tp, num_classes=10)
+        build_model(size, DataShape(1, 8, num_classes=10), tp_size=tp)
 
 
 @pytest.mark.parametrize("micro,glob,dp", [(8, 20, 1), (8, 24, 2), (4, 6, 1)])
@@ -182,16 +183,16 @@ def test_empty_load_directory_is_a_fresh_start(tmp_path):
 
 def test_architecture_mismatch_names_parameter_and_shapes():
     with world_of_one():
-        a = DiT(ModelConfig(size="debug"), in_channels=1, image_size=8, num_classes=10)
-        b = DiT(ModelConfig(size="debug"), in_channels=3, image_size=8, num_classes=10)
+        a = build_model("debug", DataShape(1, 8, num_classes=10))
+        b = build_model("debug", DataShape(3, 8, num_classes=10))
         with pytest.raises(CheckpointError, match=r"--load ck: parameter x_embed.weight has shape \(32, 12\) "
                                                   r"in the checkpoint but \(32, 4\)"):
             load_model_weights(a, b.state_dict(), "--load ck")
-        c = DiT(ModelConfig(size="digits"), in_channels=1, image_size=8, num_classes=10)
+        c = build_model("digits", DataShape(1, 8, num_classes=10))
         with pytest.raises(CheckpointError, match=r"architecture mismatch.*--model-size"):
             load_model_weights(a, c.state_dict(), "--load ck")
-        load_model_weights(a, DiT(ModelConfig(size="debug"), in_channels=1, image_size=8,
-                                  num_classes=10).state_dict(), "--load ck")  # the matching one loads
+        load_model_weights(a, build_model("debug", DataShape(1, 8, num_classes=10)).state_dict(),
+                           "--load ck")  # the matching one loads
 
 
 def test_save_under_a_regular_file(tmp_path):

@@ -1,10 +1,10 @@
-"""GAN head losses and gradients against float64 closed forms; DiT feature tap."""
+"""GAN head losses and gradients against float64 closed forms; DiT feature tap; GANCritic (trunk + head)."""
 import math
 
 import pytest
 import torch
 
-from dmd2_mega.dmd2.gan import GANHead, discriminator_loss, generator_loss
+from dmd2_mega.dmd2.gan import GANCritic, GANHead, discriminator_loss, generator_loss, holds_head
 
 
 def _softplus(z):
@@ -28,28 +28,58 @@ def test_losses_and_gradients_match_closed_form():
     assert g.grad.tolist() == pytest.approx([-sig(-z) / 3 for z in g.tolist()], rel=1e-12)
 
 
-def test_head_shape_and_dit_feature_tap():
-    from dmd2_mega.config import ModelConfig, ParallelConfig
-    from dmd2_mega.models import DiT
+def _perturbed_debug_dit(seed=0):
+    from dmd2_mega.config import ParallelConfig
+    from dmd2_mega.models import DataShape, build_model
     from dmd2_mega.parallel import init_distributed
     init_distributed(ParallelConfig())
-    torch.manual_seed(0)
-    model = DiT(ModelConfig(size="debug"), in_channels=1, image_size=8, num_classes=10)
+    torch.manual_seed(seed)
+    model = build_model("debug", DataShape(1, 8, num_classes=10))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_head_shape_and_dit_feature_tap():
+    model = _perturbed_debug_dit()
     x, s, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
-    v, f = model(x, s, y, features_at=0)
-    torch.testing.assert_close(v, model(x, s, y))  # the tap does not change the output
+    f = model.features(x, s, y, 0)
     # the features are the token mean of block 0's output, recomputed by hand
     tokens = x.reshape(3, 1, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(3, 16, 4)
     h = model.x_embed(tokens) + model.pos
     c = model.t_embed(s) + model.y_embed(y)
     torch.testing.assert_close(f, model.blocks[0](h, c).mean(1))
     assert GANHead(model.spec.hidden_size)(f).shape == (3,)
-    # the early-exit path the GAN head uses gives the same features without running later blocks
-    torch.testing.assert_close(model.features(x, s, y, 0), f)
+    # the early exit: features(layer=0) does not run the later blocks
     calls = []
     model.blocks[1].register_forward_pre_hook(lambda *_: calls.append(1))
     model.features(x, s, y, 0)
     assert calls == [], "features(layer=0) ran block 1"
+
+
+def test_gan_critic_velocity_logits_and_state_keys():
+    trunk = _perturbed_debug_dit()
+    critic = GANCritic(trunk, layer=1, seed=5)
+    g = torch.Generator().manual_seed(3)
+    x, s, y = torch.randn(3, 1, 8, 8, generator=g), torch.rand(3, generator=g), torch.tensor([1, 2, 10])
+    xg, sg, yg = torch.randn(4, 1, 8, 8, generator=g), torch.rand(4, generator=g), torch.tensor([0, 4, 10, 7])
+    v_trunk = trunk(x, s, y)
+    v = critic(x, s, y)
+    torch.testing.assert_close(v, v_trunk, rtol=0, atol=0)  # the critic's velocity is the trunk's
+    v2, logits = critic(x, s, y, gan_inputs=(xg, sg, yg))
+    torch.testing.assert_close(v2, v_trunk, rtol=0, atol=0)  # the GAN inputs do not change the velocity
+    assert logits.shape == (4,) and logits.dtype == torch.float32
+    want = critic.head(trunk.features(xg, sg, yg, 1))  # the head on block 1's token-mean features
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    torch.testing.assert_close(critic.logits(xg, sg, yg), want, rtol=0, atol=0)
+    assert logits.abs().max() > 0
+    # state dict: the trunk's keys under trunk.*, the head's under head.*
+    sd = critic.state_dict()
+    assert set(sd) == {f"trunk.{k}" for k in trunk.state_dict()} | {f"head.{k}" for k in critic.head.state_dict()}
+    assert any(k.startswith("head.") for k in sd)
+    assert holds_head(sd) and not holds_head(trunk.state_dict())
+    # the head's init is keyed by the seed
+    same, other = GANCritic(trunk, 1, 5).head.state_dict(), GANCritic(trunk, 1, 6).head.state_dict()
+    assert all(torch.equal(w, same[k]) for k, w in critic.head.state_dict().items())
+    assert not all(torch.equal(w, other[k]) for k, w in critic.head.state_dict().items())

@@ -1,13 +1,9 @@
 """kernels.adaln_modulate (LayerNorm without affine + adaLN shift/scale) against a float64 reference."""
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from test_kernels_utils import BATCHES, DTYPES, IMPLS, SHAPES, TOL, assert_close, case_id, f64, randn  # noqa: E402
+import kernels
+from test_kernels_utils import BATCHES, DTYPES, IMPLS, SHAPES, TOL, assert_close, case_id, f64, randn
 
 EPS = 1e-6
 # per-sample [T..., H]; (40, 96) splits one sample's rows over several backward programs

@@ -5,16 +5,12 @@ norm = mean_n |p_real|, grad = nan_to_num((p_real - p_fake) / norm); loss = 0.5 
 nan_to_num runs in the input dtype's range (posinf/neginf = finfo(dtype).max), as DMD2 computes grad
 in the dtype of its tensors.
 """
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernels  # noqa: E402
-from test_kernels_utils import (DTYPES, IMPLS, LOSS_TOL, assert_close, cases, dtype_id, f64,  # noqa: E402
+import kernels
+from test_kernels_utils import (DTYPES, IMPLS, LOSS_TOL, assert_close, cases, dtype_id, f64,
                                 grad_tol, randn)
 
 

@@ -1,13 +1,9 @@
 """kernels.flow_matching_loss (per-sample, velocity or x0 space) against a float64 reference."""
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from test_kernels_utils import (IMPLS, LOSS_TOL, assert_close, cases, f64, grad_tol,  # noqa: E402
+import kernels
+from test_kernels_utils import (IMPLS, LOSS_TOL, assert_close, cases, f64, grad_tol,
                                 rand_sigma, randn)
 
 

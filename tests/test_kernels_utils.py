@@ -1,17 +1,13 @@
 """Shared test settings of the kernel tests (imported by tests/test_kernels_*.py) and dispatch tests.
 
-The Triton path runs interpreted on CPU tensors (TRITON_INTERPRET=1, set below before anything
-imports the kernels) or compiled on CUDA tensors when TRITON_INTERPRET=0 and a GPU is present.
+The Triton path runs interpreted on CPU tensors (TRITON_INTERPRET=1, which tests/conftest.py sets
+where CUDA is absent, before anything imports triton) or compiled on CUDA tensors on a GPU.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import _utils  # noqa: E402
+import kernels
+from kernels import _utils
 
 if _utils.INTERPRET:
     DEVICE = "cpu"
@@ -19,7 +15,7 @@ elif torch.cuda.is_available():
     DEVICE = "cuda"
 else:  # fail loudly rather than silently skipping every Triton-path test
     raise RuntimeError("kernel tests need TRITON_INTERPRET=1 in the environment before triton is imported "
-                       "(tests/run.sh exports it) or a CUDA device; got neither")
+                       "(tests/conftest.py sets it without CUDA) or a CUDA device; got neither")
 
 IMPLS = ["triton", "torch"]
 # dtype -> (atol, rtol) for tensors stored in that dtype (outputs and gradients).

@@ -1,13 +1,9 @@
 """kernels.x0_from_velocity (x0 = x_s - sigma * v) and kernels.cfg_x0 against float64 references."""
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from test_kernels_utils import IMPLS, TOL, assert_close, cases, f64, rand_sigma, randn  # noqa: E402
+import kernels
+from test_kernels_utils import IMPLS, TOL, assert_close, cases, f64, rand_sigma, randn
 
 
 def bview(s, ndim):

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from dmd2_mega.arguments import parse_flow_args
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.config import ModelConfig
-from dmd2_mega.models import DiT, MODEL_SIZES, count_parameters, get_spec, tp_partition_dim
+from dmd2_mega.models import DataShape, DiT, MODEL_SIZES, build_model, count_parameters, get_spec
+from dmd2_mega.parallel import tp_partition_dim
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,8 +38,9 @@ def world():
 
 def make(size="debug", *, seed=0, tp_size=1, num_classes=10, cond_shape=None, image_size=8, channels=1, **kw):
     torch.manual_seed(seed)
-    return DiT(ModelConfig(size=size, **kw), in_channels=channels, image_size=image_size, tp_size=tp_size,
-               num_classes=num_classes if cond_shape is None else None, cond_shape=cond_shape)
+    shape = DataShape(channels, image_size, num_classes=num_classes if cond_shape is None else None,
+                      cond_shape=cond_shape)
+    return build_model(size, shape, tp_size=tp_size, options=ModelConfig(size=size, **kw).options())
 
 
 def perturb_(model, scale=0.05, seed=1):
@@ -207,6 +209,7 @@ def test_recompute_full_gives_same_output_and_grads():
     outs = []
     for rec in (None, "full"):
         m = perturb_(make(recompute_granularity=rec))
+        assert m.options.recompute == (rec == "full")
         out = m(x, sigma, y)
         out.square().mean().backward()
         outs.append((out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
@@ -263,7 +266,7 @@ def test_image_size_not_multiple_of_patch():
 def test_missing_gpu_packages_are_config_errors(flags, needle):
     cfg = parse_flow_args(flags)
     with pytest.raises(ConfigError) as e:
-        DiT(cfg.model, in_channels=1, image_size=8, num_classes=10)
+        build_model(cfg.model.size, DataShape(1, 8, num_classes=10), options=cfg.model.options())
     msg = str(e.value)
     assert needle in msg
     assert ("flash-attn" in msg or "transformer-engine" in msg or "CUDA" in msg), msg

@@ -127,11 +127,8 @@ def test_flow_stops_after_max_nan_iterations(tmp_path, capsys):
 # ---- c. DMD2 --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("rel_nan") / "teacher")
-    with world_of_one():
-        FlowTrainer(parse_flow_args(FLOW + ["--train-iters", "10", "--save", path])).train()
-    return path
+def teacher(debug_teacher):
+    return debug_teacher
 
 
 def dmd2_cfg(teacher: str, *extra):

@@ -41,11 +41,8 @@ def dmd2_args(teacher: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("rel_preempt") / "teacher")
-    with world_of_one():
-        FlowTrainer(parse_flow_args(FLOW + ["--train-iters", "10", "--save", path])).train()
-    return path
+def teacher(debug_teacher):
+    return debug_teacher
 
 
 def term_after_first_log(cmd: list, timeout: float = 180) -> Result:

@@ -80,10 +80,8 @@ def assert_same(model: torch.nn.Module, state: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("rel_saves") / "teacher")
-    flow(["--train-iters", "10", "--save", path])
-    return path
+def teacher(debug_teacher):
+    return debug_teacher
 
 
 # ---- flow, every stage in-process --------------------------------------------------------------

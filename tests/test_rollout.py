@@ -11,11 +11,11 @@ not change its output) records the batch size of every call.
 import pytest
 import torch
 
-from dmd2_mega.errors import ConfigError, RolloutError
+from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.config import ModelConfig
-from dmd2_mega.dmd2 import Rollout, rollout, student_sigmas
-from dmd2_mega.flow import shift_sigma
-from dmd2_mega.models import DiT
+from dmd2_mega.dmd2.rollout import Rollout, rollout
+from dmd2_mega.flow import shift_sigma, student_sigmas
+from dmd2_mega.models import DataShape, build_model
 from dmd2_mega.parallel import micro_batch_generator
 from tests.utils import world_of_one
 
@@ -90,14 +90,14 @@ def test_default_grid_and_shift():
     ([1.0, 0.2, 0.4], "strictly decreasing"), ([1.0, 0.0], r"\(0, 1\]"), ([1.0, -0.1], r"\(0, 1\]"),
     ([1.2, 0.5], r"\(0, 1\]"), ([1.0, float("nan")], r"\(0, 1\]")])
 def test_explicit_grid_rejected(explicit, match):
-    with pytest.raises(RolloutError, match="--dmd2-student-sigmas") as e:
+    with pytest.raises(GridError, match="--dmd2-student-sigmas") as e:
         student_sigmas(explicit=explicit)
-    assert e.match(match) and isinstance(e.value, ConfigError)
+    assert e.match(match) and isinstance(e.value, ConfigError) and isinstance(e.value, FlowError)
 
 
 @pytest.mark.parametrize("n", [0, -1, 2.0, True])
 def test_num_steps_rejected(n):
-    with pytest.raises(RolloutError, match="--dmd2-denoising-steps"):
+    with pytest.raises(GridError, match="--dmd2-denoising-steps"):
         student_sigmas(n)
 
 
@@ -224,7 +224,7 @@ def world():
 
 def test_debug_dit(world):
     torch.manual_seed(0)
-    model = DiT(ModelConfig(size="debug"), in_channels=1, image_size=8, num_classes=10).eval()
+    model = build_model("debug", DataShape(1, 8, num_classes=10), options=ModelConfig(size="debug").options()).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # make adaLN-Zero's zeros non-zero: v depends on x
         for p in model.parameters():

@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+from torch import Tensor
+
 from dmd2_mega.dmd2.actor import actor_phase
 from dmd2_mega.dmd2.critic import critic_phase
 from dmd2_mega.dmd2.records import CycleSettings, MicroBatch
@@ -28,6 +31,7 @@ from dmd2_mega.dmd2.rollout import rollout
 class CycleResult:
     metrics: dict   # name -> device scalar (no host sync): critic-loss, actor-dmd-loss, grad norms, ...
     resident: dict  # phase -> device bytes of all roles after entering it
+    rollout_forwards: Tensor  # device scalar: student sample-forwards of the rollout, sum_n (i_n + 1)
 
 
 def run_cycle(roles: dict[str, Role], batches: list[MicroBatch], settings: CycleSettings,
@@ -48,4 +52,5 @@ def run_cycle(roles: dict[str, Role], batches: list[MicroBatch], settings: Cycle
     hook("actor")
     resident["actor"] = enter_phase("actor", roles, gan)
     metrics.update(actor_phase(roles["student"], scores, settings.gan, roles["critic"], batches))
-    return CycleResult(metrics, resident)
+    forwards = torch.stack([r.stop_step.sum() + len(r) for r in rollouts]).sum()
+    return CycleResult(metrics, resident, forwards)

@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -179,19 +179,21 @@ class DMD2Trainer:
                 real=images.to(ps.device) if gan else None))  # the GAN's real samples: these images
         return out
 
-    def cycle(self) -> dict:
+    def cycle(self, hook: Optional[Callable[[str], None]] = None) -> dict:
         """One cycle with this iteration's learning rates, then the EMA update. Returns device-tensor metrics,
-        the lr per phase, resident bytes per phase and the optimizer steps each trained role skipped."""
+        the lr per phase, resident bytes per phase, the optimizer steps each trained role skipped and the
+        rollout's sample-forwards. `hook(phase)`: see `run_cycle` (the benchmark's timer)."""
         trained = {name: self.roles[name] for name in TRAINED_IN.values()}
         lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
                for phase, name in TRAINED_IN.items()}
         skipped = {name: r.optimizer.skipped_steps for name, r in trained.items()}
-        result = run_cycle(self.roles, self.micro_batches(), self.settings)
+        result = run_cycle(self.roles, self.micro_batches(), self.settings, hook)
         self.state = replace(self.state, iteration=self.iteration + 1)
         if self.ema is not None:
             self.ema.update(self.iteration)
         skipped = {name: r.optimizer.skipped_steps - skipped[name] for name, r in trained.items()}
-        return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped}
+        return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped,
+                "rollout_forwards": result.rollout_forwards}
 
     # ---- evaluation ----------------------------------------------------------------------------
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:

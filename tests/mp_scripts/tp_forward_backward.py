@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 2 tests/mp_scripts/tp_forward_backward.py --tp 2 --out tp2.pt
 
 Steps (identical on every TP degree):
-  1. init_distributed(seed 1234); build DiT(debug, 1x8x8 images, 10 classes) -> `init`: every
+  1. init_distributed(seed 1234); build_model(debug, 1x8x8 images, 10 classes) -> `init`: every
      parameter all-gathered along its TP partition dim to the full TP=1 tensor.
   2. Perturb every parameter by 0.05 * N(0, 1) drawn at the FULL shape from a generator keyed by
      the parameter's name, then sliced to this rank's shard (so adaLN-Zero's zero matrices become
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
-from dmd2_mega.models import DiT, count_parameters, tp_partition_dim  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.models import DataShape, build_model, count_parameters  # noqa: E402
+from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
 
 
 def gather_full(t: torch.Tensor, dim, ps) -> torch.Tensor:
@@ -59,7 +59,7 @@ def main() -> int:
     ps = init_distributed(ParallelConfig(tensor_model_parallel_size=a.tp), seed=1234)
     try:
         cfg = ModelConfig(size="debug", recompute_granularity="full" if a.recompute else None)
-        model = DiT(cfg, in_channels=1, image_size=8, tp_size=ps.tp_size, num_classes=10)
+        model = build_model(cfg.size, DataShape(1, 8, num_classes=10), tp_size=ps.tp_size, options=cfg.options())
         dims = {n: tp_partition_dim(q) for n, q in model.named_parameters()}
         init = {n: gather_full(q, dims[n], ps) for n, q in model.named_parameters()}
 
@@ -93,7 +93,7 @@ def main() -> int:
             if dims[n] is None:
                 spread[n] = max(replica_spread(q, ps), replica_spread(q.grad, ps))
         spread["output"] = replica_spread(out, ps)
-        count = count_parameters(model, ps.tp_group)
+        count = count_parameters(model, ps.tp_group, ps.device)
         if ps.rank == 0:
             torch.save({"tp": ps.tp_size, "init": init, "weights": weights, "grads": grads,
                         "output": out.detach(), "loss": loss.detach(), "count": count,
