@@ -15,7 +15,6 @@ checkpoint's EMA loaded by hand) unless --no-ema (then those of the raw weights;
 """
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
+from dmd2_mega.checkpoint import iter_dir, rank_file
 from dmd2_mega.errors import ConfigError
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, launch, python, read_trace,
                          train_debug_teacher)
@@ -60,8 +60,7 @@ def trace(runs, name):
 
 
 def payload(root, it=4, rank=0):
-    return torch.load(os.path.join(root, f"iter_{it:07d}", f"mp_rank_{rank:02d}", "model_optim_rng.pt"),
-                      map_location="cpu", weights_only=False)
+    return torch.load(rank_file(iter_dir(root, it), rank), map_location="cpu", weights_only=False)
 
 
 def test_tp2_with_gan_equals_tp1(runs):
@@ -91,7 +90,9 @@ def test_offload_with_gan_same_trace_and_actor_phase_holds_critic_weights(runs):
     a, b = trace(runs, "offload"), trace(runs, "ref")
     assert a == b, "offload changed the numerics with the GAN head on"
     critic = payload(str(runs["d"] / "offload") + "_critic")["model"]
-    assert any(k.startswith("gan_head.") for k in critic)
+    # a GANCritic's state: the DiT trunk under trunk.*, the GAN head under head.*, nothing else
+    assert any(k.startswith("head.") for k in critic) and any(k.startswith("trunk.") for k in critic)
+    assert all(k.startswith(("trunk.", "head.")) for k in critic), sorted(critic)
     from dmd2_mega.models.registry import get_spec
     spec = get_spec("debug")
     pos = (8 // spec.patch_size) ** 2 * spec.hidden_size * 4  # the DiT's non-persistent position buffer
@@ -174,6 +175,7 @@ def test_rejected_gan_and_ema_flags(argv, message):
 
 
 def test_defaults_off():
-    d = parse_dmd2_args(["--teacher-load", "x"]).dmd2
-    assert (d.gan, d.gan_noise, d.gan_disc_weight, d.gan_gen_weight, d.ema_decay, d.no_ema) == \
+    cfg = parse_dmd2_args(["--teacher-load", "x"])
+    g, e = cfg.gan, cfg.ema
+    assert (g.enabled, g.noise, g.disc_weight, g.gen_weight, e.decay, e.no_ema) == \
         (False, True, 1e-2, 3e-3, 0.0, False)

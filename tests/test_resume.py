@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 
+from dmd2_mega.checkpoint import iter_dir, rank_file
 from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,8 +26,7 @@ COMMON = ["--model-size", "debug", "--micro-batch-size", "8", "--global-batch-si
 
 
 def ckpt(root: str, it: int) -> dict:
-    return torch.load(os.path.join(root, f"iter_{it:07d}", "mp_rank_00", "model_optim_rng.pt"),
-                      map_location="cpu", weights_only=False)
+    return torch.load(rank_file(iter_dir(root, it), 0), map_location="cpu", weights_only=False)
 
 
 def adam_state(optimizer_state: dict) -> dict:

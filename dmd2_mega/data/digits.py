@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dmd2_mega.errors import DataError
-from . import ImageDataset
+from .dataset import ImageDataset
 
 SPLIT_SEED = 0
 HELDOUT_FRACTION = 0.2

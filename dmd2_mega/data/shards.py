@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from dmd2_mega.atomic import atomic_write
 from dmd2_mega.errors import DataError
-from . import ImageDataset
+from .dataset import ImageDataset
 
 INDEX = "index.json"
 
