@@ -7,7 +7,8 @@
 What is timed is the product's own code: the teacher trainer (`teacher_trainer.FlowTrainer`) builds a random
 DiT, perturbs its weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2
 trainer (`dmd2.student_trainer.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
-`DMD2Trainer.cycle` (which runs `dmd2.cycle.run_cycle`), its phases timed through the cycle's hook. Critic grid,
+`dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
+runs), its phases timed through the cycle's hook. Critic grid,
 shift and score range are the trainer's defaults. The standalone pieces call the same phase functions (`rollout`,
 `critic_phase`, `teacher_scores`, `actor_phase`) and the plain flow-matching baseline is `FlowTrainer.train_step`.
 `--data synthetic` writes random latents as a shard directory in a temp dir (`data.write_shards`).
@@ -40,6 +41,7 @@ from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.dmd2 import roles as R  # noqa: E402
 from dmd2_mega.dmd2.actor import actor_phase  # noqa: E402
 from dmd2_mega.dmd2.critic import critic_phase, teacher_scores  # noqa: E402
+from dmd2_mega.dmd2.cycle import run_cycle  # noqa: E402
 from dmd2_mega.dmd2.rollout import rollout  # noqa: E402
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
@@ -71,7 +73,7 @@ def synthetic_shards(a, root: str, n: int) -> str:
     return os.path.join(root, "data")
 
 
-class Bench:
+class Harness:
     def __init__(self, a, tmp: str):
         self.a = a
         self.k, self.b = a.dmd2_critic_steps_per_rollout, a.micro_batch_size
@@ -113,11 +115,15 @@ class Bench:
         self.tr.roles = self.roles[on]
 
     def cycle(self, scoring: str, mark=lambda phase: None) -> dict:
-        """DMD2Trainer.cycle with --dmd2-critic-scoring `scoring`; mark(phase) starts each phase."""
-        self.tr.settings = replace(self.tr.settings, scoring=scoring)
-        out = self.tr.cycle(hook=mark)
-        self.forwards.append(out["rollout_forwards"])  # device scalar: no sync
-        return out["metrics"]
+        """`run_cycle` on the trainer's roles, micro-batch records and settings (--dmd2-critic-scoring
+        `scoring`), at this cycle's learning rates; mark(phase) starts each phase."""
+        tr = self.tr
+        for name in ("student", "critic"):
+            tr.roles[name].schedule.apply(tr.roles[name].optimizer, tr.iteration)
+        result = run_cycle(tr.roles, tr.micro_batches(), replace(tr.settings, scoring=scoring), hook=mark)
+        tr.state = replace(tr.state, iteration=tr.iteration + 1)
+        self.forwards.append(result.rollout_forwards)  # device scalar: no sync
+        return result.metrics
 
     def standalone(self) -> dict:
         """Closures fn(mark) of the standalone pieces, each timed alone between two syncs."""
@@ -265,10 +271,10 @@ def main(argv=None):
     if not torch.cuda.is_available() and a.threads:
         torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="bench_dmd2_") as tmp:
-        run(a, Bench(a, tmp))
+        run(a, Harness(a, tmp))
 
 
-def run(a, bench: Bench) -> None:
+def run(a, bench: Harness) -> None:
     pieces, reps = bench.standalone(), []
     for rep in range(a.warmup + a.repeats):  # round-robin: drifting load hits every variant alike
         t, it = {}, rep

@@ -225,7 +225,6 @@ class DMD2Config:
     """--offload-inactive / --no-offload-inactive: sleep the roles a phase does not use (default on with CUDA)."""
 
     def __post_init__(self):
-        _check(self.denoising_steps >= 1, f"--dmd2-denoising-steps must be >= 1, got {self.denoising_steps}")
         _check(self.critic_steps_per_rollout >= 1,
                f"--dmd2-critic-steps-per-rollout must be >= 1, got {self.critic_steps_per_rollout}")
         lo, hi = self.score_sigma_range

@@ -277,7 +277,7 @@ def test_defaults_parse():
     (BASE + ["--dmd2-critic-steps-per-rollout", "0"], "--dmd2-critic-steps-per-rollout must be >= 1"),
     (BASE + ["--dmd2-critic-scoring", "fused"], "--dmd2-critic-scoring must be shared or original"),
     (BASE + ["--dmd2-critic-loss-space", "eps"], "--dmd2-critic-loss-space must be velocity or x0"),
-    (BASE + ["--dmd2-denoising-steps", "0"], "--dmd2-denoising-steps must be >= 1"),
+    (BASE + ["--dmd2-denoising-steps", "0"], "--dmd2-denoising-steps must be an int >= 1"),
     (BASE + ["--dmd2-student-sigmas", "0.9", "0.5"], "--dmd2-student-sigmas must start at 1.0"),
     (BASE + ["--dmd2-student-sigmas", "1.0", "0.5", "0.75"], "--dmd2-student-sigmas must be strictly decreasing"),
     (BASE + ["--dmd2-student-sigmas", "1.0", "0.5", "0.5"], "--dmd2-student-sigmas must be strictly decreasing"),

@@ -44,7 +44,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
     after the flow-matching ones (see dmd2.gan).
     Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
-    steps, micro, gan = settings.critic_steps, settings.micro_batch_size, settings.gan
+    steps, size, gan = settings.critic_steps, settings.micro_batch_size, settings.gan
     full, score_choices, dev = settings.critic_grid, settings.score_choices, settings.critic_grid.device
     shared, m = settings.scoring == "shared", len(rollouts)
     kept: list = [None] * m
@@ -54,7 +54,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
         if last and not shared:  # "original": a separate no-grad draw and forward before the last step
             with torch.no_grad():
                 for j, (r, mb) in enumerate(zip(rollouts, batches)):
-                    b = r.micro_batch(k, micro)
+                    b = r.micro_batch(k, size)
                     x_s, sigma, _ = flow.noise_on_grid(b.x0hat, mb.critic_gen, score_choices)
                     v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
                     kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
@@ -62,14 +62,14 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
         total = torch.zeros((), device=dev)
         objective = torch.zeros((), device=dev)
         for j, (r, mb) in enumerate(zip(rollouts, batches)):
-            b = r.micro_batch(k, micro)
+            b = r.micro_batch(k, size)
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
             sync = critic.ddp is None or j == m - 1
             with contextlib.nullcontext() if sync else critic.ddp.no_sync():
                 if gan is None:
                     v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
                 else:
-                    real = mb.real[k * micro:(k + 1) * micro]
+                    real = mb.real[k * size:(k + 1) * size]
                     x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, gan)
                     v, logits = critic.net(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
                     v = v.to(x_s.dtype)

@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -179,21 +179,19 @@ class DMD2Trainer:
                 real=images.to(ps.device) if gan else None))  # the GAN's real samples: these images
         return out
 
-    def cycle(self, hook: Optional[Callable[[str], None]] = None) -> dict:
+    def cycle(self) -> dict:
         """One cycle with this iteration's learning rates, then the EMA update. Returns device-tensor metrics,
-        the lr per phase, resident bytes per phase, the optimizer steps each trained role skipped and the
-        rollout's sample-forwards. `hook(phase)`: see `run_cycle` (the benchmark's timer)."""
+        the lr per phase, resident bytes per phase and the optimizer steps each trained role skipped."""
         trained = {name: self.roles[name] for name in TRAINED_IN.values()}
         lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
                for phase, name in TRAINED_IN.items()}
         skipped = {name: r.optimizer.skipped_steps for name, r in trained.items()}
-        result = run_cycle(self.roles, self.micro_batches(), self.settings, hook)
+        result = run_cycle(self.roles, self.micro_batches(), self.settings)
         self.state = replace(self.state, iteration=self.iteration + 1)
         if self.ema is not None:
             self.ema.update(self.iteration)
         skipped = {name: r.optimizer.skipped_steps - skipped[name] for name, r in trained.items()}
-        return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped,
-                "rollout_forwards": result.rollout_forwards}
+        return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped}
 
     # ---- evaluation ----------------------------------------------------------------------------
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
