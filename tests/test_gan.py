@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from dmd2_mega.dmd2.gan import GANCritic, GANHead, discriminator_loss, generator_loss, holds_head
+from dmd2_mega.models import DataShape, build_model
+from tests.utils import world_of_one
 
 
 def _softplus(z):
@@ -28,11 +30,13 @@ def test_losses_and_gradients_match_closed_form():
     assert g.grad.tolist() == pytest.approx([-sig(-z) / 3 for z in g.tolist()], rel=1e-12)
 
 
+@pytest.fixture(scope="module")
+def world():
+    with world_of_one() as ps:
+        yield ps
+
+
 def _perturbed_debug_dit(seed=0):
-    from dmd2_mega.config import ParallelConfig
-    from dmd2_mega.models import DataShape, build_model
-    from dmd2_mega.parallel import init_distributed
-    init_distributed(ParallelConfig())
     torch.manual_seed(seed)
     model = build_model("debug", DataShape(1, 8, num_classes=10))
     with torch.no_grad():
@@ -41,7 +45,7 @@ def _perturbed_debug_dit(seed=0):
     return model
 
 
-def test_head_shape_and_dit_feature_tap():
+def test_head_shape_and_dit_feature_tap(world):
     model = _perturbed_debug_dit()
     x, s, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
     f = model.features(x, s, y, 0)
@@ -58,7 +62,7 @@ def test_head_shape_and_dit_feature_tap():
     assert calls == [], "features(layer=0) ran block 1"
 
 
-def test_gan_critic_velocity_logits_and_state_keys():
+def test_gan_critic_velocity_logits_and_state_keys(world):
     trunk = _perturbed_debug_dit()
     critic = GANCritic(trunk, layer=1, seed=5)
     g = torch.Generator().manual_seed(3)

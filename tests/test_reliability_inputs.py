@@ -227,4 +227,5 @@ def test_processes_exit_1_with_one_line(ckpts, tmp_path):
     for res, line in ((flow_res, f"DataError: {shard}: 'latents' has 1 non-finite values"),
                       (dmd2_res, "ConfigError: --dmd2-teacher-guidance-scale must be >= 1, got 0.0")):
         assert res.returncode == 1, res.tail()
+        assert len(res.stderr.strip().splitlines()) == 1, res.tail()  # ONE line, no traceback
         assert res.stderr.strip().startswith(line) and "Traceback" not in res.stderr, res.tail()

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from dmd2_mega.errors import CheckpointError
+
 
 class StudentEMA:
     def __init__(self, model: torch.nn.Module, decay: float, start_iter: int = 0):
@@ -43,12 +45,12 @@ class StudentEMA:
     def load_state_dict(self, state: dict, source: str = "EMA state") -> None:
         if sorted(state) != sorted(self.names):
             missing = [n for n in self.names if n not in state]
-            raise ValueError(f"{source} does not match the student: missing {missing[:3]}, "
+            raise CheckpointError(f"{source} does not match the student: missing {missing[:3]}, "
                              f"unexpected {[n for n in state if n not in self.names][:3]}")
         with torch.no_grad():
             for n, t in zip(self.names, self.shadow):
                 if tuple(state[n].shape) != tuple(t.shape):
-                    raise ValueError(f"{source}: {n} has shape {tuple(state[n].shape)}, the student {tuple(t.shape)}")
+                    raise CheckpointError(f"{source}: {n} has shape {tuple(state[n].shape)}, the student {tuple(t.shape)}")
                 t.copy_(state[n])
 
     @contextlib.contextmanager

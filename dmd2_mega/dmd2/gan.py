@@ -58,6 +58,8 @@ class GANCritic(FamilyModel):
 
     def __init__(self, trunk: FamilyModel, layer: int, seed: int):
         super().__init__()
+        if not 0 <= layer < trunk.num_feature_layers:
+            raise IndexError(f"GAN feature layer {layer} is outside the trunk's [0, {trunk.num_feature_layers - 1}]")
         self.trunk, self.layer = trunk, layer
         self.spec, self.num_feature_layers, self.feature_dim = trunk.spec, trunk.num_feature_layers, trunk.feature_dim
         gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)

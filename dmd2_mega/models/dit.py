@@ -128,6 +128,8 @@ class DiT(FamilyModel):
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
+        if not 0 <= layer < len(self.blocks):
+            raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
         h, c = self._embed(x, sigma, cond)
         for i in range(layer + 1):
             h = self._block(i, h, c)
