@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -58,20 +57,15 @@ class ParallelState:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
     """Join the torchrun job (or make a world of one), build TP/DP groups, seed megatron's RNG.
 
-    Without torchrun's environment (plain `python launch/...py`) a single-rank world is created.
+    Without torchrun's environment (plain `python launch/...py`) a single-rank world is created on an
+    in-process store: no TCP port is opened, so concurrent single-rank runs cannot collide on one.
     """
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    standalone = "RANK" not in os.environ
+    if standalone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     tp = cfg.tensor_model_parallel_size
@@ -89,6 +83,8 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
         device = torch.device("cpu")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if standalone:
+            kwargs["store"] = dist.HashStore()
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=10), **kwargs)
     if not mpu.model_parallel_is_initialized():
