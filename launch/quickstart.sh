@@ -9,7 +9,7 @@
 # accuracy, 99.1% -> 96.1%), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (further pretrain_dmd2.py flags,
 # e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
 # model moved between 2.24 and 2.65 across sampling seeds).
-# The students' recipe is the best cell of benchmarks/quality_ablation.py (README, "Quality
+# The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
 # GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.5-1.7x per cycle and did not pay for itself there.
 set -euo pipefail
