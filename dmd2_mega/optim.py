@@ -26,8 +26,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.errors import ConfigError
 from dmd2_mega.config import OptimConfig
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.parallel import tp_partition_dim
 
 

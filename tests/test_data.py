@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 
-from dmd2_mega.errors import DataError
 from dmd2_mega.data import DigitsDataset, GlobalBatchSampler, ShardDataset, build_dataset, write_shards
+from dmd2_mega.errors import DataError
 
 # ---------------------------------------------------------------- digits
 

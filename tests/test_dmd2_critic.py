@@ -30,8 +30,8 @@ import torch
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.dmd2.critic import critic_phase
 from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
-from dmd2_mega.flow import critic_grid
 from dmd2_mega.dmd2.rollout import Rollout
+from dmd2_mega.flow import critic_grid
 from dmd2_mega.optim import Optimizer
 
 pytestmark = pytest.mark.timeout(60)

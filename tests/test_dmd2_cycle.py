@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.errors import ConfigError
 from dmd2_mega.config import DMD2Config
+from dmd2_mega.errors import ConfigError
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, find_tmp, launch, python,
                          read_trace)
 

@@ -13,9 +13,9 @@ phase (the table without GAN_PHASE_ROLES).
 import pytest
 import torch
 
+from dmd2_mega.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.dmd2.ema import StudentEMA
-from dmd2_mega.builders import build_model, cast_model
 from dmd2_mega.dmd2.gan import GANCritic
 from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
 from dmd2_mega.offload import RoleAsleepError
@@ -45,12 +45,12 @@ def make_roles(ps, bf16: bool) -> tuple[dict, StudentEMA]:
         if name != "teacher":
             opt = Optimizer(model, OptimConfig(lr=1e-3, bf16=bf16))
             x, s, y = torch.randn(4, 1, 8, 8), torch.rand(4), torch.arange(4)
-            for _ in range(2):  # a step, then grads present at the phase switch, so they must sleep too
+            for i in range(2):  # a step, then grads present at the phase switch, so they must sleep too
                 loss = model(x, s, y).float().square().mean()
                 if name == "critic":
                     loss = loss + model.logits(x, s, y).square().mean()
                 loss.backward()
-                if _ == 0:
+                if i == 0:
                     opt.step()
         extra = ()
         if name == "student":  # the EMA lives beside the student, as the trainer builds it

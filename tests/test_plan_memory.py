@@ -18,13 +18,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dmd2_mega import memory_plan as mp
+from dmd2_mega.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.dmd2.rollout import rollout
 from dmd2_mega.flow import student_sigmas
-from dmd2_mega.parallel import tp_partition_dim
 from dmd2_mega.offload import Sleeper, resident_bytes
 from dmd2_mega.optim import build_optimizer
-from dmd2_mega.builders import build_model, cast_model
+from dmd2_mega.parallel import tp_partition_dim
 from launch import plan_memory
 from tests.utils import world_of_one
 

@@ -23,9 +23,9 @@ import torch
 
 from dmd2_mega import checkpoint
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.errors import CheckpointError
 from dmd2_mega.checkpoint import latest_iteration, load_payload
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.errors import CheckpointError
 from dmd2_mega.parallel import ParallelState
 from dmd2_mega.resilience import KILL_ENV
 from dmd2_mega.teacher_trainer import FlowTrainer

@@ -11,9 +11,9 @@ not change its output) records the batch size of every call.
 import pytest
 import torch
 
-from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.config import ModelConfig
 from dmd2_mega.dmd2.rollout import Rollout, rollout
+from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.flow import shift_sigma, student_sigmas
 from dmd2_mega.models import DataShape, build_model
 from dmd2_mega.parallel import micro_batch_generator
