@@ -3,7 +3,7 @@
 Layers, bottom up (`.importlinter` at the repo root enforces them; no module imports one above it):
   errors            every error type (`ConfigError`, `DataError`, `CheckpointError`, ...)
   atomic            the one all-or-nothing file write
-  megatron_compat   megatron-core on a CPU-only torch (RNG tracker, TP gather, recompute)
+  megatron_compat   megatron-core on a CPU-only torch (RNG tracker, TP gather)
   parallel          torchrun, TP/DP groups, RNG streams per micro-batch, `tp_partition_dim`
   flow              flow-matching maths and every sigma grid (sampler, student, critic)
   models/           the model-family interface, the registry of `--model-size`s, the DiT family

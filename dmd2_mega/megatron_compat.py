@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils.checkpoint
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mcore_random
@@ -93,17 +92,6 @@ def synchronize() -> None:
     """`torch.cuda.synchronize()` where CUDA exists; a no-op on CPU (ops there are synchronous)."""
     if cuda_available():
         torch.cuda.synchronize()
-
-
-def recompute(fn, *args):
-    """megatron-core's `tensor_parallel.checkpoint` (full activation recompute) on CUDA.
-
-    Its CUDA RNG bookkeeping cannot run on a CPU-only torch; there torch's non-reentrant
-    checkpoint (which restores the CPU RNG itself) does the same recompute.
-    """
-    if cuda_available():
-        return tensor_parallel.checkpoint(fn, False, *args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -11,6 +11,10 @@ Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
 LN + modulation is the fused `kernels.adaln_modulate` (Triton on CUDA, fwd + bwd). The qkv
 projection's output is laid out per head as [heads, 3, d], so its column split gives each TP rank
 whole heads. adaLN and the final projection start at zero (adaLN-Zero).
+`--recompute-granularity full` recomputes each block in backward with torch's NON-reentrant checkpoint
+on every device: the model has no dropout, so megatron's RNG-tracking (reentrant) checkpoint buys
+nothing, and the reentrant one rejects the actor's `backward(inputs=...)` (GAN head) and trips DDP's
+"marked ready twice" when two checkpointed forwards share one DDP call; CPU tests run the GPU's path.
 """
 from __future__ import annotations
 
@@ -19,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import kernels
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.megatron_compat import recompute
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention, check_backend
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, sincos_2d
@@ -124,7 +128,9 @@ class DiT(FamilyModel):
 
     def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         blk = self.blocks[i]
-        return recompute(blk, h, c) if self.options.recompute and self.training else blk(h, c)
+        if self.options.recompute and self.training:  # non-reentrant on every device (see the module docstring)
+            return torch.utils.checkpoint.checkpoint(blk, h, c, use_reentrant=False)
+        return blk(h, c)
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
