@@ -27,22 +27,18 @@ def eval_conditions(dataset, n: int) -> torch.Tensor:
 
 
 def _dp_map(fn, n: int, shape: tuple, device, dp_rank: int, dp_size: int, dp_group) -> torch.Tensor:
-    """Run fn(lo, hi) -> [hi - lo, *shape] on this rank's slice and all-gather the slices."""
+    """Run fn(lo, hi) -> [hi - lo, *shape] on this rank's slice and all-gather the slices over DP on the
+    compute device (one path for NCCL and gloo); one copy to the host at the end."""
     per = -(-n // dp_size)
     lo, hi = min(dp_rank * per, n), min((dp_rank + 1) * per, n)
-    out = torch.zeros((per, *shape), dtype=torch.float32)
+    out = torch.zeros((per, *shape), dtype=torch.float32, device=device)
     if hi > lo:
-        out[: hi - lo] = fn(lo, hi).float().clamp_(-1, 1).cpu()
+        out[: hi - lo] = fn(lo, hi).float().clamp_(-1, 1)
     if dp_size > 1:
         gathered = [torch.empty_like(out) for _ in range(dp_size)]
-        if dist.get_backend(dp_group) == "nccl":
-            dev_g = [g.to(device) for g in gathered]
-            dist.all_gather(dev_g, out.to(device), group=dp_group)
-            gathered = [g.cpu() for g in dev_g]
-        else:
-            dist.all_gather(gathered, out, group=dp_group)
+        dist.all_gather(gathered, out, group=dp_group)
         out = torch.cat(gathered)
-    return out[:n]
+    return out[:n].cpu()
 
 
 def _eval_mode(model):
