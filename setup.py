@@ -10,7 +10,7 @@ setup(
     install_requires=[
         # 2.13.0 is the CPU build on local disk; keep the range so it satisfies without a download.
         "torch>=2.4,<2.15",
-        "triton",
+        "triton>=3.4",  # kernels/_utils.py reads triton.knobs (3.4+)
         "megatron-core>=0.16.1,<0.17",  # 0.17+ needs Python 3.12
         "psutil",
         "numpy",

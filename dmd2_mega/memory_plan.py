@@ -214,7 +214,8 @@ def cycle_summary(t: dict, passes: dict, *, k: int, b: int, drawn: float, flops_
     """
     floor, units = passes["cycle"] / passes["plain_step"], t["cycle"] / t["plain"]
     rest_floor = floor - passes["rollout"] / passes["plain_step"]
-    flops = flops_per_sample * b * (drawn + passes["cycle"] - passes["rollout"])
+    recomputed = (passes["plain_step"] - 3.0) * (k + 1)  # full recompute: one more forward per backward (K + 1)
+    flops = flops_per_sample * b * (drawn + passes["cycle"] - passes["rollout"] - recomputed)
     tflops = flops / (t["cycle"] * 1e-3) / 1e12
     out = {"overhead ratio (cycle / sum of phases)": t["cycle"] / t["phases"], "cycle in plain steps": units,
            "analytic minimum in plain steps": floor, "cycle / analytic minimum": units / floor,

@@ -76,6 +76,9 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
     backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on a CPU machine")
+    # TF32 for fp32 matmuls and convolutions on CUDA (Ampere+), as Megatron runs them; no effect on a CPU
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     if cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -122,13 +122,13 @@ def test_bad_arguments():
     with pytest.raises(kernels.KernelError, match="v has dtype"):
         kernels.x0_from_velocity(x, x.half(), 0.5)
     with pytest.raises(kernels.KernelError, match="sigma must be a number or a \\[B\\] tensor with B=2"):
-        kernels.x0_from_velocity(x, x, torch.rand(3))
+        kernels.x0_from_velocity(x, x, torch.rand(3, device=DEVICE))
     with pytest.raises(kernels.KernelError, match="sigma must not require grad"):
-        kernels.x0_from_velocity(x, x, torch.rand(2, requires_grad=True))
+        kernels.x0_from_velocity(x, x, torch.rand(2, device=DEVICE, requires_grad=True))
     with pytest.raises(kernels.KernelError, match="space"):
         kernels.flow_matching_loss(x, x, x, 0.5, space="eps")
     with pytest.raises(kernels.KernelError, match="scale must be"):
-        kernels.adaln_modulate(x, torch.zeros(2, 4), torch.zeros(2, 3))
+        kernels.adaln_modulate(x, torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 3, device=DEVICE))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -215,3 +215,16 @@ def test_cycle_summary_and_acceptance_on_model_timings():
     leaky = [["rollout", 30, 20, 14], ["critic", 29, 24, 24], ["actor", 38, 19, 19]]  # a role not slept; one missing
     assert [ok for _, _, ok in mp.acceptance(slow, leaky, persistent=30)] == [False, False, False, True, False]
     assert [ok for _, _, ok in mp.acceptance(s, [["r", 30, 27, 14]], persistent=30)][3] is False  # 27 > 1.1 x 14
+
+
+def test_model_flops_leave_recomputed_forwards_out():
+    """MFU counts model FLOPs: with full recompute the same cycle time gives the same TFLOP/s as without
+    (the K + 1 extra forwards of recompute are hardware work, not model work)."""
+    k, n, b, F = 5, 4, 64, 10.0
+    plain, rec = (mp.cycle_passes(k, n, 1.0, "shared", recompute=r) for r in (False, True))
+    assert rec["cycle"] - plain["cycle"] == k + 1
+    t = {"cycle": 400.0, "cycle_offload": 400.0, "phases": 400.0, "in_rollout": 100.0, "plain": 30.0, "F": F,
+         "F_KB": k * F, "gap": F, "critic_fwd": F}
+    a, r = (mp.cycle_summary(t, p, k=k, b=b, drawn=p["rollout"], flops_per_sample=1000) for p in (plain, rec))
+    assert r["analytic TFLOP/s (model FLOPs)"] == pytest.approx(a["analytic TFLOP/s (model FLOPs)"], rel=1e-12)
+    assert a["analytic TFLOP/s (model FLOPs)"] == pytest.approx(1000 * b * plain["cycle"] / 0.4 / 1e12)

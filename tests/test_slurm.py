@@ -41,7 +41,8 @@ def srun_command(out: str) -> list:
 
 FAKE_ALLOC = {"DRY_RUN": "1", "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "gpu-a[07-09]", "SLURM_JOB_ID": "4242",
               "GPUS_PER_NODE": "4", "TP": "4", "MODEL_SIZE": "2b", "MICRO_BATCH_SIZE": "6",
-              "TEACHER_LOAD": "/ckpt/teach", "SAVE": "/runs/a b/student", "EXTRA_ARGS": "--seed 7 --log-interval 5"}
+              "TEACHER_LOAD": "/ckpt/teach", "SAVE": "/runs/a b/student", "EXTRA_ARGS": "--seed 7 --log-interval 5",
+              "SLURM_CPUS_PER_TASK": "48"}
 
 
 @pytest.mark.parametrize("kind", sorted(SCRIPTS))
@@ -78,6 +79,7 @@ def test_srun_runs_torchrun_with_each_nodes_rank(kind, tmp_path):
     srun = srun_command(res.stdout)
     assert srun[:6] == ["srun", "--nodes", "3", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     assert srun[srun.index("--chdir") + 1] == REPO
+    assert srun[srun.index("--cpus-per-task") + 1] == "48"  # SLURM >= 22.05 does not pass it on by itself
     task = srun[srun.index("bash"):]  # what srun starts on every node
     subprocess.run(task, env={"SLURM_NODEID": "2", "PATH": "/usr/bin:/bin"}, check=True, timeout=30)
     argv = log.read_text().splitlines()
