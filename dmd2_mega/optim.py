@@ -192,10 +192,10 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tens
     sharded = [p.grad for p in params if tp_partition_dim(p) is not None]
     replicated = [p.grad for p in params if tp_partition_dim(p) is None]
 
-    def sq(gs):
+    def sq(gs):  # sum of squared per-tensor norms: one foreach launch, not two kernels per tensor
         if not gs:
             return torch.zeros((), device=dev, dtype=torch.float32)
-        return torch.stack([g.detach().float().pow(2).sum() for g in gs]).sum()
+        return torch.stack(torch._foreach_norm(gs)).float().square().sum()
 
     s = sq(sharded)
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
