@@ -11,6 +11,10 @@
 # Every step runs under `timeout` (cut to the budget left), logs to <out>/<step>.log and records its exit
 # code in <out>/summary.tsv; a failing step never stops the others. Output: $OUT/gpu_check when OUT is
 # set, else runs/gpu_check. Exit status: 0 if every step that ran passed, else 1.
+# Packages the lent machine lacks (megatron-core) travel as wheels in .whl/ (benchmarks/gpu_wheels.sh, run
+# on a machine with pip access): when `import megatron.core` fails and .whl/*.whl exist, they are installed
+# into a temporary site directory first. Without CUDA (a dry run on a CPU machine) only `env` runs; every
+# step that needs CUDA is listed as skipped ("needs CUDA") and the script exits 0.
 #   bash benchmarks/gpu_check.sh        # env: PYTHON, OUT, BUDGET_S, CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -28,6 +32,16 @@ if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU 
     done
 fi
 echo "python: ${PYTHON:=python3}"
+if ! "$PYTHON" -c "import megatron.core" >/dev/null 2>&1 && compgen -G ".whl/*.whl" >/dev/null; then
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/dmd2_site.XXXXXX")
+    echo "megatron.core does not import: installing .whl/*.whl into $SITE"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .whl/*.whl || exit 2
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+CUDA=0
+"$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1 && CUDA=1
+echo "cuda: $CUDA"
 BUDGET_S=${BUDGET_S:-450}
 CYCLE_MODEL=${CYCLE_MODEL:-600m}
 CYCLE_B=${CYCLE_B:-16}
@@ -77,6 +91,14 @@ for m in ("triton", "flash_attn", "transformer_engine", "apex", "megatron.core")
         print(m, "does not import:", type(exc).__name__, exc)
 '
 step env 60 "$PYTHON" -c "$ENV_PY"
+if ((CUDA == 0)); then  # a dry run on a machine without a GPU: say what would run, run nothing else
+    for name in nvidia_smi kernel_tests bench_kernels cycle_bf16 cycle_recompute flow_sdpa flow_flash flow_te; do
+        skip "$name" "needs CUDA"
+    done
+    echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s): no CUDA device, only env ran"
+    column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+    exit "$FAILED"
+fi
 step nvidia_smi 20 nvidia-smi
 
 step kernel_tests 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels_adaln.py \
