@@ -130,6 +130,14 @@ def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
     return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy that does not make the host wait: pinned and non-blocking on CUDA (a pageable
+    non_blocking copy is synchronous); a plain `.to` elsewhere."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
     """In-place mean over `group` (default: data parallel); identity in a world of one."""
     group = group if group is not None else mpu.get_data_parallel_group()

@@ -38,7 +38,7 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import train_loop
 from dmd2_mega.models import count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
-from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.sampling import eval_conditions, generate
 
@@ -143,7 +143,7 @@ class FlowTrainer:
         batches = self.sampler.next_iteration()
         for k, (j, idx) in enumerate(batches):
             x0, cond = self.dataset.get_batch(idx)
-            x0, cond = x0.to(ps.device, non_blocking=True), cond.to(ps.device, non_blocking=True)
+            x0, cond = to_device(x0, ps.device), to_device(cond, ps.device)
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
             sync = self.ddp is None or k == len(batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():

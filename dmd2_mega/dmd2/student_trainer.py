@@ -46,7 +46,7 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import train_loop
 from dmd2_mega.models import count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
-from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.sampling import eval_conditions, generate_student
 
@@ -172,11 +172,11 @@ class DMD2Trainer:
         for j, idx in self.sampler.next_iteration():
             images, cond = self.dataset.get_batch(idx)
             out.append(MicroBatch(
-                index=j, cond=cond.to(ps.device), sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
+                index=j, cond=to_device(cond, ps.device), sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
                 rollout_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ROLLOUT),
                 critic_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=CRITIC),
                 actor_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ACTOR) if gan else None,
-                real=images.to(ps.device) if gan else None))  # the GAN's real samples: these images
+                real=to_device(images, ps.device) if gan else None))  # the GAN's real samples: these images
         return out
 
     def cycle(self) -> dict:
