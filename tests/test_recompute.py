@@ -72,11 +72,18 @@ def test_recompute_is_non_reentrant_on_cuda_too_and_exact(monkeypatch):
             torch.testing.assert_close(have[n], gr, rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")
 
 
-def test_recompute_off_in_eval_mode(monkeypatch):
+def test_no_checkpoint_wrapper_in_eval_mode_or_without_grad(monkeypatch):
+    """Nothing is recomputed in eval mode or under no_grad (the rollout runs the student in train mode)."""
     student, _ = models(recompute=True)
-    student.eval()
     calls = []
     real = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    student(torch.randn(2, 1, 8, 8, dtype=F64), torch.rand(2), torch.arange(2))
+    x, s, y = torch.randn(2, 1, 8, 8, dtype=F64), torch.rand(2), torch.arange(2)
+    with torch.no_grad():
+        student(x, s, y)
+    student.eval()
+    student(x, s, y)
     assert not calls
+    student.train()
+    student(x, s, y)
+    assert len(calls) == student.spec.num_layers

@@ -128,7 +128,8 @@ class DiT(FamilyModel):
 
     def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         blk = self.blocks[i]
-        if self.options.recompute and self.training:  # non-reentrant on every device (see the module docstring)
+        # non-reentrant on every device (module docstring); nothing to recompute without grad (the rollout)
+        if self.options.recompute and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(blk, h, c, use_reentrant=False)
         return blk(h, c)
 
