@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -58,6 +58,14 @@ class RunState:
     pair_token: str = ""
 
 
+def resumed(state: RunState, payload: dict, root: str, save: Optional[str]) -> RunState:
+    """`state` after resuming `payload` (its iteration and sampler position) from `root`; when --save is
+    the --load directory, that iteration is already saved (nothing new to save until the next one)."""
+    n = int(payload["iteration"])
+    same = bool(save) and os.path.abspath(root) == os.path.abspath(save)
+    return replace(state, iteration=n, sampler=payload["sampler"], saved_iteration=n if same else None)
+
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 RESHARDED = ("model", "ema")  # payload entries keyed by parameter name, resharded on a TP change
@@ -74,6 +82,25 @@ def rank_file(iteration_dir: str, tp_rank: int) -> str:
 
 def partition_dims(model: torch.nn.Module) -> dict:
     return {name: tp_partition_dim(p) for name, p in model.named_parameters()}
+
+
+def training_payload(model: torch.nn.Module, optimizer, schedule, state: RunState, static: dict,
+                     ps: ParallelState) -> dict:
+    """One rank's payload of a trained model: its shard, optimizer, LR schedule, the run state (iteration,
+    sampler position), RNG states, TP / DP sizes, partition dims, and `static` (args, data_info, ...)."""
+    return {**static, "iteration": state.iteration, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": schedule.state_dict(), "sampler": state.sampler, "rng": rng_state(), "tp_size": ps.tp_size,
+            "dp_size": ps.dp_size, "partition_dims": partition_dims(model), "checkpoint_version": 1}
+
+
+def load_optimizer_state(optimizer, schedule, payload: dict, source: str, tp_size: int) -> None:
+    """Restore optimizer and LR schedule from `payload`; a TP change is an error naming both degrees."""
+    if payload["saved_tp_size"] != tp_size:
+        raise CheckpointError(f"{source} was saved with --tensor-model-parallel-size {payload['saved_tp_size']} "
+                              f"but this run uses {tp_size}: weights reshard, optimizer state does not; pass "
+                              f"--no-load-optim to continue from the weights with a fresh optimizer")
+    optimizer.load_state_dict(payload["optimizer"])
+    schedule.load_state_dict(payload["scheduler"])
 
 
 def rng_state() -> dict:

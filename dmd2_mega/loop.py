@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Protocol
 
+from dmd2_mega.checkpoint import RunState
 from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
 from dmd2_mega.parallel import ParallelState
 from dmd2_mega.resilience import ExitController, account_skips
@@ -33,6 +34,21 @@ class Trainer(Protocol):
 
     def log(self, logger: TrainLogger, pending: list) -> None:
         """Log the records `step()` returned since the last log (the one host sync per interval)."""
+
+
+class RunStateTrainer:
+    """The protocol's `iteration` and `saved_iteration`, read from the trainer's `state` (a RunState);
+    both trainers derive from it."""
+
+    state: RunState
+
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @property
+    def saved_iteration(self) -> Optional[int]:
+        return self.state.saved_iteration
 
 
 def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str) -> dict:

@@ -26,16 +26,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmd2_mega import flow
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
-from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, load_payload, model_size_hint,
-                                  partition_dims, rng_state, save_checkpoint, set_rng_state)
+from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, load_optimizer_state, load_payload,
+                                  model_size_hint, resumed, save_checkpoint, set_rng_state, training_payload)
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
-from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.digits import evaluate_digits
 from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.loop import train_loop
+from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
@@ -56,7 +55,7 @@ def flow_loss_micro(model, x0, cond, null_cond, gen, shift: float, cond_dropout:
     return F.mse_loss(v.float(), flow.velocity_target(x0, eps).float())
 
 
-class FlowTrainer:
+class FlowTrainer(RunStateTrainer):
     def __init__(self, cfg: FlowPretrainConfig):
         self.cfg = cfg
         t = cfg.train
@@ -85,24 +84,12 @@ class FlowTrainer:
             self.load(t.load)
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
-    @property
-    def iteration(self) -> int:
-        return self.state.iteration
-
-    @property
-    def saved_iteration(self) -> Optional[int]:
-        return self.state.saved_iteration
-
     # ---- checkpoints -------------------------------------------------------------------------
-    def payload(self) -> dict:
-        return {"iteration": self.iteration, "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.schedule.state_dict(),
-                "sampler": self.sampler.state_dict(), "rng": rng_state(), "args": asdict(self.cfg),
-                "data_info": self.info, "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
-                "partition_dims": partition_dims(self.model), "checkpoint_version": 1}
-
     def save(self) -> None:
-        path = save_checkpoint(self.cfg.train.save, self.iteration, self.payload(), self.ps)
+        state = replace(self.state, sampler=self.sampler.state_dict())
+        payload = training_payload(self.model, self.optimizer, self.schedule, state,
+                                   {"args": asdict(self.cfg), "data_info": self.info}, self.ps)
+        path = save_checkpoint(self.cfg.train.save, self.iteration, payload, self.ps)
         self.state = replace(self.state, saved_iteration=self.iteration)
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
 
@@ -118,20 +105,11 @@ class FlowTrainer:
             print_rank0(f"> loaded weights of iteration {payload['iteration']} from {root} (fresh optimizer)",
                         self.ps.rank)
             return
-        if payload["saved_tp_size"] != self.ps.tp_size:
-            raise CheckpointError(
-                f"--load {root} was saved with --tensor-model-parallel-size {payload['saved_tp_size']} but this run "
-                f"uses {self.ps.tp_size}: weights reshard, optimizer state does not; pass --no-load-optim "
-                f"to continue from the weights with a fresh optimizer")
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.schedule.load_state_dict(payload["scheduler"])
+        load_optimizer_state(self.optimizer, self.schedule, payload, f"--load {root}", self.ps.tp_size)
         self.sampler.load_state_dict(payload["sampler"])
         if not self.cfg.train.no_load_rng:
             set_rng_state(payload["rng"])
-        n = int(payload["iteration"])
-        same = bool(self.cfg.train.save) and os.path.abspath(root) == os.path.abspath(self.cfg.train.save)
-        self.state = replace(self.state, iteration=n, sampler=payload["sampler"],
-                             saved_iteration=n if same else None)  # nothing new to save until the next step
+        self.state = resumed(self.state, payload, root, self.cfg.train.save)
         print_rank0(f"> resumed from {root} at iteration {self.iteration}", self.ps.rank)
 
     # ---- one optimizer step ------------------------------------------------------------------

@@ -280,3 +280,15 @@ def test_missing_gpu_packages_are_config_errors(flags, needle):
 def test_bad_model_flags(flags, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_flow_args(flags)
+
+
+def test_family_interface_is_enforced():
+    """A family model that leaves out an interface method cannot be instantiated (FamilyModel is abstract)."""
+    from dmd2_mega.models import FamilyModel
+
+    class VelocityOnly(FamilyModel):
+        def forward(self, x, sigma, cond):
+            return x
+
+    with pytest.raises(TypeError, match="features, null_cond"):
+        VelocityOnly()

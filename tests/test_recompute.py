@@ -6,7 +6,6 @@
   * the gradients equal those of the same models without recompute (float64), and the critic's
     parameters receive no gradient from the actor's backward.
 """
-import copy
 
 import pytest
 import torch

@@ -15,8 +15,8 @@ import os
 from dataclasses import replace
 from typing import Optional
 
-from dmd2_mega.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_payload, model_size_hint,
-                                  partition_dims, rng_state, set_rng_state, write_iteration)
+from dmd2_mega.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
+                                  model_size_hint, resumed, set_rng_state, training_payload, write_iteration)
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import holds_head
@@ -35,11 +35,8 @@ def critic_dir(save: str) -> str:
 def role_payload(role: Role, state: RunState, static: dict, ps: ParallelState,
                  ema: Optional[StudentEMA]) -> dict:
     """`static`: what every payload of the run carries (args, data_info, student_sigmas)."""
-    payload = {**static, "iteration": state.iteration, "model": role.model.state_dict(),
-               "optimizer": role.optimizer.state_dict(), "scheduler": role.schedule.state_dict(),
-               "sampler": state.sampler, "rng": rng_state(), "tp_size": ps.tp_size, "dp_size": ps.dp_size,
-               "partition_dims": partition_dims(role.model), "role": role.name,
-               "pair_id": f"{state.iteration}-{state.pair_token}", "checkpoint_version": 1}
+    payload = training_payload(role.model, role.optimizer, role.schedule, state, static, ps)
+    payload.update(role=role.name, pair_id=f"{state.iteration}-{state.pair_token}")
     if role.name == "student" and ema is not None:
         payload["ema"] = ema.state_dict()
     return payload
@@ -100,13 +97,7 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         load_model_weights(role.model, payload["model"], f"--load {root} ({name})", hint)
         if t.no_load_optim:
             continue
-        if payload["saved_tp_size"] != ps.tp_size:
-            raise CheckpointError(f"--load {root} ({name}) was saved with --tensor-model-parallel-size "
-                                  f"{payload['saved_tp_size']} but this run uses {ps.tp_size}: weights "
-                                  f"reshard, optimizer state does not; pass --no-load-optim to continue from "
-                                  f"the weights with fresh optimizers")
-        role.optimizer.load_state_dict(payload["optimizer"])
-        role.schedule.load_state_dict(payload["scheduler"])
+        load_optimizer_state(role.optimizer, role.schedule, payload, f"--load {root} ({name})", ps.tp_size)
     _load_ema(ema, student, root, ps.rank)
     if t.no_load_optim:
         print_rank0(f"> loaded student and critic weights of cycle {n} from {root} (fresh optimizers, cycle 0)",
@@ -114,7 +105,5 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         return state
     if not t.no_load_rng:
         set_rng_state(student["rng"])
-    same = bool(t.save) and os.path.abspath(root) == os.path.abspath(t.save)
     print_rank0(f"> resumed student and critic from {root} at cycle {n}", ps.rank)
-    return replace(state, iteration=n, sampler=student["sampler"],
-                   saved_iteration=n if same else state.saved_iteration)  # nothing new to save until the next cycle
+    return resumed(state, student, root, t.save)

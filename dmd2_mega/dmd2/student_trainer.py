@@ -43,7 +43,7 @@ from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.digits import evaluate_digits
 from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.loop import train_loop
+from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import count_parameters
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
@@ -53,7 +53,7 @@ from dmd2_mega.sampling import eval_conditions, generate_student
 __all__ = ["DMD2Trainer", "critic_dir"]
 
 
-class DMD2Trainer:
+class DMD2Trainer(RunStateTrainer):
     def __init__(self, cfg: DistillConfig):
         self.cfg = cfg
         t, d = cfg.train, cfg.dmd2
@@ -98,14 +98,6 @@ class DMD2Trainer:
         if t.load:
             self.load(t.load)
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
-
-    @property
-    def iteration(self) -> int:
-        return self.state.iteration
-
-    @property
-    def saved_iteration(self) -> Optional[int]:
-        return self.state.saved_iteration
 
     # ---- roles ---------------------------------------------------------------------------------
     def _build_model(self, name: str, teacher_payload: dict) -> torch.nn.Module:

@@ -20,6 +20,7 @@ Nothing outside `models/` knows which family it holds.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -59,21 +60,25 @@ class BuildOptions:
     """Recompute each block in backward (activation checkpointing) while training."""
 
 
-class FamilyModel(nn.Module):
-    """Base class of every family's model (see the module docstring)."""
+class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
+    """Abstract base of every family's model (see the module docstring): a family that leaves out one of
+    the abstract methods cannot be instantiated."""
 
     spec: object
     num_feature_layers: int
     feature_dim: int
 
+    @abc.abstractmethod
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Velocity v [B, *shape] (module docstring)."""
 
+    @abc.abstractmethod
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Token mean of block `layer`'s output [B, feature_dim]."""
 
+    @abc.abstractmethod
     def null_cond(self, n: int, device) -> torch.Tensor:
-        raise NotImplementedError
+        """The negative / null condition of n samples."""
 
     def tp_split(self) -> dict:
         return {name: tp_partition_dim(p) for name, p in self.named_parameters()}
