@@ -10,7 +10,7 @@ from typing import Callable, Optional, Protocol
 from dmd2_mega.checkpoint import RunState
 from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
 from dmd2_mega.parallel import ParallelState
-from dmd2_mega.resilience import ExitController, account_skips
+from dmd2_mega.resilience import ExitController, account_skips, skip_counters
 
 
 class Trainer(Protocol):
@@ -56,7 +56,9 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
 
     step() advances `trainer.iteration` by one and returns (record, optimizers, skipped): the record
     joins the pending list handed to `trainer.log`; {role: optimizer} and {role: steps skipped this
-    iteration} feed the NaN accounting (which may stop the run, before any save). `unit` names an
+    iteration, a device tensor} feed the NaN accounting (which may stop the run, before any save).
+    Host syncs: one per iteration (`ExitController.check`: exit flags and skip counters together) when
+    an exit flag or --max-nan-iterations is given, plus the log / eval / save intervals. `unit` names an
     iteration in messages ("iteration", "cycle"); `name` the run in the closing line."""
     t, ps = trainer.cfg.train, trainer.ps
     logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, trainer.iteration)
@@ -68,8 +70,8 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
             if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters:
                 trainer.log(logger, pending)
                 pending = []
-            account_skips(optimizers, skipped, t.max_nan_iterations, f"{unit} {trainer.iteration}", ps.rank)
-            evaluated, stop = after_iteration(trainer, logger, unit, t.save or t.tensorboard_dir)
+            reason = check_iteration(trainer, optimizers, skipped, f"{unit} {trainer.iteration}")
+            evaluated, stop = after_iteration(trainer, logger, unit, t.save or t.tensorboard_dir, reason)
             result = result if evaluated is None else evaluated
             if stop:
                 break
@@ -81,8 +83,20 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
     return result
 
 
-def after_iteration(trainer: Trainer, logger: TrainLogger, unit: str, out_dir: Optional[str]) -> tuple[Optional[dict], bool]:
-    """Interval save, interval eval, then the all-rank exit check.
+def check_iteration(trainer: Trainer, optimizers: dict, skipped: dict, where: str) -> Optional[str]:
+    """The iteration's one host sync: the all-rank exit flags and, with --max-nan-iterations, the skip counters
+    (warnings; NonFiniteError at the limit). Returns the reason to exit after this iteration, or None."""
+    limit = trainer.cfg.train.max_nan_iterations
+    if not limit:
+        return trainer.exit.check()
+    reason, values = trainer.exit.check(skip_counters(optimizers, skipped))
+    account_skips(list(skipped), values, limit, where, trainer.ps.rank)
+    return reason
+
+
+def after_iteration(trainer: Trainer, logger: TrainLogger, unit: str, out_dir: Optional[str],
+                    reason: Optional[str]) -> tuple[Optional[dict], bool]:
+    """Interval save and interval eval; then stop if the exit check gave a `reason`.
 
     Returns (the eval result, or None if no eval ran; True if the run must stop now)."""
     t, it, rank = trainer.cfg.train, trainer.iteration, trainer.ps.rank
@@ -92,7 +106,6 @@ def after_iteration(trainer: Trainer, logger: TrainLogger, unit: str, out_dir: O
     if t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters):
         result = trainer.evaluate(out_dir) or {}
         report_eval(logger, result, it, unit, rank)
-    reason = trainer.exit.check()
     if reason:
         print_rank0(f"> exiting at {unit} {it}: {reason}" + ("" if t.save else " (no --save: nothing is saved)"),
                     rank)

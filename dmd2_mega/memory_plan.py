@@ -13,10 +13,10 @@ of RowParallelLinear, RowParallelLinear's bias stays whole):
                              final (h+1)p^2C
     buffer:                  pos [S, h] (model dtype)
 Role bytes per rank (P = parameters per rank, n = parameter tensors, AdamW):
-    weights P w + S h w;  grads P w (alive from the first backward to zero_grad, i.e. in the phase
-    that trains the role);  under --bf16 fp32 masters 4P and, during the step, master grads 4P;
-    Adam exp_avg + exp_avg_sq 8P and one fp32 `step` per tensor 4n;  torch DDP (DP > 1) also holds
-    gradient buckets of P w that the offload layer cannot see (they stay resident, never slept).
+    weights P w + S h w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
+    accumulation and DP reduction in place; under --bf16 it is also the masters' grad; the model-dtype
+    `.grad` of one parameter lives only until its hook);  under --bf16 fp32 masters 4P;  Adam exp_avg +
+    exp_avg_sq 8P and one fp32 `step` per tensor 4n. Everything of a role sleeps with it.
 Activations of a training forward of n samples, kept for backward (no S^2 term: SDPA/flash keep
     the log-sum-exp only), per layer:  n S (8h + (5h + 2m) / t) w + n (a / t) S 4
     (layer-norm inputs/outputs, modulated inputs, attention projection and fc2 outputs at full width;
@@ -104,13 +104,13 @@ def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
 
 
 def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool) -> dict:
-    """Per-rank bytes of one role by kind: weights, grads, master_grads, optimizer, ddp_buckets."""
+    """Per-rank bytes of one role by kind: weights, grads (fp32 main_grad buffer), optimizer. `dp` does not
+    change them (the DP reduction runs in the grad buffer)."""
     P, w = params_per_rank(ms, tp), 2 if bf16 else 4
     n = param_counts(ms)
-    out = {"weights": P * w + n["buffer"] * w, "grads": 0, "master_grads": 0, "optimizer": 0, "ddp_buckets": 0}
+    out = {"weights": P * w + n["buffer"] * w, "grads": 0, "optimizer": 0}
     if trained:
-        out.update(grads=P * w, master_grads=4 * P if bf16 else 0,
-                   optimizer=(4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"], ddp_buckets=P * w if dp > 1 else 0)
+        out.update(grads=4 * P, optimizer=(4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"])
     return out
 
 
@@ -158,13 +158,9 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
            "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute) + held_scores}
     plan = CyclePlan(roles, act)
     for phase in PHASES:
-        needed, trained = PHASE_NEEDS[phase]
+        needed = PHASE_NEEDS[phase][0]
         for sliced in (True, False):
-            row = {}
-            for r, b in roles.items():
-                resident = not sliced or r in needed
-                row[r] = ((b["weights"] + b["optimizer"] if resident else 0) + b["ddp_buckets"]
-                          + (b["grads"] + b["master_grads"] if r == trained else 0))
+            row = {r: sum(b.values()) if not sliced or r in needed else 0 for r, b in roles.items()}
             row["activations"] = act[phase]
             row["total"] = sum(row.values())
             plan.phases[(phase, sliced)] = row

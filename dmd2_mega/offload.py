@@ -1,9 +1,9 @@
 """Time-slicing of roles (DESIGN section 3): put a role's device tensors to sleep and wake them.
 
-A role's tensors are its modules' parameters, their `.grad` and buffers, plus its optimizers'
-parameters (fp32 masters under `--bf16`), their `.grad` and state tensors (Adam exp_avg, exp_avg_sq,
+A role's tensors are its modules' parameters, their `.grad` / fp32 `.main_grad` (grad_buffer) and buffers,
+plus its optimizers' parameters (fp32 masters under `--bf16`), their `.grad` and state tensors (Adam exp_avg, exp_avg_sq,
 step). They are handled per unique STORAGE on the role's device: views that share one storage
-(DDP bucket views, grads in a flat buffer) are saved and freed once, and come back with the same
+(the main_grad views of one flat GradBuffer) are saved and freed once, and come back with the same
 offsets and strides because only the storage's bytes move.
 
     sleep():  for each storage S of nbytes b:  host_S <- bytes(S)   (pinned CPU buffer on CUDA,
@@ -94,7 +94,8 @@ def state_tensors(modules: Sequence[torch.nn.Module], optimizers: Sequence = (),
                   extra: Sequence[Tensor] = ()) -> list[Tensor]:
     """A role's state part: grads, optimizer tensors, extra tensors (collected per call: grads and
     optimizer state appear lazily)."""
-    out = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    out = [t for m in modules for p in m.parameters()
+           for t in (p.grad, getattr(p, "main_grad", None)) if t is not None]
     for opt in optimizers:
         out += _optimizer_tensors(opt)
     return out + list(extra)

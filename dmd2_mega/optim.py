@@ -1,21 +1,31 @@
 """Optimizer, LR schedule and TP/DP-correct gradient clipping, written thinly over torch.
 
 megatron-core's optimizer needs CUDA and does not keep Adam's step count across a resume, so
-the optimizer is torch AdamW (fused on CUDA) or apex FusedAdam (`--optimizer-impl apex`), with
-two parameter groups: weight decay on matrices, none on biases, norms and embedding tables.
+the optimizer is torch's fused AdamW (its multi-tensor kernel, on CUDA and on CPU) or apex FusedAdam
+(`--optimizer-impl apex`), with two parameter groups: weight decay on matrices, none on biases, norms and
+embedding tables.
+
+Gradients: with a `grad_buffer.GradBuffer` (both trainers attach one) they arrive in the fp32 `main_grad`
+views of one flat buffer, accumulated and DP-reduced in fp32 (Megatron's scheme); `step` first completes
+that reduction. Without one (unit tests), `p.grad` is used.
 
 Gradient norm under TP x DP: after the DP all-reduce every DP rank holds the same gradients, so
 only TP matters. A TP-sharded parameter contributes its shard's squared norm on each TP rank
 (summed over the TP group); a replicated parameter has identical gradients on every TP rank and
 is counted once, so ||g||^2 = allreduce_TP(sum_sharded ||g_i||^2) + sum_replicated ||g_j||^2.
 
-`--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state.
+`--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state. The
+masters' `.grad` ARE the fp32 main_grads (no per-step upcast), and the update is copied back to the
+bf16 parameters with one foreach copy.
 
 Non-finite guard: a step whose gradient norm (or the loss passed to `step`) is NaN or inf is
-skipped: no clipping, no AdamW update, no master copy-back, so weights and Adam moments / step
-counts stay exactly as they were. Deciding costs ONE host sync per step (`.item()` of one flag);
-under DP the flag is all-reduced (MAX) over the DP group first, so all ranks skip together (the
-norm is already identical on every rank; the loss is per DP rank). Megatron does the same check.
+skipped: weights and Adam moments / step counts stay exactly as they were. The decision stays on the
+device (the found-inf input of torch's fused AdamW, as GradScaler uses it): no host sync. Under DP the
+flag is all-reduced (MAX) over the DP group first, so all ranks skip together (the norm is already
+identical on every rank; the loss is per DP rank). The skip counters are device tensors too; reading
+`skipped_steps` / `consecutive_skips` syncs, so the training loop reads them once per iteration,
+together with the exit check (`loop.train_loop`). apex FusedAdam has no found-inf input: with it, the
+decision costs one host sync per step.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import torch.distributed as dist
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.parallel import tp_partition_dim
 
 
@@ -51,26 +62,23 @@ def _inner_optimizer(groups: list, cfg: OptimConfig, on_cuda: bool) -> torch.opt
             raise ConfigError("--optimizer-impl apex needs CUDA; use --optimizer-impl torch on CPU")
         from apex.optimizers import FusedAdam
         return FusedAdam(groups, adam_w_mode=True, **kw)
-    return torch.optim.AdamW(groups, fused=on_cuda, **kw)
+    return torch.optim.AdamW(groups, fused=True, **kw)
 
 
 class Optimizer:
     """AdamW + global-norm clipping, with fp32 master weights when the model is bf16.
 
     fp32 model: AdamW steps the model's parameters directly. bf16 model (`--bf16`): each
-    parameter has an fp32 master copy (carrying the TP attributes); `step` upcasts the bf16
-    gradients into the masters, clips and steps them in fp32, and writes them back rounded to
-    bf16, Megatron's mixed-precision optimizer in a few lines. `step` returns the grad norm
-    before clipping (a device tensor) and skips the update when the norm or the loss is not
-    finite (module docstring), counting `skipped_steps` and `consecutive_skips`.
+    parameter has an fp32 master copy (carrying the TP attributes); `step` clips and steps the
+    masters in fp32 and writes them back rounded to bf16, Megatron's mixed-precision optimizer in a
+    few lines. `grads`: the model's GradBuffer (fp32 main_grads, DP reduction), or None to read
+    `p.grad`. `step` returns the grad norm before clipping (a device tensor) and skips the update on
+    the device when the norm or the loss is not finite (module docstring).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None):
-        self.cfg, self.tp_group, self.dp_group = cfg, tp_group, dp_group
-        self.skipped_steps = 0
-        """Steps skipped since this object was built (not checkpointed)."""
-        self.consecutive_skips = 0
-        """Skipped steps since the last applied one."""
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None,
+                 grads: Optional[GradBuffer] = None):
+        self.cfg, self.tp_group, self.dp_group, self.grads = cfg, tp_group, dp_group, grads
         groups = param_groups(model, cfg.weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
         self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model_params)
@@ -78,7 +86,14 @@ class Optimizer:
             for g in groups:
                 g["params"] = [self._master(p) for p in g["params"]]
         self.master_params = [p for g in groups for p in g["params"]]
+        if self.mixed and grads is not None:  # the masters' grads are the fp32 main_grads, for good
+            for p, m in zip(self.model_params, self.master_params):
+                m.grad = p.main_grad
         self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
+        self.device_skips = self.inner.__class__ is torch.optim.AdamW  # fused AdamW takes found_inf
+        dev = self.model_params[0].device
+        self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
+        self._consecutive = torch.zeros((), dtype=torch.int64, device=dev)
 
     @staticmethod
     def _master(p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -92,7 +107,23 @@ class Optimizer:
     def param_groups(self):
         return self.inner.param_groups
 
-    def _finite(self, norm: torch.Tensor, loss: Optional[torch.Tensor]) -> bool:
+    # ---- skip counters (device tensors; reading one as an int is a host sync) ----------------------
+    @property
+    def skip_counters(self) -> torch.Tensor:
+        """[2] int64 on the device: steps skipped since this object was built (not checkpointed), and
+        skipped steps since the last applied one."""
+        return torch.stack([self._skipped, self._consecutive])
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped.item())
+
+    @property
+    def consecutive_skips(self) -> int:
+        return int(self._consecutive.item())
+
+    def _non_finite(self, norm: torch.Tensor, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """A device bool []: the norm or loss is NaN/inf on any DP rank."""
         bad = ~torch.isfinite(norm)
         if loss is not None:
             bad = bad | ~torch.isfinite(loss.detach().float().sum()).to(norm.device)
@@ -100,20 +131,39 @@ class Optimizer:
             flag = bad.to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
             bad = flag > 0
-        return not bool(bad.item())  # the one host sync of a step
+        return bad
+
+    def _gather_grads(self) -> None:
+        """Point the stepped parameters' `.grad` at this step's gradients."""
+        if self.grads is not None:
+            self.grads.finish()
+            if not self.mixed:  # set per step: a param's .grad must be None while autograd runs (grad_buffer)
+                for p in self.model_params:
+                    p.grad = p.main_grad
+        elif self.mixed:
+            for p, m in zip(self.model_params, self.master_params):
+                m.grad = None if p.grad is None else p.grad.float()
 
     def step(self, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Clip and step unless the grad norm or `loss` is non-finite; returns the norm before clipping."""
-        if self.mixed:
-            for p, m in zip(self.model_params, self.master_params):
-                m.grad = None if p.grad is None else p.grad.float()
+        self._gather_grads()
+        try:
+            return self._step(loss)
+        finally:  # fp32 + GradBuffer: a later backward must not also accumulate into main_grad through .grad
+            if self.grads is not None and not self.mixed:
+                for p in self.model_params:
+                    p.grad = None
+
+    def _step(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
         norm = grad_norm(self.master_params, self.tp_group)
-        if not self._finite(norm, loss):
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
+        bad = self._non_finite(norm, loss)
+        self._skipped += bad
+        self._consecutive = (self._consecutive + 1) * bad
+        if not self.device_skips and bool(bad.item()):  # apex: the one host sync of a step
             return norm
-        self.consecutive_skips = 0
         clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group, norm=norm)
+        if self.device_skips:
+            self.inner.found_inf = bad.float()  # 1: the fused kernel leaves params, moments and steps as they are
         self.inner.step()
         if self.mixed:
             with torch.no_grad():
@@ -121,8 +171,13 @@ class Optimizer:
         return norm
 
     def zero_grad(self) -> None:
-        for p in self.model_params + (self.master_params if self.mixed else []):
+        for p in self.model_params:
             p.grad = None
+        if self.grads is not None:
+            self.grads.zero()
+        elif self.mixed:
+            for m in self.master_params:
+                m.grad = None
 
     def state_dict(self) -> dict:
         state = {"inner": self.inner.state_dict(), "mixed": self.mixed}
@@ -142,8 +197,9 @@ class Optimizer:
                 torch._foreach_copy_(self.model_params, self.master_params)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None) -> Optimizer:
-    return Optimizer(model, cfg, tp_group, dp_group)
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None,
+                    grads: Optional[GradBuffer] = None) -> Optimizer:
+    return Optimizer(model, cfg, tp_group, dp_group, grads)
 
 
 def step_optimizer(optimizer, loss: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,15 @@ installs a SIGTERM handler that only sets a flag; at the end of every iteration 
 calls `check()`, which all-reduces (MAX over the world) the int32 tensor
     [SIGTERM seen on this rank, rank 0's wall clock since start > limit (rank 0's entry only)]
 so every rank takes the same decision at the same iteration, after a complete iteration: the loop
-then saves and returns, and the script exits 0. Cost: one 2-element collective and one host sync
-per iteration, only when one of the two flags is given (none otherwise).
+then saves and returns, and the script exits 0.
 
 Non-finite steps. `dmd2_mega.optim.Optimizer` skips a step whose loss or gradient norm is not
-finite (weights and Adam state untouched) and counts `skipped_steps` and `consecutive_skips`.
-`account_skips` warns about them and `check_nan_limit` stops the run with `NonFiniteError` (naming
-the role and the iteration / cycle) once a role has `--max-nan-iterations` consecutive skips.
+finite (weights and Adam state untouched) and counts the skips in device tensors. The same check
+(`check(counters)`) carries, after the two flags, each trained role's [skipped this iteration,
+consecutive, total] to the host; `account_skips` warns about them and stops the run with
+`NonFiniteError` (naming the role and the iteration / cycle) once a role has `--max-nan-iterations`
+consecutive skips. Cost: one small collective and ONE host sync per iteration, when an exit flag or
+--max-nan-iterations is given (none otherwise: the log interval then reports the skips).
 
 Test hook (tests only; never set it in a real job): `DMD2_MEGA_TEST_KILL_AT=<stage>[@<iteration>]`
 makes the process SIGKILL itself at the named stage of a checkpoint save (of that iteration, or
@@ -75,21 +77,26 @@ class ExitController:
     def enabled(self) -> bool:
         return self.signal_handler or self.duration_mins is not None
 
-    def check(self) -> Optional[str]:
-        """Collective over the world when enabled: the reason to stop now, or None."""
-        if not self.enabled:
+    def check(self, counters: Optional[torch.Tensor] = None):
+        """Collective over the world: the reason to stop now, or None. With `counters` (a 1-D int64 device
+        tensor, equal on every rank) returns (reason, counters as host ints), read in the same sync; without,
+        no collective at all unless an exit flag is given."""
+        if not self.enabled and counters is None:
             return None
         late = (self.rank == 0 and self.duration_mins is not None
                 and time.time() - self.start > 60.0 * self.duration_mins)
-        flags = torch.tensor([int(self.received), int(late)], dtype=torch.int32, device=self.device)
+        flags = torch.tensor([int(self.received), int(late)], dtype=torch.int64, device=self.device)
+        if counters is not None:
+            flags = torch.cat([flags, counters.to(self.device, torch.int64)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, timed_out = flags.tolist()
-        if signalled:
-            return "SIGTERM received (--exit-signal-handler)"
-        if timed_out:
-            return f"--exit-duration-in-mins {self.duration_mins:g} reached"
-        return None
+        values = flags.tolist()  # the one host sync of an iteration
+        reason = None
+        if values[0]:
+            reason = "SIGTERM received (--exit-signal-handler)"
+        elif values[1]:
+            reason = f"--exit-duration-in-mins {self.duration_mins:g} reached"
+        return reason if counters is None else (reason, values[2:])
 
     def close(self) -> None:
         """Restore the SIGTERM handler that was in place before."""
@@ -98,10 +105,9 @@ class ExitController:
             self._previous = None
 
 
-def check_nan_limit(role: str, optimizer, limit: int, where: str) -> None:
-    """Raise NonFiniteError once `optimizer` (a dmd2_mega.optim.Optimizer) has skipped `limit`
-    consecutive steps; `where` is e.g. 'cycle 12'. limit 0 disables the stop."""
-    n = optimizer.consecutive_skips
+def check_nan_limit(role: str, n: int, limit: int, where: str) -> None:
+    """Raise NonFiniteError once a role has skipped `n` >= `limit` consecutive steps; `where` is e.g.
+    'cycle 12'. limit 0 disables the stop."""
     if limit and n >= limit:
         raise NonFiniteError(
             f"{role}: {n} consecutive optimizer steps with a non-finite loss or gradient norm, the last at "
@@ -110,16 +116,22 @@ def check_nan_limit(role: str, optimizer, limit: int, where: str) -> None:
             f"checkpoint with a lower --lr or check the data")
 
 
-def account_skips(optimizers: dict, skipped: dict, limit: int, where: str, rank: int) -> None:
-    """After an iteration: warn (rank 0) about the steps each role skipped in it (`skipped`: role ->
-    count), then raise NonFiniteError if a role's optimizer is at `limit` consecutive skips."""
-    for role, n in skipped.items():
+def skip_counters(optimizers: dict, skipped: dict) -> torch.Tensor:
+    """[3 * roles] int64 on the device: per role (in `skipped`'s order) the steps skipped this iteration
+    (`skipped`: role -> device count), consecutive and total (its `optim.Optimizer`)."""
+    return torch.cat([torch.cat([skipped[role].view(1), optimizers[role].skip_counters]) for role in skipped])
+
+
+def account_skips(roles: list, values: list, limit: int, where: str, rank: int) -> None:
+    """After an iteration: warn (rank 0) about the steps each role skipped in it, then raise
+    NonFiniteError if a role is at `limit` consecutive skips. values: host ints from `skip_counters`."""
+    per_role = [values[3 * i:3 * i + 3] for i in range(len(roles))]
+    for role, (n, consecutive, total) in zip(roles, per_role):
         if n:
-            opt = optimizers[role]
             print_rank0(f"> WARNING: {where}: skipped {n} {role} optimizer step(s): non-finite loss or gradient "
-                        f"norm ({opt.consecutive_skips} consecutive, {opt.skipped_steps} in total)", rank)
-    for role in skipped:
-        check_nan_limit(role, optimizers[role], limit, where)
+                        f"norm ({consecutive} consecutive, {total} in total)", rank)
+    for role, (_, consecutive, _) in zip(roles, per_role):
+        check_nan_limit(role, consecutive, limit, where)
 
 
 def run_main(train, teardown) -> int:

@@ -5,12 +5,11 @@ M = G / (micro x DP) micro-batches, for each micro-batch j (global index) with n
 `micro_batch_generator(seed, iteration, j)`:
     sigma = shift(u), u ~ U(0, 1);  x_s = (1 - sigma) x0 + sigma eps;  cond -> null w.p. p_drop
     loss_j = mean((v_theta(x_s, sigma, cond) - (eps - x0))^2)
-and backpropagates loss_j / M; the DP all-reduce (torch DDP over the DP group) averages over
-ranks, so the step's gradient is that of the mean loss over the global batch. Then TP-aware
-clipping, AdamW, LR schedule. Host syncs: the optimizer's one non-finite check per step (a NaN/inf
-loss or grad norm skips the step; `--max-nan-iterations` consecutive skips stop the run), the
-exit check per iteration when `--exit-signal-handler` / `--exit-duration-in-mins` is given
-(`resilience.py`), and the log/eval/save intervals.
+and backpropagates loss_j / M into fp32 gradient buffers; their DP all-reduce (`grad_buffer.GradBuffer`)
+averages over ranks, so the step's gradient is that of the mean loss over the global batch. Then TP-aware
+clipping, AdamW, LR schedule. A NaN/inf loss or grad norm skips the step on the device; the one host
+sync per iteration (`loop.check_iteration`) reads the skip counters (`--max-nan-iterations` consecutive
+skips stop the run) and the exit flags, then the log/eval/save intervals sync.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmd2_mega import flow
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
@@ -33,6 +31,7 @@ from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.eval.digits import evaluate_digits
 from dmd2_mega.eval.grid import save_grid
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import count_parameters
@@ -74,8 +73,8 @@ class FlowTrainer(RunStateTrainer):
                     f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
-        self.ddp = DDP(self.model, process_group=ps.dp_group) if ps.dp_size > 1 else None
-        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group, ps.dp_group)
+        self.grads = GradBuffer(self.model, ps.dp_group)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group, ps.dp_group, self.grads)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -116,16 +115,15 @@ class FlowTrainer(RunStateTrainer):
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         t, ps = self.cfg.train, self.ps
         lr = self.schedule.apply(self.optimizer, self.iteration)
-        net = self.ddp or self.model
         total = torch.zeros((), device=ps.device)
         batches = self.sampler.next_iteration()
         for k, (j, idx) in enumerate(batches):
             x0, cond = self.dataset.get_batch(idx)
             x0, cond = to_device(x0, ps.device), to_device(cond, ps.device)
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
-            sync = self.ddp is None or k == len(batches) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss = flow_loss_micro(net, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
+            last = k == len(batches) - 1
+            with contextlib.nullcontext() if last else self.grads.no_sync():
+                loss = flow_loss_micro(self.model, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
                                        t.timestep_shift, t.cond_dropout)
                 (loss / len(batches)).backward()
             total += loss.detach() / len(batches)
@@ -158,22 +156,23 @@ class FlowTrainer(RunStateTrainer):
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         def step():
-            skipped_before = self.optimizer.skipped_steps
+            skipped_before = self.optimizer.skip_counters[0]  # device tensors: no sync
             loss, norm, lr = self.train_step()
-            skipped = self.optimizer.skipped_steps - skipped_before
+            skipped = self.optimizer.skip_counters[0] - skipped_before
             return (self.iteration, loss, norm, lr, skipped), {"model": self.optimizer}, {"model": skipped}
 
         return train_loop(self, step, "iteration", "training")
 
     def log(self, logger: TrainLogger, pending: list) -> None:
         t, ps = self.cfg.train, self.ps
-        stats = torch.stack([torch.stack([p[1], p[2].to(p[1].device)]) for p in pending])
+        stats = torch.stack([torch.stack([p[1].float(), p[2].float().to(p[1].device), p[4].float().to(p[1].device)])
+                             for p in pending])
         stats[:, 0] = all_reduce_mean(stats[:, 0].contiguous(), ps.dp_group)
         vals = stats.cpu().tolist()  # the one host sync per log interval
         per_iter = [{"iteration": p[0], "loss": v[0], "grad_norm": v[1], "lr": p[3]} for p, v in zip(pending, vals)]
-        ok = [v for p, v in zip(pending, vals) if not p[4]] or vals  # averages leave skipped steps out
+        ok = [v for v in vals if not v[2]] or vals  # averages leave skipped steps out
         logger.log(self.iteration, self.sampler.consumed_samples,
                    {"learning rate": pending[-1][3], "loss": sum(v[0] for v in ok) / len(ok),
                     "grad norm": sum(v[1] for v in ok) / len(ok),
-                    "number of nan iterations": sum(p[4] for p in pending),
+                    "number of nan iterations": int(sum(v[2] for v in vals)),
                     "_samples_per_iter": t.global_batch_size}, per_iter)

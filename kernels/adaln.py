@@ -12,6 +12,13 @@ Output in the dtype of x; gradients in the dtypes of their inputs; arithmetic in
 Triton: forward tiles [ROWS, BLOCK_H] of one sample per program and saves mean, rstd [B * T]
 float32; backward gives each program a contiguous chunk of one sample's rows, writes dx and
 per-chunk partial dscale / dshift [B, chunks, H] float32, summed over chunks in torch.
+Hidden sizes that are not a power of two (DiT-XL's 1152) are TILED, not padded: padding 1152 to 2048
+leaves 44% of the lanes idle, so `_tile` halves BLOCK_H until at most 1/8 of the lanes of the
+ceil(H / BLOCK_H) column tiles are idle (1152: 5 tiles of 256). A row then takes several tiles: the
+forward reads x in three sweeps over its tiles (sum -> mean, centred squares -> rstd, then y), the
+backward in two (the row sums c1, c2, then dx and the dscale / dshift partials, which each program
+accumulates in its own slice of the partial buffer). The extra sweeps re-read a [ROWS, H] block the
+program has just read (cache-resident); a power-of-two H keeps the one-tile kernels.
 """
 from __future__ import annotations
 
@@ -87,11 +94,101 @@ def _adaln_bwd_kernel(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dsca
     tl.store(dshift_ptr + part, acc_dshift, mask=cmask)
 
 
+@triton.jit
+def _adaln_fwd_tiled_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, T, H, eps,
+                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rmask = rows < T
+    row_idx = b * T + rows.to(tl.int64)
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    for c in range(TILES):  # sweep 1: the row sums
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = rmask[:, None] & (cols < H)[None, :]
+        acc += tl.sum(tl.load(x_ptr + row_idx[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32), 1)
+    mean = acc / H
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    for c in range(TILES):  # sweep 2: the centred squares (two-pass variance, as in the one-tile kernel)
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = rmask[:, None] & (cols < H)[None, :]
+        x = tl.load(x_ptr + row_idx[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        acc += tl.sum(xc * xc, 1)
+    rstd = tl.math.rsqrt(acc / H + eps)
+    for c in range(TILES):  # sweep 3: y
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_idx[:, None] * H + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = (x - mean[:, None]) * rstd[:, None] * (1.0 + scale[None, :]) + shift[None, :]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row_idx, mean, mask=rmask)
+    tl.store(rstd_ptr + row_idx, rstd, mask=rmask)
+
+
+@triton.jit
+def _adaln_bwd_tiled_kernel(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_ptr, dshift_ptr,
+                            T, H, rows_per_prog, NC, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                            TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, T)
+    part = (b * NC + pid) * H  # this program's slice of the partials (zeroed by the caller)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        rmask = rows < row_end
+        row_idx = b * T + rows.to(tl.int64)
+        mean = tl.load(mean_ptr + row_idx, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + row_idx, mask=rmask, other=0.0)
+        c1 = tl.zeros((ROWS,), dtype=tl.float32)
+        c2 = tl.zeros((ROWS,), dtype=tl.float32)
+        for c in range(TILES):  # sweep 1: c1 = mean(xhat * wdy), c2 = mean(wdy) over the row
+            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+            cmask = cols < H
+            mask = rmask[:, None] & cmask[None, :]
+            offs = row_idx[:, None] * H + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = dy * (1.0 + scale[None, :])
+            c1 += tl.sum(xhat * wdy, 1)
+            c2 += tl.sum(wdy, 1)
+        c1 = c1 / H
+        c2 = c2 / H
+        for c in range(TILES):  # sweep 2: dx, and the dscale / dshift partials of these rows
+            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+            cmask = cols < H
+            mask = rmask[:, None] & cmask[None, :]
+            offs = row_idx[:, None] * H + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = dy * (1.0 + scale[None, :])
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            ds = tl.load(dscale_ptr + part + cols, mask=cmask, other=0.0)
+            tl.store(dscale_ptr + part + cols, ds + tl.sum(dy * xhat, axis=0), mask=cmask)
+            dh = tl.load(dshift_ptr + part + cols, mask=cmask, other=0.0)
+            tl.store(dshift_ptr + part + cols, dh + tl.sum(dy, axis=0), mask=cmask)
+
+
 def _tile(H: int):
+    """(rows per tile, BLOCK_H, warps, column tiles per row): BLOCK_H is the next power of two of H, halved
+    while more than 1/8 of the lanes of the ceil(H / BLOCK_H) tiles would be idle (module docstring)."""
     block_h = triton.next_power_of_2(H)
+    while block_h > 16 and triton.cdiv(H, block_h) * block_h - H > H // 8:
+        block_h //= 2
+    tiles = triton.cdiv(H, block_h)
     rows = max(1, min(128, TILE // block_h))
     warps = 16 if rows * block_h >= 16384 else (8 if rows * block_h >= 2048 else 4)
-    return rows, block_h, warps
+    return rows, block_h, warps, tiles
 
 
 def _fwd_triton(x, shift, scale, eps):
@@ -100,9 +197,14 @@ def _fwd_triton(x, shift, scale, eps):
     x = x.contiguous()
     y = torch.empty_like(x)
     stats = torch.empty((2, B * T), dtype=torch.float32, device=x.device)
-    rows, block_h, warps = _tile(H)
-    _adaln_fwd_kernel[(triton.cdiv(T, rows), B)](x, shift, scale, y, stats[0], stats[1], T, H, eps,
-                                                  ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+    rows, block_h, warps, tiles = _tile(H)
+    grid = (triton.cdiv(T, rows), B)
+    if tiles == 1:
+        _adaln_fwd_kernel[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
+                                ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+    else:
+        _adaln_fwd_tiled_kernel[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
+                                      ROWS=rows, BLOCK_H=block_h, TILES=tiles, num_warps=warps)
     return y, stats[0], stats[1]
 
 
@@ -110,14 +212,19 @@ def _bwd_triton(dy, x, scale, mean, rstd):
     B, H = scale.shape
     T = x.numel() // (B * H)
     x, dy = x.contiguous(), dy.contiguous()
-    rows, block_h, warps = _tile(H)
+    rows, block_h, warps, tiles = _tile(H)
     chunks = max(1, min(triton.cdiv(T, rows), triton.cdiv(program_budget(x.device), B)))
     rows_per_prog = triton.cdiv(triton.cdiv(T, chunks), rows) * rows
     chunks = triton.cdiv(T, rows_per_prog)
     dx = torch.empty_like(x)
-    part = torch.empty((2, B, chunks, H), dtype=torch.float32, device=x.device)
-    _adaln_bwd_kernel[(chunks, B)](x, scale, dy, mean, rstd, dx, part[0], part[1], T, H, rows_per_prog, chunks,
-                                   ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+    if tiles == 1:
+        part = torch.empty((2, B, chunks, H), dtype=torch.float32, device=x.device)
+        _adaln_bwd_kernel[(chunks, B)](x, scale, dy, mean, rstd, dx, part[0], part[1], T, H, rows_per_prog, chunks,
+                                       ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+    else:  # the tiled kernel accumulates into its partials
+        part = torch.zeros((2, B, chunks, H), dtype=torch.float32, device=x.device)
+        _adaln_bwd_tiled_kernel[(chunks, B)](x, scale, dy, mean, rstd, dx, part[0], part[1], T, H, rows_per_prog,
+                                             chunks, ROWS=rows, BLOCK_H=block_h, TILES=tiles, num_warps=warps)
     return dx, part[0].sum(1), part[1].sum(1)
 
 

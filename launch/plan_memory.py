@@ -92,13 +92,12 @@ def main(argv=None) -> int:
           f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}; recompute {a.recompute_granularity or 'none'}; "
           f"teacher guidance {a.dmd2_teacher_guidance_scale}")
     print("\nper-rank bytes of each role (AdamW):")
-    kinds = ["weights", "grads", "master_grads", "optimizer", "ddp_buckets"]
-    head = ["role", "parameters", "gradients", "master grads", "optimizer state", "DDP buckets", "total"]
+    kinds = ["weights", "grads", "optimizer"]
+    head = ["role", "parameters", "fp32 gradients", "optimizer state", "total"]
     print(mp.format_table(head,
                 [[r] + [fmt_bytes(v[k_]) for k_ in kinds] + [fmt_bytes(sum(v.values()))]
                  for r, v in plan.roles.items()]))
-    print("\nper-rank bytes resident in each phase (grads only in the phase that trains the role; DDP buckets "
-          "are never slept):")
+    print("\nper-rank bytes resident in each phase (a time-sliced role sleeps whole, grad buffer included):")
     rows = []
     for phase in mp.PHASES:
         for sliced in (True, False):

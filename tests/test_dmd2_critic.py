@@ -19,6 +19,7 @@ x0_real = x_s - sigma (v_neg + g (v_pos - v_neg)) from the closed form.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from fractions import Fraction
@@ -111,11 +112,9 @@ class RecordingOptimizer:
 class FakeRole:
     model: torch.nn.Module
     optimizer: Optional[RecordingOptimizer] = None
-    ddp: Optional[torch.nn.Module] = None
 
-    @property
-    def net(self):
-        return self.model
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()
 
 
 def null_cond(n, device):

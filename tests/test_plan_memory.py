@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dmd2_mega import memory_plan as mp
 from dmd2_mega.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.dmd2.rollout import rollout
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.offload import Sleeper, resident_bytes
@@ -73,7 +74,8 @@ def test_parameter_split_matches_partition_dims(ps, size, ch, img, cond_shape):
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3])
 def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
     model, ms = make(ps, size, ch, img, cond_shape, bf16)
-    opt = build_optimizer(model, OptimConfig(lr=1e-3, bf16=bf16))
+    grads = GradBuffer(model)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, bf16=bf16), grads=grads)
     sleeper = Sleeper("critic", [model], [opt])
     seen = []
 
@@ -81,8 +83,7 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
         masters = opt.master_params if opt.mixed else []
         state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
         seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
-                     "grads": resident_bytes(p.grad for p in model.parameters()),
-                     "master_grads": resident_bytes(m.grad for m in masters),
+                     "grads": resident_bytes(p.main_grad for p in model.parameters()),
                      "optimizer": resident_bytes(list(masters) + state), "total": sleeper.resident_bytes()})
     opt.inner.register_step_pre_hook(measure)
     for step in range(2):
@@ -92,13 +93,14 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
         opt.zero_grad()
     plan = mp.role_bytes(ms, tp=1, dp=1, bf16=bf16, trained=True)
     got = seen[-1]  # the second step: Adam state exists, grads (and master grads) are alive
-    for kind in ("weights", "grads", "master_grads", "optimizer"):
+    assert all(p.grad is None for p in model.parameters())  # the bf16 / fp32 .grad lives only until its hook
+    for kind in ("weights", "grads", "optimizer"):
         assert got[kind] == plan[kind], f"{kind}: measured {got[kind]} B, planned {plan[kind]} B"
     assert got["total"] == sum(plan.values())
-    # between phases (after zero_grad) a role holds its weights and optimizer state only
-    assert sleeper.resident_bytes() == plan["weights"] + plan["optimizer"]
+    # between phases (after zero_grad) a role still holds its grad buffer: it is persistent
+    assert sleeper.resident_bytes() == sum(plan.values())
     assert mp.role_bytes(ms, 1, 1, bf16, trained=False) == {**dict.fromkeys(plan, 0), "weights": plan["weights"]}
-    assert mp.role_bytes(ms, 1, 2, bf16, trained=True)["ddp_buckets"] == plan["grads"]
+    assert mp.role_bytes(ms, 1, 2, bf16, trained=True) == plan  # DP reduces in place: no buckets
     sleeper.close()
 
 
@@ -168,13 +170,13 @@ def test_plan_cycle_time_slicing():
         sliced, full = plan.phases[(phase, True)], plan.phases[(phase, False)]
         needed, trained = mp.PHASE_NEEDS[phase]
         asleep = [n for n in r if n not in needed]
-        assert full["total"] - sliced["total"] == sum(r[n]["weights"] + r[n]["optimizer"] for n in asleep)
-        for n in asleep:  # a sleeping role keeps only its DDP buckets (never slept)
-            assert sliced[n] == r[n]["ddp_buckets"]
+        assert full["total"] - sliced["total"] == sum(sum(r[n].values()) for n in asleep)
+        for n in asleep:  # a sleeping role holds nothing, its grad buffer included
+            assert sliced[n] == 0
         if trained:
             assert sliced[trained] == sum(r[trained].values())
     assert mp.peak(plan, True)[1] < mp.peak(plan, False)[1]
-    assert r["teacher"]["ddp_buckets"] == 0 and r["critic"]["ddp_buckets"] > 0
+    assert r["teacher"]["grads"] == 0 and r["critic"]["grads"] == 4 * mp.params_per_rank(ms, 8)
 
 
 def test_cli_reports_measured_role_bytes(ps, capsys):

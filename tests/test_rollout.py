@@ -254,3 +254,34 @@ def test_max_batch_chunks_forwards_without_changing_the_rollout():
     assert max(chunked.calls) <= 4 and sum(chunked.calls) == sum(whole.calls)
     for name in ("x", "sigma", "x0hat", "stop_step", "sample_id"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=1e-12)
+
+
+# ---- no host round trip ---------------------------------------------------------------------------
+
+def test_stop_steps_come_from_the_host_generator():
+    """With a separate stop_gen, the stop steps are its draw and the noise stream is noise_gen's alone."""
+    student, sigmas, n = FakeStudent(), student_sigmas(4), 9
+    cond = labels(n)
+    r = rollout(student, gen(5), n, cond, sigmas, shape=SHAPE, device="cpu", dtype=torch.float64, stop_gen=gen(11))
+    assert torch.equal(r.stop_step, torch.randint(0, 4, (n,), generator=gen(11)))
+    eps0 = torch.randn((n, *SHAPE), generator=gen(5), dtype=torch.float64)  # noise_gen's first draw
+    first = r.stop_step == 0  # samples that stop at step 0 keep x = eps_0
+    assert first.any() and torch.equal(r.x[first], eps0[first])
+
+
+def test_rollout_reads_nothing_back_from_the_device():
+    """On the meta device every read of a tensor's values raises, so a rollout there proves it has no
+    device -> host round trip (the old prefix lengths were a `.tolist()` of device counts)."""
+    n, sigmas = 8, student_sigmas(4)
+    r = rollout(lambda x, s, c: 0.5 * x, gen(0), n, torch.zeros(n, dtype=torch.int64, device="meta"), sigmas,
+                shape=SHAPE, device="meta", stop_gen=gen(1))
+    assert r.x.device.type == "meta" and r.x.shape == (n, *SHAPE) and r.stop_step.device.type == "meta"
+    with pytest.raises(Exception):
+        r.stop_step.tolist()  # what the property rests on
+
+
+def test_stop_gen_must_be_on_the_host():
+    class DeviceGen:
+        device = torch.device("cuda")
+    with pytest.raises(RolloutError, match="stop steps are drawn on the host"):
+        rollout(FakeStudent(), DeviceGen(), 4, labels(4), student_sigmas(2), shape=SHAPE, device="cpu")

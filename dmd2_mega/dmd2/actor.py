@@ -11,7 +11,6 @@ Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -39,9 +38,8 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
     m = len(scores)
     inputs = [p for p in student.model.parameters() if p.requires_grad] if gan is not None else None
     for j, sc in enumerate(scores):
-        sync = student.ddp is None or j == m - 1
-        with contextlib.nullcontext() if sync else student.ddp.no_sync():
-            v = student.net(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
+        with student.accumulating(last=j == m - 1):
+            v = student.model(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
             x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
             obj = loss

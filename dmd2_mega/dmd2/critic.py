@@ -20,8 +20,6 @@ Shapes: x_s, x0_fake, x0_real [B, C, H, W]; sigma [B] fp32.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
@@ -37,7 +35,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
                  settings: CycleSettings) -> tuple[list[Scores], dict]:
     """K critic optimizer steps, then the teacher's scores; returns (scores per micro-batch j, metrics).
 
-    critic/teacher: roles (`.model`, `.net` forward; the critic's `.optimizer`, `.ddp`); rollouts[j] has
+    critic/teacher: roles (`.model`; the critic's `.optimizer`, `.accumulating`); rollouts[j] has
     K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With `settings.gan`, batches[j].real
     [K*B, C, H, W] are the dataset images of micro-batch j (the rollout's conditions); step k adds
     disc_weight * L_D on (x0hat, real) rows [kB, (k+1)B), noised with draws from the critic generator
@@ -64,14 +62,13 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
         for j, (r, mb) in enumerate(zip(rollouts, batches)):
             b = r.micro_batch(k, size)
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
-            sync = critic.ddp is None or j == m - 1
-            with contextlib.nullcontext() if sync else critic.ddp.no_sync():
+            with critic.accumulating(last=j == m - 1):
                 if gan is None:
-                    v = critic.net(x_s, sigma, b.cond).to(x_s.dtype)
+                    v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)
                 else:
                     real = mb.real[k * size:(k + 1) * size]
                     x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, gan)
-                    v, logits = critic.net(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
+                    v, logits = critic.model(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
                     v = v.to(x_s.dtype)
                     n = b.x0hat.shape[0]
                     d_loss = discriminator_loss(logits[:n], logits[n:])

@@ -44,7 +44,8 @@ def run_cycle(roles: dict[str, Role], batches: list[MicroBatch], settings: Cycle
     resident["rollout"] = enter_phase("rollout", roles, gan)
     student = roles["student"].model
     rollouts = [rollout(student, mb.rollout_gen, n, mb.cond, settings.student_sigmas, shape=settings.shape,
-                        device=settings.device, sample_id_offset=mb.sample_id_offset, max_batch=settings.rollout_chunk)
+                        device=settings.device, sample_id_offset=mb.sample_id_offset, max_batch=settings.rollout_chunk,
+                        stop_gen=mb.stop_gen)
                 for mb in batches]
     hook("critic")
     resident["critic"] = enter_phase("critic", roles, gan)

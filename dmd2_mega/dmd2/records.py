@@ -16,8 +16,9 @@ from torch import Tensor
 from dmd2_mega import flow
 from dmd2_mega.dmd2.gan import GANSettings
 
-# Generator streams of micro-batch j: parallel.micro_batch_generator(seed, cycle, j, device, stream)
-ROLLOUT, CRITIC, ACTOR = 0, 1, 2
+# Generator streams of micro-batch j: parallel.micro_batch_generator(seed, cycle, j, device, stream);
+# STOPS is a host (CPU) generator: the rollout's stop steps, known on the host without a device sync
+ROLLOUT, CRITIC, ACTOR, STOPS = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,12 @@ class MicroBatch:
     index: int
     cond: Tensor                 # [K*B, ...] conditions of the rollout, on the compute device
     sample_id_offset: int        # sample ids of the rollout: offset + [0, K*B)
-    rollout_gen: torch.Generator  # stream ROLLOUT: stop steps and noise of the rollout
+    rollout_gen: torch.Generator  # stream ROLLOUT: the noise of the rollout
     critic_gen: torch.Generator   # stream CRITIC: every draw of the critic phase
     actor_gen: Optional[torch.Generator] = None  # stream ACTOR: the GAN's noise in the actor phase
     real: Optional[Tensor] = None  # [K*B, *shape] the dataset images of these conditions (GAN only)
+    stop_gen: Optional[torch.Generator] = None  # stream STOPS on the CPU: the rollout's stop steps (None:
+    #                                             rollout_gen, which must then be a CPU generator)
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,19 @@
 
 student (trained by the actor phase, runs the rollout), critic (trained by the critic phase,
 the "fake score"), teacher (frozen, the "real score"). Each role owns its model, optimizer, LR
-schedule, DDP wrapper, checkpoint directory, further tensors (`extra`: the student's EMA) and, with
+schedule, fp32 gradient buffer (`grad_buffer.GradBuffer`: accumulation and DP reduction), checkpoint directory, further tensors (`extra`: the student's EMA) and, with
 --offload-inactive, a `Sleeper` that frees its device storage while a phase does not need it
 (DESIGN section 3). A Role is built whole and never mutated (`with_offload` returns a copy).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.offload import Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.optim import LRSchedule, Optimizer
 
@@ -44,7 +46,7 @@ class Role:
     model: torch.nn.Module
     optimizer: Optional[Optimizer] = None
     schedule: Optional[LRSchedule] = None
-    ddp: Optional[torch.nn.Module] = None
+    grads: Optional[GradBuffer] = None
     save_dir: Optional[str] = None
     extra: tuple = ()  # further tensors of the role (the student's EMA)
     sleeper: Optional[Sleeper] = None
@@ -58,10 +60,10 @@ class Role:
     def trainable(self) -> bool:
         return self.optimizer is not None
 
-    @property
-    def net(self) -> torch.nn.Module:
-        """The module to call for a training forward (DDP-wrapped under DP)."""
-        return self.ddp if self.ddp is not None else self.model
+    def accumulating(self, last: bool):
+        """Context of one micro-batch's backward: gradients only accumulate unless `last` (the one whose
+        backward starts the DP reduction)."""
+        return contextlib.nullcontext() if last or self.grads is None else self.grads.no_sync()
 
     def resident_bytes(self) -> int:
         """Device bytes of the role's weights, grads, optimizer state and extra tensors."""

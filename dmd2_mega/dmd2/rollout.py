@@ -18,13 +18,15 @@ row j is sample `sample_id_offset + j` with condition cond[j].
 
 Batched: step i runs ONE student forward on the samples with i_n >= i only, so a rollout costs
 sum_n (i_n + 1) sample-forwards. The samples are sorted once by stop step (latest first), which makes
-the running set at every step a prefix of the sorted batch; the prefix lengths cost one host sync
-per rollout (`.tolist()` of N counts), none per step.
+the running set at every step a prefix of the sorted batch. The stop steps are drawn on the HOST
+(`stop_gen`, a CPU generator), so the prefix lengths are known there without waiting for the device:
+the rollout has no host sync (they are counted with numpy, which refuses a device tensor).
 
-Generator consumption (all randomness comes from `noise_gen`, on its own device, so TP ranks given
-equal generators produce identical rollouts), in this order and independent of the stop steps:
-    1. stop steps: torch.randint(0, N, (n,))                          int64
-    2. initial noise eps_0: torch.randn((n, *shape), dtype=dtype)
+Generator consumption (TP ranks given equal generators produce identical rollouts), in this order and
+independent of the stop steps:
+    1. stop steps: torch.randint(0, N, (n,)) int64 from `stop_gen` (CPU; default `noise_gen`, which must
+       then be a CPU generator), copied to the device without blocking
+    2. from `noise_gen`, on its own device: initial noise eps_0: torch.randn((n, *shape), dtype=dtype)
     3. for each transition i -> i+1, i = 0 .. N-2: torch.randn((n, *shape), dtype=dtype), the FULL
        batch (row j is sample j's fresh noise eps_{i+1}; rows of samples already stopped go unused),
        so the stream and the generator's final state depend on (n, N, shape, dtype) only.
@@ -34,12 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 import kernels
 from dmd2_mega import flow
 from dmd2_mega.errors import RolloutError
+from dmd2_mega.parallel import to_device
 
 StudentFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -67,22 +71,23 @@ class Rollout:
                        self.sample_id[sl], self.stop_step[sl])
 
 
-def _running_counts(stop: Tensor, steps: int) -> list[int]:
-    """[N + 1] ints: counts[i] = #samples with stop >= i (counts[N] = 0). One host sync."""
-    per_step = torch.bincount(stop, minlength=steps)
-    running = per_step.flip(0).cumsum(0).flip(0)
-    return running.tolist() + [0]
+def _running_counts(stop_host: Tensor, steps: int) -> list[int]:
+    """[N + 1] ints: counts[i] = #samples with stop >= i (counts[N] = 0), from the host stop steps."""
+    per_step = np.bincount(stop_host.numpy(), minlength=steps)  # .numpy() raises on a device tensor: no sync
+    return [int(c) for c in per_step[::-1].cumsum()[::-1]] + [0]
 
 
 @torch.no_grad()
 def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Tensor, sigmas: Tensor, *,
             shape: Sequence[int], device, sample_id_offset: int = 0,
-            dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None) -> Rollout:
+            dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None,
+            stop_gen: Optional[torch.Generator] = None) -> Rollout:
     """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
 
     student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
     sigmas [N] descending (from `student_sigmas`); x and the noise are `dtype` on `device`.
     max_batch: run each step's forward in chunks of at most this many rows (None: one forward).
+    stop_gen: the CPU generator of the stop steps (None: `noise_gen`, then required to be on the CPU).
     On a CPU, forwards of B rows are faster per sample than one of K*B (cache); the result is the same.
     """
     if batch < 1:
@@ -93,16 +98,21 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
         raise RolloutError(f"cond must have the rollout batch {batch} as its first dim, got {tuple(cond.shape)}")
     n, steps, full = batch, sigmas.numel(), (batch, *shape)
     gdev = noise_gen.device
+    stop_gen = noise_gen if stop_gen is None else stop_gen
+    if stop_gen.device.type != "cpu":
+        raise RolloutError(f"the stop steps are drawn on the host: pass a CPU stop_gen (got a generator on "
+                           f"{stop_gen.device})")
 
     def noise() -> Tensor:
         return torch.randn(full, generator=noise_gen, device=gdev, dtype=dtype).to(device)
 
-    stop = torch.randint(0, steps, (n,), generator=noise_gen, device=gdev).to(device)
+    stop_host = torch.randint(0, steps, (n,), generator=stop_gen)
+    stop = to_device(stop_host, torch.device(device))
     eps0 = noise()
     sig = sigmas.to(device=device, dtype=torch.float32)
     # Latest stop first: the samples running at step i are the first counts[i] sorted rows.
     order = torch.argsort(stop, descending=True, stable=True)
-    counts = _running_counts(stop, steps)
+    counts = _running_counts(stop_host, steps)
     cond_sorted = cond.to(device).index_select(0, order)
     x = eps0.index_select(0, order)
     kept_x, kept_x0 = [], []

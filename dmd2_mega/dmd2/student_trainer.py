@@ -9,10 +9,10 @@ and three generators keyed (seed, cycle, j, stream) with streams ROLLOUT, CRITIC
 This module builds the roles (student and critic initialised from the teacher unless --student-load /
 --critic-load; the critic is a `GANCritic` with --dmd2-gan), the micro-batch records, the LR schedules
 and the EMA around the cycle, and runs `loop.train_loop`. Phases switch once per cycle; with
---offload-inactive the roles a phase does not need sleep (`roles.PHASE_ROLES`). Host syncs: one
-non-finite check per optimizer step (a NaN/inf loss or grad norm skips that role's step;
-`--max-nan-iterations` consecutive skips of one role stop the run), the exit check per cycle with
-`--exit-signal-handler` / `--exit-duration-in-mins`, and the log / eval / save intervals.
+--offload-inactive the roles a phase does not need sleep (`roles.PHASE_ROLES`). Host syncs: none
+inside the cycle (a NaN/inf loss or grad norm skips that role's step on the device); one per cycle in
+`loop.check_iteration` (skip counters: `--max-nan-iterations` consecutive skips of one role stop the run;
+exit flags), and the log / eval / save intervals.
 With --ema-decay the student's EMA is updated after each actor step and used by the eval unless --no-ema.
 Checkpoints: dmd2/pair_checkpoint.py (student + EMA in --save, critic in <save>_critic, one commit).
 """
@@ -26,7 +26,6 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
@@ -37,11 +36,12 @@ from dmd2_mega.dmd2.cycle import run_cycle
 from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import GANCritic, holds_head, resolve_layer
 from dmd2_mega.dmd2.pair_checkpoint import critic_dir, load_pair, save_pair
-from dmd2_mega.dmd2.records import ACTOR, CRITIC, ROLLOUT, CycleSettings, MicroBatch
+from dmd2_mega.dmd2.records import ACTOR, CRITIC, ROLLOUT, STOPS, CycleSettings, MicroBatch
 from dmd2_mega.dmd2.roles import TRAINED_IN, Role, enter_phase
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.digits import evaluate_digits
 from dmd2_mega.eval.grid import save_grid
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import count_parameters
@@ -132,10 +132,10 @@ class DMD2Trainer(RunStateTrainer):
             role = Role(name, model)
         else:
             optim_cfg = cfg.optim if name == "student" else cfg.critic_optim()
-            ddp = DDP(model, process_group=ps.dp_group, broadcast_buffers=False) if ps.dp_size > 1 else None
+            grads = GradBuffer(model, ps.dp_group)
             save = cfg.train.save if name == "student" else (critic_dir(cfg.train.save) if cfg.train.save else None)
-            role = Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group),
-                        LRSchedule(optim_cfg, cfg.train.train_iters), ddp, save, extra)
+            role = Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group, grads),
+                        LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra)
         return role.with_offload(ps.device) if self.offload else role
 
     def _extras(self) -> str:
@@ -168,21 +168,23 @@ class DMD2Trainer(RunStateTrainer):
                 rollout_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ROLLOUT),
                 critic_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=CRITIC),
                 actor_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ACTOR) if gan else None,
-                real=to_device(images, ps.device) if gan else None))  # the GAN's real samples: these images
+                real=to_device(images, ps.device) if gan else None,  # the GAN's real samples: these images
+                stop_gen=micro_batch_generator(t.seed, it, j, torch.device("cpu"), stream=STOPS)))
         return out
 
     def cycle(self) -> dict:
         """One cycle with this iteration's learning rates, then the EMA update. Returns device-tensor metrics,
-        the lr per phase, resident bytes per phase and the optimizer steps each trained role skipped."""
+        the lr per phase, resident bytes per phase and the optimizer steps each trained role skipped (device
+        tensors)."""
         trained = {name: self.roles[name] for name in TRAINED_IN.values()}
         lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
                for phase, name in TRAINED_IN.items()}
-        skipped = {name: r.optimizer.skipped_steps for name, r in trained.items()}
+        skipped = {name: r.optimizer.skip_counters[0] for name, r in trained.items()}  # device tensors: no sync
         result = run_cycle(self.roles, self.micro_batches(), self.settings)
         self.state = replace(self.state, iteration=self.iteration + 1)
         if self.ema is not None:
             self.ema.update(self.iteration)
-        skipped = {name: r.optimizer.skipped_steps - skipped[name] for name, r in trained.items()}
+        skipped = {name: r.optimizer.skip_counters[0] - skipped[name] for name, r in trained.items()}
         return {"metrics": result.metrics, "lr": lrs, "resident": result.resident, "skipped": skipped}
 
     # ---- evaluation ----------------------------------------------------------------------------
@@ -217,7 +219,10 @@ class DMD2Trainer(RunStateTrainer):
 
     def log(self, logger: TrainLogger, pending: list) -> None:
         keys = list(pending[0][1]["metrics"])
-        stats = torch.stack([torch.stack([o["metrics"][k_].float() for k_ in keys]) for _, o in pending])
+        # the skip counts are equal on every DP rank, so the DP mean leaves them as they are
+        stats = torch.stack([torch.stack([o["metrics"][k_].float() for k_ in keys]
+                                         + [o["skipped"][name].float() for name in TRAINED_IN.values()])
+                             for _, o in pending])
         stats = all_reduce_mean(stats.contiguous(), self.ps.dp_group)
         vals = stats.cpu().tolist()  # the one host sync per log interval
         per_iter = [dict(iteration=it, **dict(zip(keys, v))) for (it, _), v in zip(pending, vals)]
@@ -225,7 +230,7 @@ class DMD2Trainer(RunStateTrainer):
         metrics = {f"{phase}-lr": last["lr"][phase] for phase in TRAINED_IN}
         metrics.update({k_: sum(v[i] for v in vals) / len(vals) for i, k_ in enumerate(keys)})
         metrics.update({f"resident-MB-{p}": r / 2**20 for p, r in last["resident"].items()})
-        metrics.update({f"{phase} nan iterations": sum(o["skipped"][name] for _, o in pending)
-                        for phase, name in TRAINED_IN.items()})
+        metrics.update({f"{phase} nan iterations": int(round(sum(v[len(keys) + i] for v in vals)))
+                        for i, phase in enumerate(TRAINED_IN)})
         metrics["_samples_per_iter"] = self.cfg.train.global_batch_size
         logger.log(self.iteration, self.sampler.consumed_samples, metrics, per_iter)

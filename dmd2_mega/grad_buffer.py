@@ -1,0 +1,134 @@
+"""fp32 gradient buffers and the data-parallel gradient reduction (Megatron's `main_grad`), in place of torch DDP.
+
+Every trainable parameter p gets `p.main_grad`, an fp32 view into ONE persistent flat buffer per model,
+whatever p's dtype. A hook after autograd has accumulated p's gradient of one backward adds it into
+main_grad and drops `p.grad`, so with M micro-batches
+
+    main_grad = sum_j fp32(g_j)           (g_j: micro-batch j's gradient, in p's dtype: bf16 under --bf16)
+
+is accumulated in fp32: a bf16 run's accumulated gradient is M bf16 roundings of the g_j summed
+exactly, not M roundings of a running bf16 sum (torch DDP on a bf16 model accumulates and all-reduces in
+bf16). For an fp32 model the add is the same fp32 add autograd would have made.
+
+DP reduction: the buffer is cut into buckets of whole parameters, in reverse registration order (roughly
+the order backward produces them). Outside `no_sync()` (the last micro-batch), the hook counts a bucket's
+parameters as they arrive and, once all have, scales the bucket by 1 / DP and launches an asynchronous
+SUM all-reduce of it over the DP group, in fp32, so the reduction overlaps the rest of the backward.
+`finish()` launches what never completed (a parameter without a gradient in this backward keeps a zero
+main_grad, as DDP would) and waits; `optim.Optimizer.step` calls it. No host sync anywhere: the counts
+are Python integers on the host.
+
+Memory: one fp32 copy of the trainable parameters (4 bytes each), in place of DDP's grads + buckets in
+the model dtype; `p.grad` lives only between autograd's accumulation and the hook.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# elements per DP bucket (fp32): Megatron's default size, 40 M
+BUCKET_ELEMENTS = 40_000_000
+
+
+class GradBuffer:
+    """fp32 `main_grad` of every trainable parameter of `model`, reduced over `dp_group` (see module docstring).
+
+    dp_group: the data-parallel group, or None (or a group of one) for no reduction.
+    bucket_elements: the size of one all-reduce (whole parameters; a larger parameter is its own bucket).
+    """
+
+    def __init__(self, model: torch.nn.Module, dp_group=None, bucket_elements: int = BUCKET_ELEMENTS):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("GradBuffer: the model has no trainable parameters")
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None and dist.is_initialized() else 1
+        self.dp_group = dp_group if self.dp_size > 1 else None
+        device = self.params[0].device
+        total = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
+        self.buckets: list[list[int]] = [[]]  # parameter indices per bucket
+        self._bucket_of: list[int] = [0] * len(self.params)
+        offset, filled = total, 0
+        for i in reversed(range(len(self.params))):  # the last registered parameter is first in the buffer's tail
+            p = self.params[i]
+            offset -= p.numel()
+            p.main_grad = self.buffer[offset:offset + p.numel()].view(p.shape)
+            if filled and filled + p.numel() > bucket_elements:
+                self.buckets.append([])
+                filled = 0
+            self.buckets[-1].append(i)
+            self._bucket_of[i] = len(self.buckets) - 1
+            filled += p.numel()
+        self._views = [self._bucket_view(b) for b in self.buckets]
+        self._syncing = True
+        self._ready = [0] * len(self.buckets)
+        self._seen = [False] * len(self.params)
+        self._work: list = [None] * len(self.buckets)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def _bucket_view(self, bucket: list[int]) -> torch.Tensor:
+        """The contiguous slice of the buffer that a bucket's parameters' main_grads cover."""
+        start = min(self.params[i].main_grad.data_ptr() for i in bucket) - self.buffer.data_ptr()
+        n = sum(self.params[i].numel() for i in bucket)
+        return self.buffer.narrow(0, start // self.buffer.element_size(), n)
+
+    def _hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if self._syncing and self.dp_size > 1:
+                if self._seen[i]:
+                    raise RuntimeError(f"GradBuffer: parameter {i} {tuple(p.shape)} got two gradients in one "
+                                       f"synchronising backward; run the earlier ones under no_sync()")
+                self._seen[i] = True
+                b = self._bucket_of[i]
+                self._ready[b] += 1
+                if self._ready[b] == len(self.buckets[b]):
+                    self._launch(b)
+        return hook
+
+    def _launch(self, b: int) -> None:
+        view = self._views[b]
+        view.div_(self.dp_size)
+        self._work[b] = dist.all_reduce(view, group=self.dp_group, async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate (the micro-batches before the last)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def finish(self) -> None:
+        """Complete the DP reduction of the last backward (a no-op without DP or after `no_sync` backwards only)."""
+        if self.dp_size == 1 or not any(self._seen):
+            return
+        for b in range(len(self.buckets)):
+            if self._work[b] is None:
+                self._launch(b)
+        for w in self._work:
+            w.wait()
+        self._ready = [0] * len(self.buckets)
+        self._seen = [False] * len(self.params)
+        self._work = [None] * len(self.buckets)
+
+    def zero(self) -> None:
+        """Zero every main_grad (one kernel)."""
+        self.buffer.zero_()
+
+    def close(self) -> None:
+        """Remove the hooks and drop the DP group (the parameters keep their main_grad views). A gloo group
+        kept alive past `destroy_process_group` can abort the interpreter at exit."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self.dp_group, self.dp_size = [], None, 1
+
+
+def attach(model: torch.nn.Module, dp_group=None) -> Optional[GradBuffer]:
+    """A GradBuffer over `model`'s trainable parameters, or None if it has none (a frozen role)."""
+    return GradBuffer(model, dp_group) if any(p.requires_grad for p in model.parameters()) else None
