@@ -129,8 +129,11 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     for name in ("critic_lr", "critic_min_lr", "critic_weight_decay", "critic_adam_beta1", "critic_adam_beta2"):
         _flag(g, "--" + name.replace("_", "-"), D, name, type=float)
     _flag(g, "--offload-inactive", D, "offload_inactive", action="store_const", const=True,
-          help="sleep the roles a phase does not use (default on with CUDA)")
+          help="every role sleeps in the phases that do not use it (default: on CUDA, the roles the memory plan "
+               "says must sleep to fit --gpu-memory-gb; none on a CPU)")
     g.add_argument("--no-offload-inactive", dest=f"{D.__name__}.offload_inactive", action="store_const", const=False)
+    _flag(g, "--gpu-memory-gb", D, "gpu_memory_gb", type=float,
+          help="GiB of device memory per rank for the offload plan (default: the device's total)")
     g = p.add_argument_group("dmd2 GAN head and student EMA")
     _flag(g, "--dmd2-gan", GANConfig, "enabled", action="store_true",
           help="train a GAN head on the critic's features; its generator loss joins the actor's")

@@ -222,7 +222,11 @@ class DMD2Config:
     critic_adam_beta1: Optional[float] = None
     critic_adam_beta2: Optional[float] = None
     offload_inactive: Optional[bool] = None
-    """--offload-inactive / --no-offload-inactive: sleep the roles a phase does not use (default on with CUDA)."""
+    """--offload-inactive / --no-offload-inactive: every role sleeps in the phases that do not use it / none
+    does. Default: on CUDA the memory plan picks the roles that must sleep for every phase to fit
+    --gpu-memory-gb (none if all fit); on a CPU none."""
+    gpu_memory_gb: Optional[float] = None
+    """--gpu-memory-gb: GiB of device memory the offload plan may use per rank (default: the device's)."""
 
     def __post_init__(self):
         _check(self.critic_steps_per_rollout >= 1,
@@ -236,6 +240,8 @@ class DMD2Config:
         _check(self.teacher_guidance_scale >= 1.0,
                f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
+        _check(self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
+               f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
         flow.student_sigmas(self.denoising_steps, self.student_sigmas)  # GridError naming the flag
         self.score_sigma_range = tuple(self.score_sigma_range)
         g = self.critic_grid_size

@@ -35,6 +35,7 @@ times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `for
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 from typing import Optional
 
 from dmd2_mega.models import DiTSpec, get_spec
@@ -165,6 +166,37 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
             row["total"] = sum(row.values())
             plan.phases[(phase, sliced)] = row
     return plan
+
+
+def phase_bytes(plan: CyclePlan, offloaded, gan: bool = False) -> dict:
+    """phase -> per-rank bytes when the roles in `offloaded` sleep in the phases that do not use them (the
+    others stay resident). With the GAN head the actor phase also needs the critic's weights."""
+    out = {}
+    for phase in PHASES:
+        needed = PHASE_NEEDS[phase][0]
+        total = plan.activations[phase]
+        for r, b in plan.roles.items():
+            if r not in offloaded or r in needed:
+                total += sum(b.values())
+            elif gan and phase == "actor" and r == "critic":
+                total += b["weights"]
+        out[phase] = total
+    return out
+
+
+def choose_offload(plan: CyclePlan, budget: float, gan: bool = False) -> tuple[frozenset, dict, bool]:
+    """The roles to time-slice so that every phase fits `budget` bytes, moving the fewest bytes per cycle
+    (a frozen teacher's wake is one copy of its weights; a trained role goes both ways):
+    (roles, phase_bytes of that choice, fits). No set fits: all three roles, fits False."""
+    names = list(plan.roles)
+
+    def cost(roles) -> int:
+        return sum(sum(plan.roles[r].values()) * (1 if r == "teacher" else 2) for r in roles)
+    for roles in sorted((frozenset(c) for k in range(len(names) + 1) for c in combinations(names, k)), key=cost):
+        totals = phase_bytes(plan, roles, gan)
+        if max(totals.values()) <= budget:
+            return roles, totals, True
+    return frozenset(names), phase_bytes(plan, names, gan), False
 
 
 def peak(plan: CyclePlan, sliced: bool) -> tuple[str, int]:

@@ -6,11 +6,25 @@ step). They are handled per unique STORAGE on the role's device: views that shar
 (the main_grad views of one flat GradBuffer) are saved and freed once, and come back with the same
 offsets and strides because only the storage's bytes move.
 
-    sleep():  for each storage S of nbytes b:  host_S <- bytes(S)   (pinned CPU buffer on CUDA,
-              a separate CPU clone on a CPU-only run, where the "device" is the CPU);
+    sleep():  for each storage S of nbytes b:  host_S <- bytes(S)   (host_S: a host buffer made at the
+              first sleep and kept, pinned on CUDA: no page-locking per cycle);
               then S.resize_(0): the device memory is freed, every tensor OBJECT survives, so
               optimizers, hooks and module attributes keep their references.
-    wake():   S.resize_(b); bytes(S) <- host_S (non_blocking on CUDA). Bit-exact.
+    wake():   S.resize_(b); bytes(S) <- host_S. Bit-exact.
+Frozen roles (`frozen=True`: the teacher, whose weights never change): host_S stays valid after the
+first sleep, so a later sleep only frees (no device-to-host copy) and a wake is one host-to-device copy.
+
+CUDA: no device-wide synchronisation. Copies run on two side streams per device (device-to-host and
+host-to-device, so a waking role's copy can overlap a sleeping role's), ordered by events:
+    sleep:  d2h waits for the compute stream (the copy sees the phase's last writes); each storage is
+            marked used by d2h (`record_stream`) before it is freed, so the caching allocator hands its
+            memory out again only once the copy has read it; an event marks the copies' end.
+    wake:   h2d waits for that role's own sleep event (its host buffers are complete) and nothing else,
+            allocates and copies; the compute stream waits for h2d before the phase's first kernel, and
+            the storages are marked used by the compute stream.
+So a wake is queued without the host waiting, and its copy runs while the compute stream still finishes
+the previous phase's queued kernels wherever memory allows (the prefetch). Storages allocated by a wake
+belong to the h2d stream's pool of the caching allocator; in steady state each role re-uses them.
 
 Parts: a role's storages fall in two parts, slept and woken separately (`set_resident`):
     weights  its modules' parameters and buffers;
@@ -66,6 +80,16 @@ def resident_bytes(tensors: Iterable[Tensor], device: Optional[torch.device] = N
     return sum(st.nbytes() for st in _unique_storages(tensors, device))
 
 
+_STREAMS: dict = {}
+
+
+def _side_streams(device: torch.device) -> tuple:
+    """(device-to-host, host-to-device) copy streams of a CUDA device, made once."""
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[device]
+
+
 def _bytes_of(storage) -> Tensor:
     """A transient uint8 [nbytes] tensor over a whole storage (never kept across a resize)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -117,17 +141,23 @@ class Sleeper:
     device:     the role's device (default: that of the first parameter / tensor). Only storages on
                 it move (e.g. a CPU `step` counter of a CUDA AdamW stays put); on a CPU-only run
                 everything is on the CPU and moves.
+    frozen:     the role's tensors never change while it is awake (the teacher): sleeps after the first
+                free without copying.
     """
 
     def __init__(self, name: str, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence = (),
-                 tensors: Sequence[Tensor] = (), device: Optional[torch.device] = None):
-        self.name = name
+                 tensors: Sequence[Tensor] = (), device: Optional[torch.device] = None, frozen: bool = False):
+        self.name, self.frozen = name, frozen
         self.modules, self.optimizers, self.extra = list(modules), list(optimizers), list(tensors)
         if device is None:
             first = next(iter(self.tensors()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self._saved: dict = {}  # part -> [(storage, nbytes, host copy)] while that part sleeps
+        self._host: dict = {}   # storage key -> its persistent host buffer
+        self._clean: set = set()  # storage keys whose host buffer equals the device bytes (frozen roles)
+        self._slept: dict = {}  # part -> CUDA event: the end of that part's device-to-host copies
+        self.copied_bytes = 0   # device <-> host bytes moved so far (both directions)
         self._handles = [m.register_forward_pre_hook(self._forward_guard) for m in self.modules]
         self._unwrap = []
         for opt in self.optimizers:
@@ -198,22 +228,35 @@ class Sleeper:
         held = {st.data_ptr() for st in weights}
         return [st for st in _unique_storages(self.state_tensors(), self.device) if st.data_ptr() not in held]
 
+    def _host_buffer(self, key: int, nbytes: int) -> Tensor:
+        host = self._host.get(key)
+        if host is None or host.numel() != nbytes:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._host[key] = host
+            self._clean.discard(key)
+        return host
+
     def _sleep_part(self, part: str) -> int:
         if part in self._saved:
             return 0
-        cuda = self.device.type == "cuda"
-        saved = []
-        for st in self._storages(part):
-            src = _bytes_of(st)
-            if cuda:
-                host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True)
-                host.copy_(src, non_blocking=True)
-            else:
-                host = src.clone()
-            saved.append((st, st.nbytes(), host))
-            del src
-        if cuda:  # host copies complete before any storage is released (side streams included)
-            torch.cuda.synchronize(self.device)
+        storages = self._storages(part)
+        saved = [(st, st.nbytes(), self._host_buffer(st._cdata, st.nbytes())) for st in storages]
+        todo = [(st, host) for st, _, host in saved if st._cdata not in self._clean]
+        if self.device.type == "cuda":
+            d2h, _ = _side_streams(self.device)
+            d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(d2h):
+                for st, host in todo:
+                    host.copy_(_bytes_of(st), non_blocking=True)
+            for st, _ in todo:
+                _bytes_of(st).record_stream(d2h)  # its memory is reused only after the copy read it
+            self._slept[part] = d2h.record_event()
+        else:
+            for st, host in todo:
+                host.copy_(_bytes_of(st))
+        self.copied_bytes += sum(st.nbytes() for st, _ in todo)
+        if self.frozen:
+            self._clean.update(st._cdata for st, _ in todo)
         for st, _, _ in saved:
             st.resize_(0)
         self._saved[part] = saved
@@ -223,11 +266,25 @@ class Sleeper:
         saved = self._saved.pop(part, None)
         if saved is None:
             return 0
-        cuda = self.device.type == "cuda"
-        for st, nbytes, host in saved:
-            st.resize_(nbytes)
-            _bytes_of(st).copy_(host, non_blocking=cuda)
-        return sum(n for _, n, _ in saved)
+        if self.device.type == "cuda":
+            _, h2d = _side_streams(self.device)
+            compute = torch.cuda.current_stream(self.device)
+            if part in self._slept:
+                h2d.wait_event(self._slept.pop(part))  # this role's host buffers are complete
+            with torch.cuda.stream(h2d):
+                for st, nbytes, host in saved:
+                    st.resize_(nbytes)
+                    _bytes_of(st).copy_(host, non_blocking=True)
+            compute.wait_stream(h2d)
+            for st, _, _ in saved:
+                _bytes_of(st).record_stream(compute)
+        else:
+            for st, nbytes, host in saved:
+                st.resize_(nbytes)
+                _bytes_of(st).copy_(host)
+        moved = sum(n for _, n, _ in saved)
+        self.copied_bytes += moved
+        return moved
 
     def set_resident(self, level: str) -> int:
         """Make exactly the parts of `level` ("all", "weights", "none") resident; returns the bytes

@@ -202,3 +202,34 @@ def test_repeated_calls_are_noops_and_roles_are_independent():
     assert student(torch.randn(1, 3)).shape == (1, 2)  # the other role runs
     assert rc.wake() > 0 and rc.wake() == 0
     assert all(torch.equal(p, r) for p, r in zip(critic.parameters(), ref))
+
+
+def test_frozen_role_copies_to_the_host_once():
+    """The teacher's host copy is made at its first sleep; later sleeps only free, wakes are one copy back."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    frozen = Sleeper("teacher", [model], frozen=True)
+    frozen.sleep()
+    assert frozen.copied_bytes == nbytes
+    for cycle in range(3):
+        frozen.wake()
+        assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items()), f"cycle {cycle}"
+        frozen.sleep()
+    assert frozen.copied_bytes == nbytes + 3 * nbytes, "sleeps after the first must not copy"
+    frozen.wake()
+    frozen.close()
+    other = torch.nn.Linear(16, 8)
+    trained = Sleeper("critic", [other])
+    for _ in range(2):
+        trained.sleep()
+        trained.wake()
+        with torch.no_grad():
+            other.weight.add_(1.0)  # a trained role changes: every sleep copies
+    assert trained.copied_bytes == 4 * nbytes
+    before = other.weight.detach().clone()
+    trained.sleep()
+    trained.wake()
+    assert torch.equal(other.weight, before)  # the latest values came back, not the first sleep's
+    trained.close()

@@ -230,3 +230,29 @@ def test_model_flops_leave_recomputed_forwards_out():
     a, r = (mp.cycle_summary(t, p, k=k, b=b, drawn=p["rollout"], flops_per_sample=1000) for p in (plain, rec))
     assert r["analytic TFLOP/s (model FLOPs)"] == pytest.approx(a["analytic TFLOP/s (model FLOPs)"], rel=1e-12)
     assert a["analytic TFLOP/s (model FLOPs)"] == pytest.approx(1000 * b * plain["cycle"] / 0.4 / 1e12)
+
+
+# ---- the offload default: the cheapest set of roles that makes every phase fit ---------------------
+
+def test_choose_offload_picks_the_cheapest_fitting_set():
+    ms = mp.model_shape("2b", 4, 32, patch=2, num_classes=1000)
+    plan = mp.plan_cycle(ms, tp=1, dp=1, micro=4, steps=2, denoise=4, bf16=True, recompute=True)
+    names = ["student", "critic", "teacher"]
+    subsets = [frozenset(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(8)]
+    peaks = {s: max(mp.phase_bytes(plan, s).values()) for s in subsets}
+    moved = {s: sum(sum(plan.roles[r].values()) * (1 if r == "teacher" else 2) for r in s) for s in subsets}
+    everything, every_role = peaks[frozenset()], subsets[-1]
+    assert mp.choose_offload(plan, everything)[::2] == (frozenset(), True)  # all fits: nothing sleeps
+    # the critic phase (critic + teacher) is the peak: the teacher alone cannot lower it, the student can
+    assert peaks[frozenset(["teacher"])] == everything and peaks[frozenset(["student"])] < everything
+    assert mp.choose_offload(plan, peaks[frozenset(["student"])])[0] == frozenset(["student"])
+    for budget in sorted(set(peaks.values())):
+        roles, totals, fits = mp.choose_offload(plan, budget)
+        assert fits and max(totals.values()) == peaks[roles] <= budget
+        assert all(peaks[s] > budget for s in subsets if moved[s] < moved[roles]), (budget, roles)
+    roles, _, fits = mp.choose_offload(plan, min(peaks.values()) - 1)
+    assert (roles, fits) == (every_role, False)
+    # "every role offloaded" is the time-sliced plan; the GAN head adds the critic's weights to the actor phase
+    assert mp.phase_bytes(plan, every_role) == {p: plan.phases[(p, True)]["total"] for p in mp.PHASES}
+    gan = mp.phase_bytes(plan, every_role, gan=True)
+    assert gan["actor"] - mp.phase_bytes(plan, every_role)["actor"] == plan.roles["critic"]["weights"]

@@ -52,9 +52,10 @@ class Role:
     sleeper: Optional[Sleeper] = None
 
     def with_offload(self, device: torch.device) -> "Role":
-        """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing)."""
+        """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing); a role without
+        an optimizer (the teacher) is frozen: its host copy is made once."""
         return replace(self, sleeper=Sleeper(self.name, [self.model], [self.optimizer] if self.optimizer else [],
-                                             list(self.extra), device=device))
+                                             list(self.extra), device=device, frozen=not self.trainable))
 
     @property
     def trainable(self) -> bool:

@@ -9,7 +9,8 @@ and three generators keyed (seed, cycle, j, stream) with streams ROLLOUT, CRITIC
 This module builds the roles (student and critic initialised from the teacher unless --student-load /
 --critic-load; the critic is a `GANCritic` with --dmd2-gan), the micro-batch records, the LR schedules
 and the EMA around the cycle, and runs `loop.train_loop`. Phases switch once per cycle; with
---offload-inactive the roles a phase does not need sleep (`roles.PHASE_ROLES`). Host syncs: none
+offload the roles a phase does not need sleep (`roles.PHASE_ROLES`): by default on CUDA only those the
+memory plan says must (`memory_plan.choose_offload`). Host syncs: none
 inside the cycle (a NaN/inf loss or grad norm skips that role's step on the device); one per cycle in
 `loop.check_iteration` (skip counters: `--max-nan-iterations` consecutive skips of one role stop the run;
 exit flags), and the log / eval / save intervals.
@@ -27,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from dmd2_mega import memory_plan as mp
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.config import DistillConfig
@@ -51,6 +53,8 @@ from dmd2_mega.resilience import ExitController
 from dmd2_mega.sampling import eval_conditions, generate_student
 
 __all__ = ["DMD2Trainer", "critic_dir"]
+ROLES = frozenset(("student", "critic", "teacher"))
+PLAN_HEADROOM = 0.9  # of --gpu-memory-gb: the allocator's fragmentation and temporaries the plan leaves out
 
 
 class DMD2Trainer(RunStateTrainer):
@@ -78,7 +82,7 @@ class DMD2Trainer(RunStateTrainer):
         self.settings = CycleSettings.from_config(cfg, self.shape, ps.device)
         student = self._build_model("student", teacher_payload)
         self.ema = StudentEMA(student, cfg.ema.decay, cfg.ema.start_iter) if cfg.ema.enabled else None
-        self.offload = d.offload_inactive if d.offload_inactive is not None else torch.cuda.is_available()
+        self.offload, offload_note = self._offload_plan()
         self.roles = {"student": self._role("student", student, tuple(self.ema.tensors()) if self.ema else ()),
                       "critic": self._role("critic", self._build_model("critic", teacher_payload)),
                       "teacher": self._role("teacher", self._build_model("teacher", teacher_payload))}
@@ -87,7 +91,8 @@ class DMD2Trainer(RunStateTrainer):
                     f"DP={ps.dp_size}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} "
                     f"M={self.num_micro_batches}; student sigmas "
                     f"{[round(s, 4) for s in self.settings.student_sigmas.tolist()]}; scoring {d.critic_scoring}; "
-                    f"teacher guidance {d.teacher_guidance_scale}; offload-inactive {self.offload}; {self._extras()}",
+                    f"teacher guidance {d.teacher_guidance_scale}; offload {'+'.join(sorted(self.offload)) or 'none'} "
+                    f"({offload_note}); {self._extras()}",
                     ps.rank)
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
@@ -136,7 +141,28 @@ class DMD2Trainer(RunStateTrainer):
             save = cfg.train.save if name == "student" else (critic_dir(cfg.train.save) if cfg.train.save else None)
             role = Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group, grads),
                         LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra)
-        return role.with_offload(ps.device) if self.offload else role
+        return role.with_offload(ps.device) if name in self.offload else role
+
+    def _offload_plan(self) -> tuple[frozenset, str]:
+        """(the roles that sleep in the phases that do not use them, why): the flags, else on CUDA the memory
+        plan's cheapest set that fits PLAN_HEADROOM x --gpu-memory-gb (default the device's), else none."""
+        d, t, ps, info = self.cfg.dmd2, self.cfg.train, self.ps, self.info
+        if d.offload_inactive is not None:
+            return (ROLES if d.offload_inactive else frozenset(),
+                    "--offload-inactive" if d.offload_inactive else "--no-offload-inactive")
+        if ps.device.type != "cuda":
+            return frozenset(), "on a CPU there is no device memory to save"
+        gib = d.gpu_memory_gb or torch.cuda.get_device_properties(ps.device).total_memory / 2**30
+        ms = mp.model_shape(self.cfg.model.size, info["in_channels"], info["image_size"],
+                            num_classes=info["num_classes"] if info["cond_shape"] is None else None,
+                            cond_shape=info["cond_shape"])
+        plan = mp.plan_cycle(ms, tp=ps.tp_size, dp=ps.dp_size, micro=t.micro_batch_size,
+                             steps=d.critic_steps_per_rollout, denoise=len(self.settings.student_sigmas),
+                             bf16=self.cfg.optim.bf16, recompute=self.cfg.model.recompute_granularity == "full",
+                             guidance=d.teacher_guidance_scale)
+        roles, totals, fits = mp.choose_offload(plan, PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
+        note = f"memory plan: phase peak {max(totals.values()) / 2**30:.1f} GiB of {gib:g} GiB"
+        return roles, note + ("" if fits else "; OVER the budget even with every role offloaded")
 
     def _extras(self) -> str:
         g, e = self.cfg.gan, self.cfg.ema

@@ -1,0 +1,53 @@
+"""The offload default of the DMD2 trainer (GPU issue 12, item 4): the flags win; on a CPU nothing sleeps; on
+CUDA the memory plan picks the roles that must sleep for every phase to fit --gpu-memory-gb (none when all fit,
+all three with a warning when nothing fits). CUDA is stood in for by the trainer's ParallelState device: the
+choice reads only the plan and the budget."""
+import dataclasses
+
+import pytest
+import torch
+
+from dmd2_mega import memory_plan as mp
+from dmd2_mega.arguments import parse_dmd2_args
+from dmd2_mega.dmd2.student_trainer import PLAN_HEADROOM, ROLES, DMD2Trainer
+from dmd2_mega.errors import ConfigError
+from tests.utils import world_of_one
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def trainer(teacher, *extra):
+    return DMD2Trainer(parse_dmd2_args(["--model-size", "debug", "--teacher-load", teacher, "--micro-batch-size", "2",
+                                        "--train-iters", "1", *extra]))
+
+
+def with_budget(tr, gib):
+    tr.ps = dataclasses.replace(tr.ps, device=torch.device("cuda"))
+    tr.cfg = dataclasses.replace(tr.cfg, dmd2=dataclasses.replace(tr.cfg.dmd2, gpu_memory_gb=gib))
+    return tr._offload_plan()
+
+
+def test_offload_default(debug_teacher, capsys):
+    with world_of_one():
+        tr = trainer(debug_teacher)
+        assert tr.offload == frozenset() and all(r.sleeper is None for r in tr.roles.values())
+        assert "offload none (on a CPU there is no device memory to save)" in capsys.readouterr().out
+        assert trainer(debug_teacher, "--offload-inactive").offload == ROLES
+        assert trainer(debug_teacher, "--no-offload-inactive").offload == frozenset()
+        roles, note = with_budget(tr, 1000.0)
+        assert roles == frozenset() and "of 1000 GiB" in note
+        roles, note = with_budget(tr, 1e-6)
+        assert roles == ROLES and "OVER the budget" in note
+        # in between: exactly the planner's choice for that budget
+        info = tr.info
+        plan = mp.plan_cycle(mp.model_shape("debug", info["in_channels"], info["image_size"]), tp=1, dp=1, micro=2,
+                             steps=tr.cfg.dmd2.critic_steps_per_rollout, denoise=len(tr.settings.student_sigmas),
+                             bf16=False, guidance=tr.cfg.dmd2.teacher_guidance_scale)
+        budget = max(mp.phase_bytes(plan, frozenset(["student", "critic"])).values())
+        roles, _ = with_budget(tr, budget / PLAN_HEADROOM / 2**30)
+        assert roles == mp.choose_offload(plan, budget)[0] == frozenset(["student", "critic"])
+
+
+def test_gpu_memory_must_be_positive():
+    with pytest.raises(ConfigError, match="--gpu-memory-gb must be > 0"):
+        parse_dmd2_args(["--teacher-load", "x", "--gpu-memory-gb", "0"])
