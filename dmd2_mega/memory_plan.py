@@ -184,6 +184,9 @@ def phase_bytes(plan: CyclePlan, offloaded, gan: bool = False) -> dict:
     return out
 
 
+PLAN_HEADROOM = 0.9  # of the device memory: the allocator's fragmentation and temporaries the plan leaves out
+
+
 def choose_offload(plan: CyclePlan, budget: float, gan: bool = False) -> tuple[frozenset, dict, bool]:
     """The roles to time-slice so that every phase fits `budget` bytes, moving the fewest bytes per cycle
     (a frozen teacher's wake is one copy of its weights; a trained role goes both ways):

@@ -113,6 +113,10 @@ def main(argv=None) -> int:
         verdict = "fits" if peak <= 0.9 * budget else ("tight (> 90%)" if peak <= budget else "does NOT fit")
         print(f"peak {'time-sliced ' if sliced else 'all resident'}: {fmt_bytes(peak)} ({phase} phase) -> "
               f"{verdict} in {a.gpu_memory_gib:g} GiB")
+    roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * budget)
+    print(f"default offload of pretrain_dmd2.py on CUDA with --gpu-memory-gb {a.gpu_memory_gib:g}: "
+          f"{'+'.join(sorted(roles)) or 'none'} -> peak {fmt_bytes(max(totals.values()))}"
+          + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)"))
     return 0
 
 

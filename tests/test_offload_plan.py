@@ -9,7 +9,7 @@ import torch
 
 from dmd2_mega import memory_plan as mp
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.dmd2.student_trainer import PLAN_HEADROOM, ROLES, DMD2Trainer
+from dmd2_mega.dmd2.student_trainer import ROLES, DMD2Trainer
 from dmd2_mega.errors import ConfigError
 from tests.utils import world_of_one
 
@@ -44,7 +44,7 @@ def test_offload_default(debug_teacher, capsys):
                              steps=tr.cfg.dmd2.critic_steps_per_rollout, denoise=len(tr.settings.student_sigmas),
                              bf16=False, guidance=tr.cfg.dmd2.teacher_guidance_scale)
         budget = max(mp.phase_bytes(plan, frozenset(["student", "critic"])).values())
-        roles, _ = with_budget(tr, budget / PLAN_HEADROOM / 2**30)
+        roles, _ = with_budget(tr, budget / mp.PLAN_HEADROOM / 2**30)
         assert roles == mp.choose_offload(plan, budget)[0] == frozenset(["student", "critic"])
 
 

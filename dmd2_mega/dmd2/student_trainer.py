@@ -54,7 +54,6 @@ from dmd2_mega.sampling import eval_conditions, generate_student
 
 __all__ = ["DMD2Trainer", "critic_dir"]
 ROLES = frozenset(("student", "critic", "teacher"))
-PLAN_HEADROOM = 0.9  # of --gpu-memory-gb: the allocator's fragmentation and temporaries the plan leaves out
 
 
 class DMD2Trainer(RunStateTrainer):
@@ -145,7 +144,7 @@ class DMD2Trainer(RunStateTrainer):
 
     def _offload_plan(self) -> tuple[frozenset, str]:
         """(the roles that sleep in the phases that do not use them, why): the flags, else on CUDA the memory
-        plan's cheapest set that fits PLAN_HEADROOM x --gpu-memory-gb (default the device's), else none."""
+        plan's cheapest set that fits memory_plan.PLAN_HEADROOM x --gpu-memory-gb (default the device's), else none."""
         d, t, ps, info = self.cfg.dmd2, self.cfg.train, self.ps, self.info
         if d.offload_inactive is not None:
             return (ROLES if d.offload_inactive else frozenset(),
@@ -160,7 +159,7 @@ class DMD2Trainer(RunStateTrainer):
                              steps=d.critic_steps_per_rollout, denoise=len(self.settings.student_sigmas),
                              bf16=self.cfg.optim.bf16, recompute=self.cfg.model.recompute_granularity == "full",
                              guidance=d.teacher_guidance_scale)
-        roles, totals, fits = mp.choose_offload(plan, PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
+        roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
         note = f"memory plan: phase peak {max(totals.values()) / 2**30:.1f} GiB of {gib:g} GiB"
         return roles, note + ("" if fits else "; OVER the budget even with every role offloaded")
 
