@@ -68,3 +68,16 @@ def test_adaln_gradcheck_torch_path():
     scale = torch.randn(2, 5, dtype=torch.float64, generator=g, requires_grad=True)
     fn = lambda a, b, c: kernels.adaln_modulate(a, b, c, impl="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, shift, scale))
+
+
+def test_tiles_leave_at_most_an_eighth_of_the_lanes_idle():
+    """Non-power-of-two hidden sizes are tiled, not padded (DiT-XL's 1152 padded to 2048 idled 44% of the lanes);
+    the test shapes above (H = 17, 96) run the tiled kernels, H = 5, 1024 the one-tile ones."""
+    from kernels.adaln import _tile
+    assert _tile(1152)[1:] == (256, 8, 5)
+    assert _tile(1024)[3] == _tile(5)[3] == 1 and _tile(17)[3] == 2 and _tile(96)[3] == 3
+    for h in list(range(128, 3000, 7)) + [768, 1152, 1536, 3072, 5120]:  # below 128 the 16-lane floor binds
+        rows, block_h, _, tiles = _tile(h)
+        assert tiles * block_h >= h and (tiles - 1) * block_h < h
+        assert tiles * block_h - h <= h // 8, (h, block_h, tiles)
+        assert rows * block_h <= 4096 or rows == 1
