@@ -63,6 +63,10 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         _flag(g, "--" + name.replace("_", "-"), OptimConfig, name, type=typ)
     _flag(g, "--lr-decay-style", OptimConfig, "lr_decay_style", help="cosine | constant")
     _flag(g, "--optimizer-impl", OptimConfig, "optimizer_impl", help="torch | apex")
+    _flag(g, "--override-opt-param-scheduler", OptimConfig, "override_opt_param_scheduler", action="store_true",
+          help="on --load, use the flags' LR schedule where it differs from the checkpoint's")
+    _flag(g, "--use-checkpoint-opt-param-scheduler", OptimConfig, "use_checkpoint_opt_param_scheduler",
+          action="store_true", help="on --load, keep the checkpoint's LR schedule where it differs from the flags")
     _flag(g, "--bf16", OptimConfig, "bf16", action="store_true",
           help="bf16 parameters and compute; the optimizer keeps fp32 master weights and Adam state")
 
@@ -117,7 +121,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--teacher-load", D, "teacher_load", help="trained teacher checkpoint (required)")
     _flag(g, "--student-load", D, "student_load", help="student init (default: --teacher-load)")
     _flag(g, "--critic-load", D, "critic_load", help="critic init (default: --teacher-load)")
-    _flag(g, "--dmd2-denoising-steps", D, "denoising_steps", type=int)
+    _flag(g, "--dmd2-denoising-steps", D, "denoising_steps", type=int,
+          help="student steps N (default: the number of --dmd2-student-sigmas if given, else 4)")
     _flag(g, "--dmd2-student-sigmas", D, "student_sigmas", type=float, nargs="+",
           help="explicit unshifted student grid, e.g. 1.0 0.75 0.5 0.25")
     _flag(g, "--dmd2-critic-steps-per-rollout", D, "critic_steps_per_rollout", type=int)
@@ -132,6 +137,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="every role sleeps in the phases that do not use it (default: on CUDA, the roles the memory plan "
                "says must sleep to fit --gpu-memory-gb; none on a CPU)")
     g.add_argument("--no-offload-inactive", dest=f"{D.__name__}.offload_inactive", action="store_const", const=False)
+    _flag(g, "--allow-student-teacher", D, "allow_student_teacher", action="store_true",
+          help="accept a student checkpoint as --teacher-load (distilling a distilled model)")
     _flag(g, "--gpu-memory-gb", D, "gpu_memory_gb", type=float,
           help="GiB of device memory per rank for the offload plan (default: the device's total)")
     g = p.add_argument_group("dmd2 GAN head and student EMA")

@@ -39,7 +39,7 @@ import torch
 from dmd2_mega.atomic import atomic_write, fsync_dir
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.megatron_compat import rng_tracker_states, set_rng_tracker_states
-from dmd2_mega.parallel import ParallelState, barrier, tp_partition_dim
+from dmd2_mega.parallel import ParallelState, any_rank, barrier, tp_partition_dim
 from dmd2_mega.resilience import kill_point
 
 @dataclass(frozen=True)
@@ -93,14 +93,34 @@ def training_payload(model: torch.nn.Module, optimizer, schedule, state: RunStat
             "dp_size": ps.dp_size, "partition_dims": partition_dims(model), "checkpoint_version": 1}
 
 
-def load_optimizer_state(optimizer, schedule, payload: dict, source: str, tp_size: int) -> None:
-    """Restore optimizer and LR schedule from `payload`; a TP change is an error naming both degrees."""
+# the flags that set each LR-schedule value (a DMD2 critic's own lr / min-lr have their --critic-* flags)
+SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
+                  "decay_iters": "--lr-decay-iters (default: --train-iters)", "style": "--lr-decay-style"}
+
+
+def load_optimizer_state(optimizer, schedule, payload: dict, source: str, tp_size: int,
+                         scheduler_from: Optional[str] = None, role: str = "") -> None:
+    """Restore optimizer and LR schedule from `payload`; a TP change is an error naming both degrees.
+
+    The schedule (Megatron's rule): when a value differs between the checkpoint and the flags, the resume is
+    an error naming the flag and both values, unless `scheduler_from` says which side wins: "flags"
+    (--override-opt-param-scheduler) or "checkpoint" (--use-checkpoint-opt-param-scheduler)."""
     if payload["saved_tp_size"] != tp_size:
         raise CheckpointError(f"{source} was saved with --tensor-model-parallel-size {payload['saved_tp_size']} "
                               f"but this run uses {tp_size}: weights reshard, optimizer state does not; pass "
                               f"--no-load-optim to continue from the weights with a fresh optimizer")
+    mismatch = schedule.mismatches(payload["scheduler"])
+    if mismatch and scheduler_from is None:
+        key, saved, now = mismatch[0]
+        flag = SCHEDULE_FLAGS[key]
+        if role == "critic" and key in ("lr", "min_lr"):
+            flag = f"--critic-{flag[2:]} (default {flag})"
+        raise CheckpointError(f"{source}: the LR schedule differs: {flag} was {saved} when it was saved, this run "
+                              f"has {now}; pass --override-opt-param-scheduler to use the flags or "
+                              f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
     optimizer.load_state_dict(payload["optimizer"])
-    schedule.load_state_dict(payload["scheduler"])
+    if scheduler_from != "flags":
+        schedule.load_state_dict(payload["scheduler"])
 
 
 def rng_state() -> dict:
@@ -130,17 +150,31 @@ def check_writable(root: str) -> None:
 
 
 def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
-    """Collective: steps 1-2 of the module docstring (the tracker is untouched); returns iter_N/."""
+    """Collective: steps 1-2 of the module docstring (the tracker is untouched); returns iter_N/.
+
+    A write that fails on any rank (a full disk: OSError ENOSPC) fails the save on every rank together:
+    iter_N.tmp/ is removed, the tracker still names the previous checkpoint, and a CheckpointError says so."""
     final, tmp = iter_dir(root, iteration), iter_dir(root, iteration) + ".tmp"
     if ps.is_main:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
+    error = None
     if ps.dp_rank == 0:
-        atomic_write(rank_file(tmp, ps.tp_rank), lambda f: torch.save(payload, f),
-                     before_replace=lambda: kill_point("rank-file-tmp", iteration))
+        try:
+            atomic_write(rank_file(tmp, ps.tp_rank), lambda f: torch.save(payload, f),
+                         before_replace=lambda: kill_point("rank-file-tmp", iteration))
+        except OSError as e:
+            error = e
         kill_point("rank-file", iteration)
-    barrier()
+    if any_rank(error is not None, ps.device):  # in place of a barrier: every rank learns of a failed write
+        if ps.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = _tracker_value(root)
+        raise CheckpointError(f"saving iteration {iteration} to {root} failed"
+                              f"{f': {error.strerror or error}' if error is not None else ' on another rank'}; "
+                              f"the partial {os.path.basename(tmp)}/ was removed and the latest checkpoint is "
+                              f"{'still iteration ' + str(latest) if latest is not None else 'none yet'}")
     if ps.is_main:
         kill_point("before-dir-rename", iteration)
         if os.path.exists(final):  # re-saving an iteration: keep the old one until the commit
@@ -151,6 +185,15 @@ def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState)
         fsync_dir(root)
     barrier()
     return final
+
+
+def _tracker_value(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def commit(roots: Sequence[str], iteration: int, ps: ParallelState) -> None:
@@ -177,10 +220,13 @@ def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState)
     return final
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    """The iteration in the tracker file; None if `root` exists but holds no checkpoint yet."""
+def latest_iteration(root: str, flag: str = "--load") -> Optional[int]:
+    """The iteration in the tracker file; None if `root` exists but holds no checkpoint yet. `flag` names
+    the flag that gave `root` in errors."""
+    if os.path.isfile(root):
+        raise CheckpointError(f"{flag} {root!r} is a file; expected a checkpoint directory (holding {TRACKER})")
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load directory {root!r} does not exist")
+        raise CheckpointError(f"{flag} directory {root!r} does not exist")
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
@@ -212,7 +258,7 @@ def _read(path: str) -> dict:
 
 
 def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
-                 pair_id: Optional[str] = None) -> Optional[dict]:
+                 pair_id: Optional[str] = None, flag: str = "--load") -> Optional[dict]:
     """This rank's payload, with `model` resharded to the current TP degree if it differs.
 
     Reads iter_N/, or iter_N.old/ when iter_N/ is missing (a re-save cut between its renames). With
@@ -221,7 +267,7 @@ def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
     Adds `saved_tp_size` to the payload. Returns None if `root` holds no checkpoint yet.
     """
     if iteration is None:
-        iteration = latest_iteration(root)
+        iteration = latest_iteration(root, flag)
         if iteration is None:
             return None
     final = iter_dir(root, iteration)
@@ -235,8 +281,16 @@ def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
                           f"another run?")
 
 
+REQUIRED = ("tp_size", "model", "iteration", "partition_dims")
+
+
 def _load_dir(d: str, ps: ParallelState) -> dict:
-    first = _read(rank_file(d, 0 if ps.tp_size > 1 else ps.tp_rank))
+    path = rank_file(d, 0 if ps.tp_size > 1 else ps.tp_rank)
+    first = _read(path)
+    if not isinstance(first, dict) or any(k not in first for k in REQUIRED):
+        what = f"a dict without {[k for k in REQUIRED if k not in first]}" if isinstance(first, dict) else \
+            f"a {type(first).__name__}"
+        raise CheckpointError(f"checkpoint file {path} is not a dmd2-mega checkpoint: it holds {what}")
     saved_tp = int(first["tp_size"])
     if saved_tp == ps.tp_size:
         payload = first if ps.tp_rank == 0 else _read(rank_file(d, ps.tp_rank))

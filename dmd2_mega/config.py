@@ -7,6 +7,8 @@ exist: `TrainConfig.resolve_batches`, `dmd2.gan.resolve_layer`.)
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -89,18 +91,32 @@ class OptimConfig:
     bf16: bool = False
     """--bf16: the model's parameters are cast to bf16 (bf16 weights and compute); the optimizer keeps fp32
     master weights and Adam state (not autocast)."""
+    override_opt_param_scheduler: bool = False
+    """--override-opt-param-scheduler: on --load, an LR schedule that differs from the checkpoint's is the flags'."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """--use-checkpoint-opt-param-scheduler: on --load, keep the checkpoint's LR schedule over the flags."""
+
+    def scheduler_from(self) -> Optional[str]:
+        """Which side wins an LR-schedule mismatch on --load: "flags", "checkpoint" or None (an error)."""
+        return ("flags" if self.override_opt_param_scheduler else
+                "checkpoint" if self.use_checkpoint_opt_param_scheduler else None)
 
     def __post_init__(self):
-        _check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _check(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a finite number > 0, got {self.lr}")
         _check(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
-        _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr}")
+        _check(math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr,
+               f"--min-lr must be a finite number in [0, --lr={self.lr}], got {self.min_lr}")
         _check(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        _check(self.lr_decay_iters is None or self.lr_decay_iters >= 1,
+               f"--lr-decay-iters must be >= 1 when given, got {self.lr_decay_iters}")
         _check(self.lr_decay_style in ("cosine", "constant"),
                f"--lr-decay-style must be cosine or constant, got {self.lr_decay_style!r}")
         _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
                f"--adam-beta1/--adam-beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
         _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _check(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+               "give at most one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler")
         _check(self.optimizer_impl in ("torch", "apex"),
                f"--optimizer-impl must be torch or apex, got {self.optimizer_impl!r}")
 
@@ -158,11 +174,18 @@ class TrainConfig:
         for name in ("save_interval", "eval_interval"):
             v = getattr(self, name)
             _check(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        _check(self.eval_interval is None or self.eval_num_samples >= 1,
+               f"--eval-num-samples must be >= 1 with --eval-interval {self.eval_interval}, "
+               f"got {self.eval_num_samples}")
         _check(self.eval_steps >= 1, f"--eval-steps must be >= 1, got {self.eval_steps}")
         _check(self.eval_guidance >= 1.0, f"--eval-guidance must be >= 1, got {self.eval_guidance}")
         _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}")
         _check(self.max_nan_iterations >= 0, f"--max-nan-iterations must be >= 0, got {self.max_nan_iterations}")
+        _check(self.loss_trace is None or not os.path.isdir(self.loss_trace),
+               f"--loss-trace {self.loss_trace!r} is an existing directory; expected a file path for the JSON lines")
+        _check(self.tensorboard_dir is None or not os.path.isfile(self.tensorboard_dir),
+               f"--tensorboard-dir {self.tensorboard_dir!r} is an existing file; expected a directory")
 
     def resolve_batches(self, dp_size: int) -> int:
         """Fill in the global batch and return the number of micro-batches per rank per step."""
@@ -198,8 +221,9 @@ class DMD2Config:
     """--student-load: student init (default: the teacher)."""
     critic_load: Optional[str] = None
     """--critic-load: critic init (default: the teacher)."""
-    denoising_steps: int = 4
-    """--dmd2-denoising-steps N: the student's step count (grid (N - i) / N, shifted)."""
+    denoising_steps: Optional[int] = None
+    """--dmd2-denoising-steps N: the student's step count (grid (N - i) / N, shifted). Default (None): the
+    number of --dmd2-student-sigmas if given, else 4; `__post_init__` fills it in, so it is always an int after."""
     student_sigmas: Optional[list] = None
     """--dmd2-student-sigmas: explicit UNSHIFTED student grid, e.g. 1.0 0.75 0.5 0.25."""
     critic_steps_per_rollout: int = 5
@@ -225,6 +249,8 @@ class DMD2Config:
     """--offload-inactive / --no-offload-inactive: every role sleeps in the phases that do not use it / none
     does. Default: on CUDA the memory plan picks the roles that must sleep for every phase to fit
     --gpu-memory-gb (none if all fit); on a CPU none."""
+    allow_student_teacher: bool = False
+    """--allow-student-teacher: accept a student checkpoint as --teacher-load (distilling a distilled model)."""
     gpu_memory_gb: Optional[float] = None
     """--gpu-memory-gb: GiB of device memory the offload plan may use per rank (default: the device's)."""
 
@@ -242,11 +268,32 @@ class DMD2Config:
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
         _check(self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
                f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        _check(self.critic_lr is None or (math.isfinite(self.critic_lr) and self.critic_lr > 0),
+               f"--critic-lr must be a finite number > 0, got {self.critic_lr}")
+        _check(self.critic_min_lr is None or (math.isfinite(self.critic_min_lr) and self.critic_min_lr >= 0),
+               f"--critic-min-lr must be a finite number >= 0, got {self.critic_min_lr}")
+        _check(self.critic_weight_decay is None or self.critic_weight_decay >= 0,
+               f"--critic-weight-decay must be >= 0, got {self.critic_weight_decay}")
+        for flag, v in (("--critic-adam-beta1", self.critic_adam_beta1),
+                        ("--critic-adam-beta2", self.critic_adam_beta2)):
+            _check(v is None or 0 <= v < 1, f"{flag} must be in [0, 1), got {v}")
+        self.denoising_steps = self._resolve_denoising_steps()
         flow.student_sigmas(self.denoising_steps, self.student_sigmas)  # GridError naming the flag
         self.score_sigma_range = tuple(self.score_sigma_range)
         g = self.critic_grid_size
         _check(bool(flow.critic_grid(g, 1.0, self.score_sigma_range)[1].any()),
                f"--dmd2-score-sigma-range {lo} {hi} holds no point of the {g}-point critic grid")
+
+    def _resolve_denoising_steps(self) -> int:
+        """--dmd2-denoising-steps, or the number of --dmd2-student-sigmas, or 4; both flags must agree."""
+        if self.student_sigmas is None:
+            return 4 if self.denoising_steps is None else self.denoising_steps
+        n = len(self.student_sigmas)
+        _check(self.denoising_steps in (None, n),
+               f"--dmd2-denoising-steps {self.denoising_steps} disagrees with --dmd2-student-sigmas "
+               f"{' '.join(f'{v:g}' for v in self.student_sigmas)} ({n} values); give one of the two flags, "
+               f"or as many sigmas as steps")
+        return n
 
 
 @dataclass
@@ -310,6 +357,12 @@ class DistillConfig:
 
     def __post_init__(self):
         _check(self.dmd2.teacher_load is not None, "--teacher-load is required (the trained teacher's checkpoint)")
+        d, o = self.dmd2, self.optim
+        if d.critic_min_lr is not None:
+            critic_lr = o.lr if d.critic_lr is None else d.critic_lr
+            _check(d.critic_min_lr <= critic_lr,
+                   f"--critic-min-lr must be in [0, critic lr={critic_lr}] (--critic-lr, default --lr), "
+                   f"got {d.critic_min_lr}")
         if self.gan.sigma_range is not None:
             n = self.dmd2.critic_grid_size
             glo, ghi = self.gan.sigma_range

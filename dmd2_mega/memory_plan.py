@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Optional
 
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import DiTSpec, get_spec
 
 PHASES = ("rollout", "critic", "actor")
@@ -69,9 +70,9 @@ def model_shape(size: str, in_channels: int, image_size: int, patch: Optional[in
     if patch is not None:
         spec = replace(spec, patch_size=patch)
     if image_size % spec.patch_size:
-        raise ValueError(f"--image-size {image_size} is not a multiple of --patch {spec.patch_size}")
+        raise ConfigError(f"--image-size {image_size} is not a multiple of --patch {spec.patch_size}")
     if (num_classes is None) == (cond_shape is None):
-        raise ValueError("give exactly one of --num-classes or --cond-shape")
+        raise ConfigError("give exactly one of --num-classes or --cond-shape")
     return ModelShape(spec, in_channels, image_size, num_classes, tuple(cond_shape) if cond_shape else None)
 
 
@@ -90,7 +91,7 @@ def param_counts(ms: ModelShape) -> dict:
 def params_per_rank(ms: ModelShape, tp: int) -> int:
     n = param_counts(ms)
     if ms.spec.num_heads % tp:
-        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
     return n["sharded"] // tp + n["replicated"]
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import torch
@@ -233,9 +234,24 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict:
-        return {"decay_iters": self.decay_iters, "style": self.cfg.lr_decay_style, "lr": self.cfg.lr}
+        """Everything lr(it) depends on (the schedule itself is a pure function of the iteration)."""
+        c = self.cfg
+        return {"decay_iters": self.decay_iters, "style": c.lr_decay_style, "lr": c.lr, "min_lr": c.min_lr,
+                "warmup_iters": c.lr_warmup_iters}
+
+    def mismatches(self, state: dict) -> list:
+        """[(key, saved, now)] for every schedule value of a saved `state` that differs from this one's
+        (keys an older checkpoint lacks are not compared; with a constant schedule on both sides the
+        decay length and the floor do not matter)."""
+        now = self.state_dict()
+        moot = ("decay_iters", "min_lr") if state.get("style") == now["style"] == "constant" else ()
+        return [(k, state[k], now[k]) for k in now if k in state and k not in moot and state[k] != now[k]]
 
     def load_state_dict(self, state: dict) -> None:
+        """Take the checkpoint's schedule (Megatron's --use-checkpoint-opt-param-scheduler)."""
+        self.cfg = replace(self.cfg, lr=state["lr"], lr_decay_style=state["style"],
+                           min_lr=state.get("min_lr", self.cfg.min_lr),
+                           lr_warmup_iters=state.get("warmup_iters", self.cfg.lr_warmup_iters))
         self.decay_iters = state["decay_iters"]
 
 

@@ -147,6 +147,15 @@ def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Collective over the world (when one is initialised): True if `flag` is True on any rank. One host sync."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def barrier(group: Optional[object] = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

@@ -2,11 +2,16 @@
 test-only kill points of the checkpoint writer.
 
 Exit conditions (Megatron's `--exit-signal-handler`, `--exit-duration-in-mins`). `ExitController`
-installs a SIGTERM handler that only sets a flag; at the end of every iteration (cycle) the loop
-calls `check()`, which all-reduces (MAX over the world) the int32 tensor
-    [SIGTERM seen on this rank, rank 0's wall clock since start > limit (rank 0's entry only)]
+installs SIGTERM and SIGINT handlers that only set a flag; at the end of every iteration (cycle) the
+loop calls `check()`, which all-reduces (MAX over the world) the int64 tensor
+    [signal number seen on this rank (0: none), rank 0's wall clock since start > limit (rank 0's entry only)]
 so every rank takes the same decision at the same iteration, after a complete iteration: the loop
 then saves and returns, and the script exits 0.
+
+The launch scripts' main is `run_main`: a user mistake (ConfigError, DataError, CheckpointError) or a
+NaN stop is ONE line `<ErrorType>: <message>` on stderr and exit status 1; a Ctrl-C without
+--exit-signal-handler (KeyboardInterrupt) is one line naming the last complete checkpoint in --save
+and exit status 130.
 
 Non-finite steps. `dmd2_mega.optim.Optimizer` skips a step whose loss or gradient norm is not
 finite (weights and Adam state untouched) and counts the skips in device tensors. The same check
@@ -32,7 +37,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +48,8 @@ from dmd2_mega.logger import print_rank0
 KILL_ENV = "DMD2_MEGA_TEST_KILL_AT"
 KILL_STAGES = ("rank-file-tmp", "rank-file", "before-dir-rename", "old-aside", "before-tracker",
                "between-trackers")
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TRACKER = "latest_checkpointed_iteration.txt"  # = checkpoint.TRACKER (checkpoint imports this module)
 
 
 def kill_point(stage: str, iteration: int) -> None:
@@ -65,13 +72,17 @@ class ExitController:
         self.signal_handler, self.duration_mins = signal_handler, duration_mins
         self.rank, self.device = rank, device
         self.start = time.time() if start_time is None else start_time
-        self.received = False
-        self._previous = None
+        self.signum = 0  # the signal received (SIGTERM wins over SIGINT), 0: none
+        self._previous = {}
         if signal_handler:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = True
+        self.signum = max(self.signum, int(signum))
+
+    @property
+    def received(self) -> bool:
+        return self.signum != 0
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +96,7 @@ class ExitController:
             return None
         late = (self.rank == 0 and self.duration_mins is not None
                 and time.time() - self.start > 60.0 * self.duration_mins)
-        flags = torch.tensor([int(self.received), int(late)], dtype=torch.int64, device=self.device)
+        flags = torch.tensor([self.signum, int(late)], dtype=torch.int64, device=self.device)
         if counters is not None:
             flags = torch.cat([flags, counters.to(self.device, torch.int64)])
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -93,16 +104,16 @@ class ExitController:
         values = flags.tolist()  # the one host sync of an iteration
         reason = None
         if values[0]:
-            reason = "SIGTERM received (--exit-signal-handler)"
+            reason = f"{signal.Signals(values[0]).name} received (--exit-signal-handler)"
         elif values[1]:
             reason = f"--exit-duration-in-mins {self.duration_mins:g} reached"
         return reason if counters is None else (reason, values[2:])
 
     def close(self) -> None:
-        """Restore the SIGTERM handler that was in place before."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Restore the SIGTERM and SIGINT handlers that were in place before."""
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
 
 
 def check_nan_limit(role: str, n: int, limit: int, where: str) -> None:
@@ -134,16 +145,47 @@ def account_skips(roles: list, values: list, limit: int, where: str, rank: int) 
         check_nan_limit(role, consecutive, limit, where)
 
 
-def run_main(train, teardown) -> int:
-    """The launch scripts' main: `train()`, then `teardown()`. 0 on success or a preemption exit; a
-    bad flag, file or value (ConfigError, DataError, CheckpointError) or a NaN stop prints ONE line
-    `<ErrorType>: <message>` to stderr (prefixed by the rank in a multi-rank job) and returns 1."""
+def interrupted_message(save: Optional[str]) -> str:
+    """The line printed on Ctrl-C (KeyboardInterrupt): where the last complete checkpoint of `save` is.
+    Reads the tracker file directly: a save cut short by the interrupt never replaced it."""
+    if not save:
+        return "Interrupted (SIGINT): no checkpoint was saved (no --save)"
+    try:
+        text = open(os.path.join(save, TRACKER)).read().strip()
+    except OSError:
+        text = ""
+    if not text.isdigit():
+        return f"Interrupted (SIGINT): --save {save} holds no checkpoint yet"
+    return (f"Interrupted (SIGINT): the last complete checkpoint is {os.path.join(save, f'iter_{int(text):07d}')} "
+            f"(resume with --load {save})")
+
+
+def run_main(train: Callable[[], object], teardown: Optional[Callable[[], None]] = None,
+             save_dir: Union[None, str, Callable[[], Optional[str]]] = None) -> int:
+    """The launch scripts' main: `train()`, then `teardown()`. Returns the exit status:
+    0 on success or a preemption exit; 1 for a bad flag, file or value (ConfigError, DataError,
+    CheckpointError) or a NaN stop, printed as ONE line `<ErrorType>: <message>` on stderr; 130 on
+    Ctrl-C (KeyboardInterrupt), printed as one line `Interrupted (SIGINT): ...`. Lines are prefixed by
+    the rank in a multi-rank job. `save_dir` (the --save directory, or a zero-argument callable giving
+    it, None when the run has no --save) is what a training script passes so the Ctrl-C line names the
+    last complete checkpoint; scripts that save nothing leave it None."""
     try:
         train()
         return 0
     except (ConfigError, DataError, CheckpointError, NonFiniteError) as e:
-        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{rank}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        _print_one_line(f"{type(e).__name__}: {e}")
         return 1
+    except KeyboardInterrupt:
+        if save_dir is None:
+            _print_one_line("Interrupted (SIGINT)")
+        else:
+            _print_one_line(interrupted_message(save_dir() if callable(save_dir) else save_dir))
+        return 130
     finally:
-        teardown()
+        if teardown is not None:
+            teardown()
+
+
+def _print_one_line(message: str) -> None:
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{rank}{' '.join(message.splitlines())}", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from dmd2_mega import flow
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, save_checkpoint, set_rng_state, training_payload)
+from dmd2_mega.checkpoint_guard import RESUME_SETTINGS, check_family, check_resume, check_role
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
@@ -34,10 +35,11 @@ from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
-from dmd2_mega.models import count_parameters
+from dmd2_mega.models import count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
+from dmd2_mega.run_lock import lock_run_dirs
 from dmd2_mega.sampling import eval_conditions, generate
 
 
@@ -65,6 +67,7 @@ class FlowTrainer(RunStateTrainer):
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
         if t.save:
             check_writable(t.save)
+            lock_run_dirs([("--save", t.save)], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
         self.model = cast_model(build_model(cfg.model, self.info, ps), cfg.optim.bf16)
@@ -87,7 +90,8 @@ class FlowTrainer(RunStateTrainer):
     def save(self) -> None:
         state = replace(self.state, sampler=self.sampler.state_dict())
         payload = training_payload(self.model, self.optimizer, self.schedule, state,
-                                   {"args": asdict(self.cfg), "data_info": self.info}, self.ps)
+                                   {"args": asdict(self.cfg), "data_info": self.info, "role": "teacher",
+                                    "family": get_size(self.cfg.model.size).family.name}, self.ps)
         path = save_checkpoint(self.cfg.train.save, self.iteration, payload, self.ps)
         self.state = replace(self.state, saved_iteration=self.iteration)
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
@@ -98,13 +102,18 @@ class FlowTrainer(RunStateTrainer):
             print_rank0(f"> WARNING: no {root}/latest_checkpointed_iteration.txt; starting from scratch",
                         self.ps.rank)
             return
+        check_role(payload, ("teacher",), "--load", root, " (pretrain_flow.py resumes teachers only)")
+        check_family(payload, get_size(self.cfg.model.size).family.name, "--load", root)
+        if not self.cfg.train.no_load_optim:
+            check_resume(payload, asdict(self.cfg), RESUME_SETTINGS, root)
         load_model_weights(self.model, payload["model"], f"--load {root}",
                            model_size_hint(payload, self.cfg.model.size))
         if self.cfg.train.no_load_optim:
             print_rank0(f"> loaded weights of iteration {payload['iteration']} from {root} (fresh optimizer)",
                         self.ps.rank)
             return
-        load_optimizer_state(self.optimizer, self.schedule, payload, f"--load {root}", self.ps.tp_size)
+        load_optimizer_state(self.optimizer, self.schedule, payload, f"--load {root}", self.ps.tp_size,
+                             self.cfg.optim.scheduler_from())
         self.sampler.load_state_dict(payload["sampler"])
         if not self.cfg.train.no_load_rng:
             set_rng_state(payload["rng"])

@@ -17,6 +17,7 @@ DP does not shard anything here (no ZeRO): it only adds the DDP buckets.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -25,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "TE / Apex not installed": moot here
 
 from dmd2_mega import memory_plan as mp  # noqa: E402
+from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.models.registry import MODEL_SIZES  # noqa: E402
+from dmd2_mega.resilience import run_main  # noqa: E402
 
 
 def fmt_bytes(n: float) -> str:
@@ -60,24 +63,38 @@ def parse_args(argv=None):
     p.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the verdict")
     a = p.parse_args(argv)
-    for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
-                 "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels"):
-        if getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    check_args(a)
     return a
 
 
+def check_args(a: argparse.Namespace) -> None:
+    """ConfigError naming the first flag out of range (counts and sizes >= 1, guidance >= 1, memory > 0)."""
+    for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
+                 "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels",
+                 "num_classes", "patch"):
+        v = getattr(a, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if a.cond_shape is not None and (len(a.cond_shape) not in (1, 2) or min(a.cond_shape) < 1):
+        raise ConfigError(f"--cond-shape must be D or L D with sizes >= 1, got {' '.join(map(str, a.cond_shape))}")
+    g = a.dmd2_teacher_guidance_scale
+    if not (math.isfinite(g) and g >= 1):
+        raise ConfigError(f"--dmd2-teacher-guidance-scale must be a finite number >= 1, got {g}")
+    if not (math.isfinite(a.gpu_memory_gib) and a.gpu_memory_gib > 0):
+        raise ConfigError(f"--gpu-memory-gib must be a finite number > 0, got {a.gpu_memory_gib}")
+
+
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    """0 after printing the plan; 1 with a one-line `ConfigError: ...` for a bad flag."""
+    return run_main(lambda: plan(parse_args(argv)))
+
+
+def plan(a: argparse.Namespace) -> None:
     cond_shape = tuple(a.cond_shape) if a.cond_shape else None
-    try:
-        ms = mp.model_shape(a.model_size, a.in_channels, a.image_size, a.patch,
-                            num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
-        tp, dp = a.tensor_model_parallel_size, a.data_parallel_size
-        per_rank = mp.params_per_rank(ms, tp)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    ms = mp.model_shape(a.model_size, a.in_channels, a.image_size, a.patch,
+                        num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
+    tp, dp = a.tensor_model_parallel_size, a.data_parallel_size
+    per_rank = mp.params_per_rank(ms, tp)  # ConfigError unless TP divides the heads
     counts = mp.param_counts(ms)
     total = counts["sharded"] + counts["replicated"]
     k, n, b = a.dmd2_critic_steps_per_rollout, a.dmd2_denoising_steps, a.micro_batch_size
@@ -117,7 +134,6 @@ def main(argv=None) -> int:
     print(f"default offload of pretrain_dmd2.py on CUDA with --gpu-memory-gb {a.gpu_memory_gib:g}: "
           f"{'+'.join(sorted(roles)) or 'none'} -> peak {fmt_bytes(max(totals.values()))}"
           + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)"))
-    return 0
 
 
 if __name__ == "__main__":

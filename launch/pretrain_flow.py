@@ -19,8 +19,16 @@ from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:
-    """0 on success and on a preemption exit; 1 with a one-line message for a bad flag, file or value."""
-    return run_main(lambda: FlowTrainer(parse_flow_args(argv)).train(), destroy_distributed)
+    """0 on success and on a preemption exit; 1 with a one-line message for a bad flag, file or value;
+    130 on Ctrl-C (without --exit-signal-handler) with a line naming the last complete checkpoint."""
+    cfg = None
+
+    def train() -> None:
+        nonlocal cfg
+        cfg = parse_flow_args(argv)
+        FlowTrainer(cfg).train()
+
+    return run_main(train, destroy_distributed, save_dir=lambda: cfg.train.save if cfg else None)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ The checkpoint may have been saved at any TP degree; weights are resharded on lo
 (`launch/pretrain_dmd2.py --save`) samples on the grid saved in its checkpoint unless --steps N is
 given (then the N-point grid, shifted), and with the EMA weights saved beside it (--ema-decay)
 unless --no-ema; --guidance applies to teachers only.
+A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, ...)
+exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
+import math
 import os
 import sys
 
@@ -23,19 +26,20 @@ import torch  # noqa: E402
 
 from dmd2_mega.atomic import atomic_write  # noqa: E402
 from dmd2_mega.builders import build_model, cast_model  # noqa: E402
-from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
+from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
-from dmd2_mega.errors import ConfigError  # noqa: E402
+from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
 from dmd2_mega.eval.grid import save_grid  # noqa: E402
 from dmd2_mega.flow import student_sigmas  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import eval_conditions, generate, generate_student  # noqa: E402
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="checkpoint directory (Megatron layout)")
+    p.add_argument("--load", help="checkpoint directory (Megatron layout); required")
     p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
     p.add_argument("--num-samples", type=int, default=100)
     p.add_argument("--steps", type=int, default=None,
@@ -43,61 +47,99 @@ def parse(argv=None):
     p.add_argument("--guidance", type=float, default=1.25)
     p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory for samples.npz and grid.png")
+    p.add_argument("--out", help="output directory for samples.npz and grid.png; required")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--data", default=None, help="condition source for embedding-conditioned models")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-ema", action="store_true", help="DMD2 student: sample its raw weights, not its EMA")
     a = p.parse_args(argv)
-    if a.num_samples < 1 or (a.steps is not None and a.steps < 1):
-        raise ConfigError(f"--num-samples and --steps must be >= 1, got {a.num_samples}, {a.steps}")
-    if a.guidance < 1:
-        raise ConfigError(f"--guidance must be >= 1, got {a.guidance}")
+    if a.load is None:
+        raise ConfigError("--load is required (the checkpoint directory to sample)")
+    if a.out is None:
+        raise ConfigError("--out is required (the output directory for samples.npz and grid.png)")
+    check_out_dir(a.out)
+    if a.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {a.num_samples}")
+    if a.steps is not None and a.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
+    if not (math.isfinite(a.guidance) and a.guidance >= 1):
+        raise ConfigError(f"--guidance must be a finite number >= 1, got {a.guidance}")
+    if a.shift is not None and not (math.isfinite(a.shift) and a.shift > 0):
+        raise ConfigError(f"--shift must be a finite number > 0, got {a.shift}")
+    if a.iteration is not None and a.iteration < 0:
+        raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
     return a
 
 
+def check_out_dir(out: str) -> None:
+    """ConfigError if --out, or the nearest of its parents that exists, is a file rather than a directory."""
+    p = os.path.abspath(out)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        where = "" if p == os.path.abspath(out) else f": {p!r}"
+        raise ConfigError(f"--out {out!r}{where} is an existing file; expected a directory (for samples.npz and "
+                          f"grid.png)")
+
+
+def check_checkpoint(load: str, iteration) -> None:
+    """CheckpointError unless --load is a checkpoint directory holding --iteration (default: its latest)."""
+    latest = latest_iteration(load)  # CheckpointError if --load is missing or a file
+    if iteration is None:
+        if latest is None:
+            raise CheckpointError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+        return
+    d = iter_dir(load, iteration)
+    if not (os.path.isdir(d) or os.path.isdir(d + ".old")):
+        saved = sorted(n for n in os.listdir(load) if n.startswith("iter_") and n[5:].isdigit())
+        raise CheckpointError(f"--iteration {iteration}: --load {load} holds no {os.path.basename(d)} "
+                              f"(saved: {', '.join(saved[-10:]) or 'none'}; latest: {latest})")
+
+
 def main(argv=None) -> int:
-    a = parse(argv)
+    """0 after writing the samples; 1 with a one-line `<ErrorType>: <message>` for a bad flag or checkpoint."""
+    return run_main(lambda: sample(parse(argv)), destroy_distributed)
+
+
+def sample(a: argparse.Namespace) -> None:
+    check_checkpoint(a.load, a.iteration)
     ps = init_distributed(ParallelConfig(a.tensor_model_parallel_size), seed=a.seed)
-    try:
-        payload = load_payload(a.load, ps, a.iteration)
-        if payload is None:
-            raise ConfigError(f"--load {a.load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-        args, info = payload["args"], payload["data_info"]
-        model = build_model(ModelConfig(**args["model"]), info, ps)
-        state, weights = payload["model"], "raw weights"
-        if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
-            state, weights = {**state, **payload["ema"]}, "EMA weights"
-        load_model_weights(model, state, f"--load {a.load}")
-        model = cast_model(model, a.bf16)
-        shift = a.shift if a.shift is not None else args["train"]["timestep_shift"]
-        if info["num_classes"] is not None:
-            cond = torch.arange(a.num_samples) % info["num_classes"]
-        else:
-            cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
-        shape = (info["in_channels"], info["image_size"], info["image_size"])
-        dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
-        if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
-            sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None
-                      else student_sigmas(a.steps, None, shift))
-            images = generate_student(model, cond, sigmas, shape=shape, seed=a.seed, **dp)
-            a.steps, a.guidance = len(sigmas), 1.0
-        else:
-            a.steps = a.steps or 50
-            images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
-                              seed=a.seed, **dp)
-        if ps.is_main:
+    payload = load_payload(a.load, ps, a.iteration)
+    args, info = payload["args"], payload["data_info"]
+    model = build_model(ModelConfig(**args["model"]), info, ps)
+    state, weights = payload["model"], "raw weights"
+    if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
+        state, weights = {**state, **payload["ema"]}, "EMA weights"
+    load_model_weights(model, state, f"--load {a.load}")
+    model = cast_model(model, a.bf16)
+    shift = a.shift if a.shift is not None else args["train"]["timestep_shift"]
+    if info["num_classes"] is not None:
+        cond = torch.arange(a.num_samples) % info["num_classes"]
+    else:
+        cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
+    shape = (info["in_channels"], info["image_size"], info["image_size"])
+    dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+    if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
+        sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None
+                  else student_sigmas(a.steps, None, shift))
+        images = generate_student(model, cond, sigmas, shape=shape, seed=a.seed, **dp)
+        a.steps, a.guidance = len(sigmas), 1.0
+    else:
+        a.steps = a.steps or 50
+        images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
+                          seed=a.seed, **dp)
+    if ps.is_main:
+        try:
             os.makedirs(a.out, exist_ok=True)
-            labels = cond.long().numpy() if cond.dim() == 1 else np.arange(a.num_samples)
-            atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
-                f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
-            k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
-            grid = save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
-            print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {weights}, {a.steps} steps, "
-                  f"guidance {a.guidance}) to {a.out}/samples.npz and {grid}", flush=True)
-    finally:
-        destroy_distributed()
-    return 0
+        except OSError as e:
+            raise ConfigError(f"--out {a.out!r}: cannot create the output directory: {e.strerror}") from e
+        labels = cond.long().numpy() if cond.dim() == 1 else np.arange(a.num_samples)
+        atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
+            f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
+        k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
+        grid = save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
+        print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {weights}, {a.steps} steps, "
+              f"guidance {a.guidance}) to {a.out}/samples.npz and {grid}", flush=True)
 
 
 if __name__ == "__main__":

@@ -195,8 +195,8 @@ def test_cli_reports_measured_role_bytes(ps, capsys):
 
 
 def test_cli_rejects_tp_that_does_not_divide_heads(capsys):
-    assert plan_memory.main(["--model-size", "8b", "--tensor-model-parallel-size", "3"]) == 2
-    assert "--tensor-model-parallel-size 3 must divide the 32 heads" in capsys.readouterr().err
+    assert plan_memory.main(["--model-size", "8b", "--tensor-model-parallel-size", "3"]) == 1
+    assert capsys.readouterr().err == "ConfigError: --tensor-model-parallel-size 3 must divide the 32 heads\n"
 
 
 def test_cycle_summary_and_acceptance_on_model_timings():

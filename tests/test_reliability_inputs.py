@@ -50,6 +50,8 @@ def tree_hash(*roots: str) -> dict:
     for root in roots:
         for d, _, files in os.walk(root):
             for f in files:
+                if f == ".dmd2_mega.lock":  # the run lock (run_lock.py) names its latest holder: not checkpoint data
+                    continue
                 p = os.path.join(d, f)
                 out[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
     return out

@@ -33,12 +33,15 @@ from tests.utils import PRETRAIN, PRETRAIN_DMD2, find_tmp, run, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 
-FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5"]
+# a fixed --lr-decay-iters: resumes with another --train-iters keep the LR schedule (else an error, issue 13)
+FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5",
+        "--lr-decay-iters", "1000"]
 
 
 def dmd2_args(teacher: str) -> list:
     return ["--model-size", "debug", "--teacher-load", teacher, "--micro-batch-size", "4", "--lr", "1e-3",
-            "--dmd2-critic-steps-per-rollout", "2", "--log-interval", "1", "--seed", "3", "--no-offload-inactive"]
+            "--dmd2-critic-steps-per-rollout", "2", "--log-interval", "1", "--seed", "3", "--no-offload-inactive",
+            "--lr-decay-iters", "1000"]
 
 
 class Crash(Exception):

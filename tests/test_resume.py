@@ -85,7 +85,8 @@ def test_checkpoint_contents(runs):
         assert p["tp_size"] == 1 and p["args"]["train"]["global_batch_size"] == 16
         assert {"model", "optimizer", "scheduler", "rng", "partition_dims"} <= p.keys()
     assert open(os.path.join(runs["straight"], "latest_checkpointed_iteration.txt")).read().strip() == "6"
-    assert sorted(os.listdir(runs["straight"])) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(runs["straight"])) == [".dmd2_mega.lock", "iter_0000003", "iter_0000006",
+                                                    "latest_checkpointed_iteration.txt"]  # the lock: run_lock.py
 
 
 def test_no_tmp_left_after_save(runs):

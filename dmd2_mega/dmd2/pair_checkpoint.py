@@ -12,11 +12,12 @@ they read nothing else of the trainer.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from typing import Optional
+from dataclasses import asdict, replace
+from typing import Optional, Sequence
 
 from dmd2_mega.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, set_rng_state, training_payload, write_iteration)
+from dmd2_mega.checkpoint_guard import DMD2_RESUME_SETTINGS, check_resume, check_role
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import holds_head
@@ -71,10 +72,12 @@ def _load_ema(ema: Optional[StudentEMA], student: dict, root: str, rank: int) ->
 
 
 def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillConfig, ps: ParallelState,
-              ema: Optional[StudentEMA] = None) -> RunState:
+              ema: Optional[StudentEMA] = None, static_sigmas: Sequence[float] = ()) -> RunState:
     """Resume student, critic (and the student's EMA) from `root` and `root`_critic; returns the resumed
     RunState (iteration, sampler position; `state` itself when `root` holds no checkpoint, and
-    iteration 0 with --no-load-optim). Restores the RNG state unless --no-load-rng."""
+    iteration 0 with --no-load-optim). Restores the RNG state unless --no-load-rng. A resume (not
+    --no-load-optim) checks the roles and every setting the state depends on (`checkpoint_guard`), the
+    student's sigma grid (`static_sigmas`, this run's) included."""
     t = cfg.train
     student = load_payload(root, ps)
     if student is None:
@@ -88,6 +91,13 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
                               f"(expected {iter_dir(cdir, n)}/, saved with the student of cycle {n})")
     critic = load_payload(cdir, ps, iteration=n, pair_id=student.get("pair_id"))
     gan = cfg.gan.enabled
+    check_role(student, ("student",), "--load", root, " (pretrain_dmd2.py resumes a student + critic pair)")
+    check_role(critic, ("critic",), "--load", cdir)
+    if not t.no_load_optim:
+        sigmas = [round(s, 6) for s in student.get("student_sigmas") or []]
+        now = [round(s, 6) for s in static_sigmas]
+        check_resume(student, asdict(cfg), DMD2_RESUME_SETTINGS, root,
+                     [("--dmd2-denoising-steps / --dmd2-student-sigmas (the student's sigmas)", sigmas or None, now)])
     for name, payload in (("student", student), ("critic", critic)):
         role = roles[name]
         hint = model_size_hint(payload, cfg.model.size)
@@ -97,7 +107,8 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         load_model_weights(role.model, payload["model"], f"--load {root} ({name})", hint)
         if t.no_load_optim:
             continue
-        load_optimizer_state(role.optimizer, role.schedule, payload, f"--load {root} ({name})", ps.tp_size)
+        load_optimizer_state(role.optimizer, role.schedule, payload, f"--load {root} ({name})", ps.tp_size,
+                             cfg.optim.scheduler_from(), role=name)
     _load_ema(ema, student, root, ps.rank)
     if t.no_load_optim:
         print_rank0(f"> loaded student and critic weights of cycle {n} from {root} (fresh optimizers, cycle 0)",

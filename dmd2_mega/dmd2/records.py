@@ -58,8 +58,7 @@ class CycleSettings:
         """From a `config.DistillConfig`: grids shifted by --timestep-shift; on a CPU the rollout runs in
         chunks of B rows (forwards of K*B rows cost 1.2-1.3x per sample there; same result)."""
         t, d, g = cfg.train, cfg.dmd2, cfg.gan
-        sigmas = flow.student_sigmas(d.denoising_steps if d.student_sigmas is None else len(d.student_sigmas),
-                                     d.student_sigmas, t.timestep_shift).to(device)
+        sigmas = flow.student_sigmas(d.denoising_steps, d.student_sigmas, t.timestep_shift).to(device)
         grid, in_range = (x.to(device) for x in flow.critic_grid(d.critic_grid_size, t.timestep_shift,
                                                                  d.score_sigma_range))
         gan = None

@@ -31,6 +31,7 @@ import torch
 from dmd2_mega import memory_plan as mp
 from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
+from dmd2_mega.checkpoint_guard import check_family, check_role, check_save_dirs
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
@@ -46,10 +47,11 @@ from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
-from dmd2_mega.models import count_parameters
+from dmd2_mega.models import count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
+from dmd2_mega.run_lock import lock_run_dirs
 from dmd2_mega.sampling import eval_conditions, generate_student
 
 __all__ = ["DMD2Trainer", "critic_dir"]
@@ -66,14 +68,23 @@ class DMD2Trainer(RunStateTrainer):
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
         if t.save:
+            check_save_dirs([("--save", t.save, "student"), ("--save's critic directory", critic_dir(t.save), "critic")],
+                            [("--teacher-load", d.teacher_load, "teacher"), ("--student-load", d.student_load, "student"),
+                             ("--critic-load", d.critic_load, "critic")])
             check_writable(t.save)
             check_writable(critic_dir(t.save))
+            lock_run_dirs([("--save", t.save), ("--save (its critic directory)", critic_dir(t.save))], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
-        teacher_payload = load_payload(d.teacher_load, ps)
+        teacher_payload = load_payload(d.teacher_load, ps, flag="--teacher-load")
         if teacher_payload is None:
             raise CheckpointError(f"--teacher-load {d.teacher_load} holds no checkpoint "
                                   f"(no latest_checkpointed_iteration.txt)")
+        check_role(teacher_payload, ("teacher", "student") if d.allow_student_teacher else ("teacher",),
+                   "--teacher-load", d.teacher_load, "" if d.allow_student_teacher else
+                   " (pass --allow-student-teacher to distill a distilled student)")
+        self.family = get_size(cfg.model.size).family.name
+        check_family(teacher_payload, self.family, "--teacher-load", d.teacher_load)
         if teacher_payload["data_info"] != self.info:
             raise CheckpointError(f"--teacher-load {d.teacher_load} was trained on data {teacher_payload['data_info']} "
                                   f"but --data {t.data} is {self.info}")
@@ -97,7 +108,7 @@ class DMD2Trainer(RunStateTrainer):
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
                                           ps.dp_rank, ps.dp_size, t.seed)
         self.state = RunState(pair_token=uuid.uuid4().hex)
-        self.static = {"args": asdict(cfg), "data_info": self.info,
+        self.static = {"args": asdict(cfg), "data_info": self.info, "family": self.family,
                        "student_sigmas": self.settings.student_sigmas.tolist()}
         if t.load:
             self.load(t.load)
@@ -112,9 +123,11 @@ class DMD2Trainer(RunStateTrainer):
         own = {"teacher": d.teacher_load, "student": d.student_load, "critic": d.critic_load}[name]
         source = own or d.teacher_load
         flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"
-        payload = teacher_payload if source == d.teacher_load else load_payload(source, ps)
+        payload = teacher_payload if source == d.teacher_load else load_payload(source, ps, flag=f"--{name}-load")
         if payload is None:
             raise CheckpointError(f"{flag} holds no checkpoint")
+        if own and name != "teacher":  # an init of the student / critic: a teacher's, or one of its own role
+            check_role(payload, ("teacher", name), f"--{name}-load", source)
         hint = model_size_hint(payload, cfg.model.size)
         if name == "critic" and cfg.gan.enabled:
             layer = resolve_layer(cfg.gan.feature_layer, model.num_feature_layers)
@@ -176,7 +189,8 @@ class DMD2Trainer(RunStateTrainer):
                                self.ps, self.ema)
 
     def load(self, root: str) -> None:
-        self.state = load_pair(self.roles, root, self.state, self.cfg, self.ps, self.ema)
+        self.state = load_pair(self.roles, root, self.state, self.cfg, self.ps, self.ema,
+                               self.static["student_sigmas"])
         if self.state.sampler is not None:
             self.sampler.load_state_dict(self.state.sampler)
 
