@@ -80,4 +80,4 @@ def check_resume(payload: dict, args_now: dict, settings: Sequence[tuple[str, tu
     for flag, saved, now in pairs:
         if saved is not None and saved != now:
             raise CheckpointError(f"--load {root}: {flag} was {saved} when it was saved, this run has {now}; "
-                                  f"resume with {flag} {saved}, or start a new --save")
+                                  f"resume with the value it was saved with, or start a new --save")

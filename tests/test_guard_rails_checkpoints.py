@@ -137,8 +137,8 @@ def test_longer_train_iters_needs_a_schedule_decision(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--dmd2-denoising-steps", "1"], r"--dmd2-denoising-steps / --dmd2-student-sigmas \(the student's sigmas\) was "
-                                      r"\[1.0, 0.75, 0.5, 0.25\] when it was saved, this run has \[1.0\]"),
+    (["--dmd2-denoising-steps", "1"], r"the student's sigma grid \(--dmd2-denoising-steps / --dmd2-student-sigmas, "
+                                      r"shifted\) was \[1.0, 0.75, 0.5, 0.25\] when it was saved, this run has \[1.0\]"),
     (["--dmd2-critic-steps-per-rollout", "3"], r"--dmd2-critic-steps-per-rollout was 2 when it was saved, this run "
                                                r"has 3"),
     (["--dmd2-critic-scoring", "original"], r"--dmd2-critic-scoring was shared when it was saved, this run has "

@@ -97,7 +97,8 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         sigmas = [round(s, 6) for s in student.get("student_sigmas") or []]
         now = [round(s, 6) for s in static_sigmas]
         check_resume(student, asdict(cfg), DMD2_RESUME_SETTINGS, root,
-                     [("--dmd2-denoising-steps / --dmd2-student-sigmas (the student's sigmas)", sigmas or None, now)])
+                     [("the student's sigma grid (--dmd2-denoising-steps / --dmd2-student-sigmas, shifted)", sigmas or None,
+                       now)])
     for name, payload in (("student", student), ("critic", critic)):
         role = roles[name]
         hint = model_size_hint(payload, cfg.model.size)
