@@ -131,6 +131,20 @@ def _adaln_fwd_tiled_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_p
 
 
 @triton.jit
+def _bwd_tile_terms(x_ptr, dy_ptr, scale_ptr, b, row_idx, rmask, mean, rstd, c, H, BLOCK_H: tl.constexpr):
+    """Column tile c of the rows `row_idx`: (cols, cmask, mask, offs, dy, xhat, wdy = dy (1 + scale))."""
+    cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    mask = rmask[:, None] & cmask[None, :]
+    offs = row_idx[:, None] * H + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return cols, cmask, mask, offs, dy, xhat, dy * (1.0 + scale[None, :])
+
+
+@triton.jit
 def _adaln_bwd_tiled_kernel(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dscale_ptr, dshift_ptr,
                             T, H, rows_per_prog, NC, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                             TILES: tl.constexpr):
@@ -148,29 +162,15 @@ def _adaln_bwd_tiled_kernel(x_ptr, scale_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr
         c1 = tl.zeros((ROWS,), dtype=tl.float32)
         c2 = tl.zeros((ROWS,), dtype=tl.float32)
         for c in range(TILES):  # sweep 1: c1 = mean(xhat * wdy), c2 = mean(wdy) over the row
-            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-            cmask = cols < H
-            mask = rmask[:, None] & cmask[None, :]
-            offs = row_idx[:, None] * H + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            wdy = dy * (1.0 + scale[None, :])
+            _, _, _, _, _, xhat, wdy = _bwd_tile_terms(x_ptr, dy_ptr, scale_ptr, b, row_idx, rmask, mean, rstd,
+                                                       c, H, BLOCK_H)
             c1 += tl.sum(xhat * wdy, 1)
             c2 += tl.sum(wdy, 1)
         c1 = c1 / H
         c2 = c2 / H
         for c in range(TILES):  # sweep 2: dx, and the dscale / dshift partials of these rows
-            cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-            cmask = cols < H
-            mask = rmask[:, None] & cmask[None, :]
-            offs = row_idx[:, None] * H + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            scale = tl.load(scale_ptr + b * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            wdy = dy * (1.0 + scale[None, :])
+            cols, cmask, mask, offs, dy, xhat, wdy = _bwd_tile_terms(x_ptr, dy_ptr, scale_ptr, b, row_idx, rmask,
+                                                                     mean, rstd, c, H, BLOCK_H)
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             ds = tl.load(dscale_ptr + part + cols, mask=cmask, other=0.0)
