@@ -22,6 +22,9 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest>=7", "pytest-timeout", "import-linter>=2.1"],
+        # diffusers is the oracle of the Wan tests (tiny random models built in the test, nothing downloaded);
+        # accelerate is what WanTransformer3DModel.from_pretrained needs to load a folder
+        "test": ["pytest>=7", "pytest-timeout", "import-linter>=2.1", "diffusers>=0.35", "transformers",
+                 "accelerate"],
     },
 )

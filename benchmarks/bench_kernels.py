@@ -1,12 +1,14 @@
 """Microbenchmarks of the fused DMD2 kernels (kernels/) against eager torch and torch.compile.
 
-    python benchmarks/bench_kernels.py [--csv kernels.csv] [--ops x0,cfg,fm,dmd,adaln]
+    python benchmarks/bench_kernels.py [--csv kernels.csv] [--ops x0,cfg,fm,dmd,adaln,qknorm]
                                        [--dtype bfloat16] [--large | --no-large] [--no-compile]
 
 For each op and mode (fwd; fwd+bwd where the op has a backward) at realistic sizes
   elementwise ops: SDXL latent 4x128x128 at B=8, Wan 480p latent 16x21x60x104 at B=1;
   adaln:           the DiT token streams of those latents: DiT-XL/2 [8, 4096, 1152] and
                    Wan2.1-1.3B [1, 32760, 1536] (patch 1x2x2, hidden 1536);
+  qknorm:          Wan2.1-1.3B's q at 480p, [1, 32760, 1536] = 12 heads of head_dim 128, with rotary
+                   (cos, sin [32760, 64] float32), at TP = 1 (no collective);
 and a large sweep (2^26 and, on CUDA, 2^28 elements), it reports the fused time (p50, p20, p80,
 ms), the eager-torch time of the same maths (the package's ``*_ref``, autograd through plain torch
 ops), the ``torch.compile`` time of that reference, the bytes the fused op must move (model below),
@@ -15,7 +17,10 @@ its GB/s and the percentage of the device-to-device copy bandwidth measured in t
 Bytes moved (N = elements, s = bytes per element; small [B] / [B, H] tensors ignored):
   x0 fwd 3Ns, fwd+bwd 5Ns (backward: read grad, write grad_v; grad_x_s is grad itself);
   cfg fwd 4Ns; fm fwd 3Ns, fwd+bwd 7Ns; dmd fwd 4Ns (two passes of 2 reads), fwd+bwd 7Ns;
-  adaln fwd 2Ns, fwd+bwd 5Ns (backward reads x and dy, writes dx).
+  adaln fwd 2Ns, fwd+bwd 5Ns (backward reads x and dy, writes dx);
+  qknorm fwd 3Ns, fwd+bwd 8Ns: the bytes its two-pass kernels move (the TP all-reduce of the row sums
+  sits between the passes): forward reads x twice and writes y, backward reads x and dy twice and
+  writes dx (the one-pass minimum would be 2Ns, 5Ns; the [S, 64] cos / sin tables are ignored).
 On CUDA the fused path is Triton, timed with triton.testing.do_bench (L2 flushed before each run).
 On CPU the fused column is the package's torch path (few-op formulation): Triton is NOT timed on
 CPU, where it only runs in the interpreter, which is no speed path. The large sweep is opt-in on CPU
@@ -79,6 +84,19 @@ def _adaln_inputs(shape, dtype, device):
             "scale": _rand((B, H), dtype, device, gen, 0.5)}
 
 
+QK_HEAD_DIM = 128  # Wan's head_dim
+
+
+def _qknorm_inputs(shape, dtype, device):
+    """x [B, S, HL], weight [HL], and rotary tables cos, sin [S, HEAD_DIM / 2] float32 (RoPE angles s * theta_j)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    S, HL = shape[1], shape[-1]
+    theta = 10000.0 ** (-torch.arange(0, QK_HEAD_DIM, 2, device=device, dtype=torch.float32) / QK_HEAD_DIM)
+    ang = torch.arange(S, device=device, dtype=torch.float32)[:, None] * theta
+    return {"x": _rand(shape, dtype, device, gen), "weight": 1.0 + _rand((HL,), dtype, device, gen, 0.1),
+            "cos": ang.cos(), "sin": ang.sin()}
+
+
 OPS = {
     "x0": Op("x0_from_velocity", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 5}, _latent_inputs(["x_s", "v"]),
              ("x_s", "v"), lambda i, impl: kernels.x0_from_velocity(i["x_s"], i["v"], i["sigma"], impl=impl),
@@ -96,11 +114,17 @@ OPS = {
     "adaln": Op("adaln_modulate", ("fwd", "fwd+bwd"), {"fwd": 2, "fwd+bwd": 5}, _adaln_inputs, ("x", "shift", "scale"),
                 lambda i, impl: kernels.adaln_modulate(i["x"], i["shift"], i["scale"], impl=impl),
                 lambda i: kernels.adaln_modulate_ref(i["x"], i["shift"], i["scale"])),
+    "qknorm": Op("qk_norm_rope", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 8}, _qknorm_inputs, ("x", "weight"),
+                 lambda i, impl: kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM, impl=impl),
+                 lambda i: kernels.qk_norm_rope_ref(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM)),
 }
+KIND = {"adaln": "tokens", "qknorm": "qk"}  # op -> its sizes below; the others take "latent"
 REALISTIC = {"latent": [("sdxl B8", (8, 4, 128, 128)), ("wan480p B1", (1, 16, 21, 60, 104))],
-             "tokens": [("dit-xl2 sdxl B8", (8, 4096, 1152)), ("wan1.3b 480p B1", (1, 32760, 1536))]}
+             "tokens": [("dit-xl2 sdxl B8", (8, 4096, 1152)), ("wan1.3b 480p B1", (1, 32760, 1536))],
+             "qk": [("wan1.3b q 480p B1", (1, 32760, 1536))]}
 LARGE = {"latent": [("2^26", (4, 16, 1024, 1024)), ("2^28", (16, 16, 1024, 1024))],
-         "tokens": [("2^26", (16, 4096, 1024)), ("2^28", (64, 4096, 1024))]}
+         "tokens": [("2^26", (16, 4096, 1024)), ("2^28", (64, 4096, 1024))],
+         "qk": [("2^26", (16, 4096, 1024)), ("2^28", (64, 4096, 1024))]}
 
 
 def first(out):
@@ -215,7 +239,7 @@ def main(argv=None):
     rows = []
     for key in ops:
         op = OPS[key]
-        kind = "tokens" if key == "adaln" else "latent"
+        kind = KIND.get(key, "latent")
         sizes = [(label, shape, False) for label, shape in REALISTIC[kind]]
         if large:
             sizes += [(label, shape, True) for label, shape in LARGE[kind][: (2 if cuda else 1)]]

@@ -28,13 +28,21 @@ def enable_determinism() -> None:
 
 
 def data_info(dataset) -> dict:
-    return {"in_channels": dataset.channels, "image_size": dataset.image_size,
+    """Sample shape [C, *spatial] and condition kind (square images also as `image_size`, as checkpoints
+    written before video data recorded them; compare infos through `DataShape.from_info`)."""
+    info = {"in_channels": dataset.channels, "latent_shape": [dataset.channels, *dataset.spatial],
             "num_classes": dataset.num_classes,
             "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
+    if len(dataset.spatial) == 2 and dataset.spatial[0] == dataset.spatial[1]:
+        info["image_size"] = dataset.spatial[0]
+    return info
 
 
-def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState) -> FamilyModel:
+def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState, negative=None) -> FamilyModel:
+    """`negative`: the data's negative-prompt embedding, CFG's negative condition (families that take one)."""
     model = build_registered(model_cfg.size, DataShape.from_info(info), ps.tp_size, model_cfg.options())
+    if negative is not None:
+        model.set_negative(negative)
     return model.to(ps.device)
 
 

@@ -220,6 +220,27 @@ def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState)
     return final
 
 
+def save_offline(root: str, iteration: int, payloads: Sequence[dict]) -> str:
+    """One process writes a whole checkpoint, one payload per TP rank (`launch/convert_checkpoint.py`): the same
+    iter_N.tmp/ -> iter_N/ -> tracker order as a training save, so a crash leaves no checkpoint that looks whole."""
+    final, tmp = iter_dir(root, iteration), iter_dir(root, iteration) + ".tmp"
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists already; write the conversion to a new directory")
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for tp_rank, payload in enumerate(payloads):
+            atomic_write(rank_file(tmp, tp_rank), lambda f: torch.save(payload, f))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing {root} failed: {e.strerror or e}; nothing was kept") from None
+    os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
+    fsync_dir(root)
+    return final
+
+
 def latest_iteration(root: str, flag: str = "--load") -> Optional[int]:
     """The iteration in the tracker file; None if `root` exists but holds no checkpoint yet. `flag` names
     the flag that gave `root` in errors."""

@@ -35,7 +35,7 @@ from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
-from dmd2_mega.models import count_parameters, get_size
+from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
@@ -145,8 +145,7 @@ class FlowTrainer(RunStateTrainer):
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
         t, ps = self.cfg.train, self.ps
         cond = eval_conditions(self.dataset, t.eval_num_samples)
-        images = generate(self.model, cond, shape=(self.info["in_channels"], self.info["image_size"],
-                                                   self.info["image_size"]),
+        images = generate(self.model, cond, shape=DataShape.from_info(self.info).sample_shape,
                           steps=t.eval_steps, guidance=t.eval_guidance, shift=t.timestep_shift,
                           seed=t.seed + 7, device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
                           dp_group=ps.dp_group)

@@ -6,6 +6,7 @@ Ops (one file each; maths and shapes in each module's docstring):
   flow_matching_loss(v_pred, x0, eps, sigma, space)        per-sample loss [B]          (flow_matching.py)
   dmd_loss(x0hat, x0_real, x0_fake) -> (loss, DMDStats)    DMD grad + surrogate loss    (dmd.py)
   adaln_modulate(x, shift, scale)                          LayerNorm + adaLN modulation (adaln.py)
+  qk_norm_rope(x, weight, cos, sin, head_dim, group=None)  Wan q/k RMSNorm (TP) + RoPE  (qk_norm_rope.py)
 Every op takes ``impl=None | "triton" | "torch"``: None dispatches CUDA tensors to Triton and CPU
 tensors to torch, unless ``DMD2_KERNELS=triton|torch`` forces one (see _utils.py). The ``*_ref``
 functions are the eager multi-op baselines (autograd through plain torch ops).
@@ -15,10 +16,11 @@ from .adaln import adaln_modulate, adaln_modulate_ref
 from .cfg import cfg_x0, cfg_x0_ref
 from .dmd import DMDStats, dmd_loss, dmd_loss_ref
 from .flow_matching import flow_matching_loss, flow_matching_loss_ref
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .x0_projection import x0_from_velocity, x0_from_velocity_ref
 
 __all__ = [
-    "x0_from_velocity", "cfg_x0", "flow_matching_loss", "dmd_loss", "adaln_modulate", "DMDStats",
+    "x0_from_velocity", "cfg_x0", "flow_matching_loss", "dmd_loss", "adaln_modulate", "qk_norm_rope", "DMDStats",
     "KernelError", "resolve_impl", "x0_from_velocity_ref", "cfg_x0_ref", "flow_matching_loss_ref",
-    "dmd_loss_ref", "adaln_modulate_ref",
+    "dmd_loss_ref", "adaln_modulate_ref", "qk_norm_rope_ref",
 ]

@@ -32,6 +32,7 @@ from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
 from dmd2_mega.eval.grid import save_grid  # noqa: E402
 from dmd2_mega.flow import student_sigmas  # noqa: E402
+from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import eval_conditions, generate, generate_student  # noqa: E402
@@ -117,7 +118,7 @@ def sample(a: argparse.Namespace) -> None:
         cond = torch.arange(a.num_samples) % info["num_classes"]
     else:
         cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
-    shape = (info["in_channels"], info["image_size"], info["image_size"])
+    shape = DataShape.from_info(info).sample_shape
     dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
     if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
         sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None

@@ -158,9 +158,11 @@ def test_directory_and_index_errors(tmp_path):
         (d / "index.json").write_text(json.dumps(bad))
         with pytest.raises(DataError, match="index.json"):
             ShardDataset(str(d))
+    # non-square images and video latents [C, T, H, W] are data like any other (a model says what it takes)
     write_shards(str(tmp_path / "rect"), torch.randn(2, 1, 2, 3), labels=torch.tensor([0, 1]))
-    with pytest.raises(DataError, match="H == W"):
-        ShardDataset(str(tmp_path / "rect"))
+    assert ShardDataset(str(tmp_path / "rect")).spatial == (2, 3)
+    write_shards(str(tmp_path / "video"), torch.randn(2, 4, 3, 2, 6), cond=torch.randn(2, 5, 7))
+    assert ShardDataset(str(tmp_path / "video")).spatial == (3, 2, 6)
 
 
 def test_build_dataset_errors(tmp_path):

@@ -12,10 +12,9 @@ class ImageDataset:
 
     def __init__(self, x: torch.Tensor, cond: torch.Tensor, num_classes: Optional[int],
                  cond_shape: Optional[Tuple[int, ...]], source: str):
-        if x.dim() != 4:
-            raise DataError(f"{source}: expected images/latents [N, C, H, W], got shape {tuple(x.shape)}")
-        if x.shape[2] != x.shape[3]:
-            raise DataError(f"{source}: expected square latents (H == W), got H={x.shape[2]}, W={x.shape[3]}")
+        if x.dim() not in (4, 5):
+            raise DataError(f"{source}: expected images/latents [N, C, H, W] or video latents [N, C, T, H, W], "
+                            f"got shape {tuple(x.shape)}")
         if (num_classes is None) == (cond_shape is None):
             raise DataError(f"{source}: exactly one of num_classes / cond_shape must be set")
         if cond.shape[0] != x.shape[0]:
@@ -25,23 +24,35 @@ class ImageDataset:
         self.num_classes = num_classes
         self.cond_shape = tuple(cond_shape) if cond_shape is not None else None
         self.channels = int(x.shape[1])
-        self.image_size = int(x.shape[2])
+        self.spatial = tuple(int(n) for n in x.shape[2:])
+        """(H, W) or (T, H, W)."""
+        self.negative = None
+        """The negative-prompt embedding [*cond_shape] CFG uses (text data that stores one), else None."""
         self.source = source
+
+    @property
+    def image_size(self):
+        """The side of square 2-D samples, else None."""
+        sp = self.spatial
+        return sp[0] if len(sp) == 2 and sp[0] == sp[1] else None
 
     def __len__(self) -> int:
         return self.x.shape[0]
 
     def get_batch(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """indices: int64 [n] -> (x float32 [n, C, H, W], cond int64 [n] or float32 [n, *cond_shape])."""
+        """indices: int64 [n] -> (x float32 [n, C, *spatial], cond int64 [n] or float32 [n, *cond_shape])."""
         return self.x[indices], self.cond[indices]
 
     def null_cond(self, n: int) -> torch.Tensor:
-        """The null (unconditional) condition for n samples: class id num_classes, or zeros."""
+        """The null (unconditional) condition for n samples: class id num_classes, the negative-prompt
+        embedding, or zeros."""
         if self.num_classes is not None:
             return torch.full((n,), self.num_classes, dtype=torch.int64)
+        if self.negative is not None:
+            return self.negative.float().expand(n, *self.cond_shape).clone()
         return torch.zeros((n, *self.cond_shape), dtype=torch.float32)
 
     def __repr__(self) -> str:
         cond = f"num_classes={self.num_classes}" if self.num_classes is not None else f"cond_shape={self.cond_shape}"
         return (f"{type(self).__name__}({self.source}, n={len(self)}, "
-                f"latent=[{self.channels},{self.image_size},{self.image_size}], {cond})")
+                f"latent={[self.channels, *self.spatial]}, {cond})")

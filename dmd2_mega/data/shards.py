@@ -11,10 +11,12 @@ index.json (embeddings, e.g. text):
     {"shards": [...], "latent_shape": [C, H, W], "cond": "embedding", "cond_shape": [L, D]}
 
 Each shard i holds (N_i = shards[i]["num_samples"]):
-    latents  [N_i, C, H, W]          float32 / bfloat16 / float16 (any floating dtype)
+    latents  [N_i, C, H, W]          float32 / bfloat16 / float16 (any floating dtype); video [N_i, C, T, H, W]
     labels   [N_i]                   integer, values in [0, K)         (cond == "labels")
     cond     [N_i, *cond_shape]      floating                          (cond == "embedding")
-All floating values must be finite; H == W. Null condition: class id K, or all-zero embedding.
+All floating values must be finite. Null condition: class id K; for embeddings the negative-prompt
+embedding in <dir>/negative.safetensors (tensor 'cond' [*cond_shape], optional), else all zeros: CFG's
+negative branch (teacher sampling and the DMD2 teacher score) uses it, as Wan's recipes do.
 
 `ShardDataset(path)` checks all of this at open time and raises `DataError` naming the file and
 what was expected vs found; then it concatenates the shards in memory as float32 latents and
@@ -33,6 +35,7 @@ from dmd2_mega.errors import DataError
 from .dataset import ImageDataset
 
 INDEX = "index.json"
+NEGATIVE = "negative.safetensors"
 
 
 def _int_list(value, n: Optional[int], where: str, key: str) -> List[int]:
@@ -67,7 +70,9 @@ def _read_index(path: str) -> dict:
                 and isinstance(s.get("num_samples"), int) and s["num_samples"] > 0):
             raise DataError(f"{index_path}: bad shard entry {s!r}; expected "
                             f"{{'file': str, 'num_samples': positive int}}")
-    _int_list(index.get("latent_shape"), 3, index_path, "latent_shape")
+    shape = _int_list(index.get("latent_shape"), None, index_path, "latent_shape")
+    if len(shape) not in (3, 4):
+        raise DataError(f"{index_path}: 'latent_shape' must be [C, H, W] or [C, T, H, W], found {shape}")
     kind = index.get("cond")
     if kind == "labels":
         k = index.get("num_classes")
@@ -123,6 +128,22 @@ def _load_shard(path: str, entry: dict, index: dict) -> tuple:
     return latents.float(), cond
 
 
+def _load_negative(path: str, cond_shape: tuple) -> torch.Tensor:
+    where = os.path.join(path, NEGATIVE)
+    try:
+        with safe_open(where, framework="pt") as f:
+            if "cond" not in f.keys():
+                raise DataError(f"{where}: expected tensor 'cond' (the negative-prompt embedding), found "
+                                f"{sorted(f.keys())}")
+            neg = f.get_tensor("cond")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{where}: cannot read as safetensors ({e})") from e
+    _check_tensor(neg, list(cond_shape), True, where, "cond")
+    return neg.float()
+
+
 class ShardDataset(ImageDataset):
     """A validated shard directory, held in memory (see the module docstring for the format)."""
 
@@ -136,18 +157,21 @@ class ShardDataset(ImageDataset):
             cond, num_classes, cond_shape = torch.cat([p[1].float() for p in parts]), None, index["cond_shape"]
         self.path = path
         super().__init__(latents, cond, num_classes, cond_shape, source=os.path.join(path, INDEX))
+        if num_classes is None and os.path.exists(os.path.join(path, NEGATIVE)):
+            self.negative = _load_negative(path, tuple(cond_shape))
 
 
 def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor] = None,
                  cond: Optional[torch.Tensor] = None, num_classes: Optional[int] = None,
-                 shard_size: int = 4096) -> dict:
+                 shard_size: int = 4096, negative: Optional[torch.Tensor] = None) -> dict:
     """Write latents [N, C, H, W] with labels [N] (num_classes defaults to max + 1) or
     cond [N, *cond_shape] as `shard_size`-sample shards + index.json under `path`; returns the index.
     index.json is written last (via a temporary name), so a crash never leaves a readable partial set."""
     if (labels is None) == (cond is None):
         raise DataError("write_shards: pass exactly one of labels= or cond=")
-    if latents.dim() != 4:
-        raise DataError(f"write_shards: latents must be [N, C, H, W], got shape {tuple(latents.shape)}")
+    if latents.dim() not in (4, 5):
+        raise DataError(f"write_shards: latents must be [N, C, H, W] or [N, C, T, H, W], got shape "
+                        f"{tuple(latents.shape)}")
     c = labels if labels is not None else cond
     n = latents.shape[0]
     if c.shape[0] != n or n == 0 or shard_size < 1:
@@ -166,5 +190,10 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
         sl = slice(start, start + shard_size)
         save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, os.path.join(path, name))
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
+    if negative is not None:
+        if cond is None or tuple(negative.shape) != tuple(cond.shape[1:]):
+            raise DataError(f"write_shards: negative must be one embedding {list(c.shape[1:])} of text data, got "
+                            f"{list(negative.shape)}")
+        save_file({"cond": negative.contiguous()}, os.path.join(path, NEGATIVE))
     atomic_write(os.path.join(path, INDEX), lambda f: json.dump(index, f, indent=1), text=True)
     return index

@@ -47,7 +47,7 @@ from dmd2_mega.eval.grid import save_grid
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
-from dmd2_mega.models import count_parameters, get_size
+from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
 from dmd2_mega.resilience import ExitController
@@ -85,10 +85,11 @@ class DMD2Trainer(RunStateTrainer):
                    " (pass --allow-student-teacher to distill a distilled student)")
         self.family = get_size(cfg.model.size).family.name
         check_family(teacher_payload, self.family, "--teacher-load", d.teacher_load)
-        if teacher_payload["data_info"] != self.info:
+        saved_info = teacher_payload.get("data_info")  # None: converted from a public checkpoint (no data)
+        if saved_info is not None and DataShape.from_info(saved_info) != DataShape.from_info(self.info):
             raise CheckpointError(f"--teacher-load {d.teacher_load} was trained on data {teacher_payload['data_info']} "
                                   f"but --data {t.data} is {self.info}")
-        self.shape = (self.info["in_channels"], self.info["image_size"], self.info["image_size"])
+        self.shape = DataShape.from_info(self.info).sample_shape
         self.settings = CycleSettings.from_config(cfg, self.shape, ps.device)
         student = self._build_model("student", teacher_payload)
         self.ema = StudentEMA(student, cfg.ema.decay, cfg.ema.start_iter) if cfg.ema.enabled else None

@@ -87,12 +87,15 @@ class DiT(FamilyModel):
         if spec.num_heads % tp_size:
             raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention "
                               f"heads ({spec.num_heads}) of --model-size {spec.name}")
-        if shape.image_size % spec.patch_size:
-            raise ConfigError(f"image size {shape.image_size} is not a multiple of the patch size "
+        if len(shape.spatial) != 2 or shape.spatial[0] != shape.spatial[1]:
+            raise ConfigError(f"--model-size {spec.name} (DiT) takes square images [C, H, H]; the data's samples "
+                              f"are {list(shape.sample_shape)}")
+        if shape.spatial[0] % spec.patch_size:
+            raise ConfigError(f"image size {shape.spatial[0]} is not a multiple of the patch size "
                               f"{spec.patch_size} of --model-size {spec.name}")
         if (shape.num_classes is None) == (shape.cond_shape is None):
             raise ValueError("exactly one of num_classes (labels) or cond_shape (embeddings) must be given")
-        in_channels, image_size, num_classes, cond_shape = (shape.in_channels, shape.image_size, shape.num_classes,
+        in_channels, image_size, num_classes, cond_shape = (shape.in_channels, shape.spatial[0], shape.num_classes,
                                                             shape.cond_shape)
         self.spec, self.options, self.shape = spec, options, shape
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size

@@ -33,20 +33,33 @@ from dmd2_mega.parallel import tp_partition_dim
 
 @dataclass(frozen=True)
 class DataShape:
-    """What a model is built for: sample shape and condition kind (exactly one of the two last)."""
+    """What a model is built for: sample shape [in_channels, *spatial] and condition kind (exactly one of the
+    two last)."""
 
     in_channels: int
-    image_size: int
+    spatial: tuple
+    """(H, W) for images, (T, H, W) for video latents; an int n means (n, n)."""
     num_classes: Optional[int] = None
     """Labels in [0, num_classes); the model adds a learned null class."""
     cond_shape: Optional[tuple] = None
-    """Per-sample embedding shape [D] or [L, D]; the null condition is zeros."""
+    """Per-sample embedding shape [D] or [L, D]; the null condition is zeros (or the data's negative prompt)."""
+
+    def __post_init__(self):
+        if isinstance(self.spatial, int):  # a square image of that side
+            object.__setattr__(self, "spatial", (self.spatial, self.spatial))
+        object.__setattr__(self, "spatial", tuple(int(n) for n in self.spatial))
+
+    @property
+    def sample_shape(self) -> tuple:
+        return (self.in_channels, *self.spatial)
 
     @classmethod
     def from_info(cls, info: dict) -> "DataShape":
-        """From the `data_info` dict that checkpoints store."""
+        """From the `data_info` dict that checkpoints store (`latent_shape` [C, *spatial]; checkpoints written
+        before video data record square images as `image_size`)."""
         cond = info.get("cond_shape")
-        return cls(info["in_channels"], info["image_size"], info.get("num_classes"),
+        shape = info.get("latent_shape") or (info["in_channels"], info["image_size"], info["image_size"])
+        return cls(int(shape[0]), tuple(int(n) for n in shape[1:]), info.get("num_classes"),
                    tuple(cond) if cond is not None else None)
 
 

@@ -3,15 +3,18 @@
 DiT sizes: per block the DiT holds ~18 H^2 weights (attention 4 H^2, MLP 8 H^2 at ratio 4, adaLN
 6 H^2); the real sizes are chosen so the whole model lands near its name at patch 2 on 4x32x32
 latents. The exact count of the built model is printed at start-up (`family.count_parameters`).
-A second family registers its sizes here the same way; nothing else changes.
+Wan sizes are the public diffusers configs (wan-debug is a tiny one for tests); `--model-size` also takes a
+path to a diffusers folder (or a checkpoint converted from one), whose config.json defines the spec.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+from dmd2_mega.models.wan import WAN, WanSpec
 
 
 @dataclass(frozen=True)
@@ -24,19 +27,48 @@ def _dit(name: str, **kw) -> tuple[str, ModelSize]:
     return name, ModelSize(DIT, DiTSpec(name=name, **kw))
 
 
+def _wan(name: str, **kw) -> tuple[str, ModelSize]:
+    return name, ModelSize(WAN, WanSpec(name=name, **kw))
+
+
 MODEL_SIZES: dict[str, ModelSize] = dict([
     _dit("debug", hidden_size=32, num_layers=2, num_heads=4, patch_size=2, freq_dim=32),
     _dit("digits", hidden_size=128, num_layers=4, num_heads=4, patch_size=2, freq_dim=128),
     _dit("600m", hidden_size=1152, num_layers=24, num_heads=16, patch_size=2),
     _dit("2b", hidden_size=2048, num_layers=26, num_heads=16, patch_size=2),
     _dit("8b", hidden_size=4096, num_layers=26, num_heads=32, patch_size=2),
+    # Wan: the sizes of the public diffusers configs (a folder's own config.json is used when given by path)
+    _wan("wan-debug", num_heads=2, head_dim=12, num_layers=2, ffn_dim=48, in_channels=4, out_channels=4,
+         text_dim=16, freq_dim=16),
+    _wan("wan2.1-1.3b", num_heads=12, head_dim=128, num_layers=30, ffn_dim=8960),
+    _wan("wan2.1-14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824),
+    _wan("wan2.2-ti2v-5b", num_heads=24, head_dim=128, num_layers=30, ffn_dim=14336, in_channels=48,
+         out_channels=48),
+    _wan("wan2.2-a14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824,
+         experts=("transformer", "transformer_2")),
 ])
 
 
+def _config_path(name: str):
+    """The diffusers config.json that `--model-size <path>` names (a model folder, a pipeline folder with
+    transformer/, one of our converted checkpoints, or the file itself), or None if `name` is no path."""
+    if not (os.sep in name or os.path.exists(name)):
+        return None
+    for cand in (name, os.path.join(name, "config.json"), os.path.join(name, "transformer", "config.json")):
+        if os.path.isfile(cand):
+            return cand
+    raise ConfigError(f"--model-size {name}: no config.json in that folder (nor in its transformer/)")
+
+
 def get_size(name: str) -> ModelSize:
-    if name not in MODEL_SIZES:
-        raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)}")
-    return MODEL_SIZES[name]
+    """A registered name, or a path to a diffusers config.json (or a folder holding one)."""
+    if name in MODEL_SIZES:
+        return MODEL_SIZES[name]
+    path = _config_path(name)
+    if path is None:
+        raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)} or give a "
+                          f"diffusers model folder with a config.json")
+    return ModelSize(WAN, WanSpec.from_file(path))
 
 
 def get_spec(name: str):

@@ -1,0 +1,334 @@
+"""The Wan family: the Wan 2.1 / 2.2 text-to-video transformer on megatron-core tensor-parallel linears.
+
+The reference is diffusers' `WanTransformer3DModel`; weights convert both ways exactly
+(`models/wan_diffusers.py`). Shapes: x [B, C, T, H, W] -> tokens [B, S, D] with S = (T/pt)(H/ph)(W/pw)
+(frame-major, then row, then column); sigma [B] (model timestep t = 1000 sigma); cond = text embeddings
+[B, L, text_dim] (per token, no pooling). Output: velocity v [B, C, T, H, W] (Wan predicts eps - x0 on
+x_s = (1 - s) x0 + s eps: DESIGN section 1's convention, no adapter).
+
+    tokens  = patch_embedding(patches of x)                       # a Conv3d with kernel = stride = patch, as a linear
+    temb    = time_embedder(sincos(1000 sigma))                   # linear, SiLU, linear              [B, D]
+    mod     = time_proj(silu(temb))  -> [B, 6, D]                 # column-parallel, gathered
+    ctx     = text_embedder(cond)                                 # linear, tanh-GELU, linear        [B, L, D]
+    block:  shift1, scale1, gate1, shift2, scale2, gate2 = scale_shift_table [1, 6, D] + mod (fp32)
+            h = h + gate1 * to_out(attn(qk_norm_rope(to_q(n)), qk_norm_rope(to_k(n)), to_v(n))),
+                n = LN(h) (1 + scale1) + shift1                   # fp32 LayerNorm, no affine
+            h = h + to_out(attn(qk_norm(to_q(LN_affine(h))), qk_norm(to_k(ctx)), to_v(ctx)))
+            h = h + gate2 * fc2(gelu_tanh(fc1(LN(h) (1 + scale2) + shift2)))
+    out     = proj_out(LN(h) (1 + scale) + shift), shift, scale = scale_shift_table [1, 2, D] + temb
+            -> unpatchify (channel-last per patch: [pt, ph, pw, C])
+
+Tensor parallelism: heads are split over TP (to_q / to_k / to_v / fc1 column, to_out / fc2 row). Wan's
+q / k RMSNorm spans ALL heads (the full hidden size), so under TP each rank holds its slice of the norm
+weight and the row's mean square is all-reduced over the TP group inside `kernels.qk_norm_rope` (forward:
+sum of x^2; backward: sum of du * u). The embeddings, the output projection and the modulation tables are
+replicated; time_proj (D -> 6D) is column-parallel and gathered. LayerNorm + modulation is the fused
+`kernels.adaln_modulate`; RMSNorm + 3-D rotary (`models/rope.py`) is the fused `kernels.qk_norm_rope`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+import kernels
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.models import linears
+from dmd2_mega.models.attention import attention, check_backend
+from dmd2_mega.models.embeddings import sincos_1d
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+from dmd2_mega.models.rope import rope_tables
+
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+
+
+@dataclass(frozen=True)
+class WanSpec:
+    """A Wan transformer's sizes: the fields of diffusers' `WanTransformer3DModel` config.json that we support."""
+
+    name: str
+    """The --model-size name, or the folder its config.json came from (named in errors)."""
+    num_heads: int
+    head_dim: int
+    num_layers: int
+    ffn_dim: int
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    patch_size: tuple = (1, 2, 2)
+    cross_attn_norm: bool = True
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+    experts: tuple = field(default=(), compare=False)
+    """Two-expert Wan 2.2 A14B: ('transformer', 'transformer_2'); empty for one model (see registry)."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def __post_init__(self):
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ConfigError(f"{self.name}: attention_head_dim {self.head_dim} must be even and >= 6 (3-D rotary)")
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ConfigError(f"{self.name}: patch_size must be 3 positive ints, got {self.patch_size}")
+        if self.out_channels != self.in_channels:
+            raise ConfigError(f"{self.name}: out_channels {self.out_channels} != in_channels {self.in_channels}; "
+                              f"a velocity model predicts as many channels as it reads")
+
+    def diffusers_config(self) -> dict:
+        """The config.json of the equivalent `WanTransformer3DModel`."""
+        return {"_class_name": DIFFUSERS_CLASS, "patch_size": list(self.patch_size),
+                "num_attention_heads": self.num_heads, "attention_head_dim": self.head_dim,
+                "in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
+                "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.num_layers,
+                "cross_attn_norm": self.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": self.eps,
+                "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": self.rope_max_seq_len,
+                "pos_embed_seq_len": None}
+
+    @classmethod
+    def from_config(cls, config: dict, name: str) -> "WanSpec":
+        """From a diffusers config.json dict; a ConfigError naming `name` for anything we do not build."""
+        cls_name = config.get("_class_name")
+        if cls_name != DIFFUSERS_CLASS:
+            raise ConfigError(f"{name}: config.json describes a {cls_name}, not a {DIFFUSERS_CLASS}")
+        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+            if config.get(key) is not None:
+                raise ConfigError(f"{name}: {key}={config[key]} (an image-to-video Wan) is not supported; "
+                                  f"the Wan family builds the text-to-video transformer")
+        if config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
+            raise ConfigError(f"{name}: qk_norm={config['qk_norm']!r} is not supported (rms_norm_across_heads only)")
+        try:
+            return cls(name=name, num_heads=int(config["num_attention_heads"]),
+                       head_dim=int(config["attention_head_dim"]), num_layers=int(config["num_layers"]),
+                       ffn_dim=int(config["ffn_dim"]), in_channels=int(config["in_channels"]),
+                       out_channels=int(config.get("out_channels") or config["in_channels"]),
+                       text_dim=int(config["text_dim"]), freq_dim=int(config["freq_dim"]),
+                       patch_size=tuple(int(p) for p in config["patch_size"]),
+                       cross_attn_norm=bool(config.get("cross_attn_norm", True)), eps=float(config.get("eps", 1e-6)),
+                       rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)))
+        except KeyError as e:
+            raise ConfigError(f"{name}: config.json lacks {e.args[0]!r}, which a {DIFFUSERS_CLASS} needs") from None
+
+    @classmethod
+    def from_file(cls, path: str) -> "WanSpec":
+        try:
+            with open(path) as f:
+                return cls.from_config(json.load(f), os.path.dirname(path) or path)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read a diffusers config.json ({e})") from None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tp_group(tp_size: int):
+    return mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
+
+
+class QKNorm(nn.Module):
+    """RMSNorm across all heads (+ optional rotary): the local slice [HL] of the full-width weight; the mean
+    square is reduced over the TP group (`kernels.qk_norm_rope`)."""
+
+    def __init__(self, width_local: int, head_dim: int, eps: float, tp_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width_local))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)  # split like the heads (as megatron's linears)
+        self.head_dim, self.eps, self.tp_size = head_dim, eps, tp_size
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        cos, sin = rope if rope is not None else (None, None)
+        return kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
+
+
+class WanAttention(nn.Module):
+    """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads."""
+
+    def __init__(self, spec: WanSpec, mcfg, tp_size: int, impl: str, backend: str):
+        super().__init__()
+        d = spec.hidden_size
+        self.local_heads, self.head_dim, self.backend = spec.num_heads // tp_size, spec.head_dim, backend
+        xavier = nn.init.xavier_uniform_
+        self.to_q = linears.column(d, d, mcfg, xavier, impl)
+        self.to_k = linears.column(d, d, mcfg, xavier, impl)
+        self.to_v = linears.column(d, d, mcfg, xavier, impl)
+        self.to_out = linears.row(d, d, mcfg, xavier, impl)
+        width = d // tp_size
+        self.norm_q = QKNorm(width, spec.head_dim, spec.eps, tp_size)
+        self.norm_k = QKNorm(width, spec.head_dim, spec.eps, tp_size)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # [B, heads_local, S, d]
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor, rope=None) -> torch.Tensor:
+        q = self.norm_q(self.to_q(x), rope)
+        k = self.norm_k(self.to_k(kv), rope)
+        a = attention(self._heads(q), self._heads(k), self._heads(self.to_v(kv)), self.backend)
+        return self.to_out(a.transpose(1, 2).flatten(2))
+
+
+class WanBlock(nn.Module):
+    def __init__(self, spec: WanSpec, mcfg, tp_size: int, impl: str, backend: str):
+        super().__init__()
+        d = spec.hidden_size
+        self.eps = spec.eps
+        self.attn1 = WanAttention(spec, mcfg, tp_size, impl, backend)
+        self.attn2 = WanAttention(spec, mcfg, tp_size, impl, backend)
+        self.norm2 = nn.LayerNorm(d, eps=spec.eps) if spec.cross_attn_norm else None
+        xavier = nn.init.xavier_uniform_
+        self.fc1 = linears.column(d, spec.ffn_dim, mcfg, xavier, impl)
+        self.fc2 = linears.row(spec.ffn_dim, d, mcfg, xavier, impl)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
+
+    def forward(self, h: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + mod.float()).unbind(1)
+        n = kernels.adaln_modulate(h, shift1, scale1, eps=self.eps)
+        h = (h.float() + self.attn1(n, n, rope) * gate1[:, None]).type_as(h)
+        n = h if self.norm2 is None else F.layer_norm(h.float(), h.shape[-1:], self.norm2.weight.float(),
+                                                      self.norm2.bias.float(), self.eps).type_as(h)
+        h = h + self.attn2(n, ctx)
+        n = kernels.adaln_modulate(h, shift2, scale2, eps=self.eps)
+        m = self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
+        return (h.float() + m.float() * gate2[:, None]).type_as(h)
+
+
+class ConditionEmbedder(nn.Module):
+    """Timestep -> (temb [B, D], mod [B, 6, D]); text [B, L, text_dim] -> ctx [B, L, D]. Names follow diffusers'."""
+
+    def __init__(self, spec: WanSpec, mcfg):
+        super().__init__()
+        d = spec.hidden_size
+        self.freq_dim = spec.freq_dim
+        self.time_embedder = nn.Sequential(nn.Linear(spec.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_proj = linears.column(d, 6 * d, mcfg, nn.init.xavier_uniform_, gather_output=True)
+        self.text_embedder = nn.Sequential(nn.Linear(spec.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+        for lin in (*self.time_embedder[::2], *self.text_embedder[::2]):
+            nn.init.xavier_uniform_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, sigma: torch.Tensor, cond: torch.Tensor):
+        w = self.time_embedder[0].weight
+        temb = self.time_embedder(sincos_1d(sigma * 1000.0, self.freq_dim).to(w.dtype))
+        mod = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+        return temb, mod, self.text_embedder(cond.to(self.text_embedder[0].weight.dtype))
+
+
+class Wan(FamilyModel):
+    """The Wan family's model (module docstring); built by `build_wan` / `registry.build_model`."""
+
+    def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
+        super().__init__()
+        check_backend(options.attention_backend)
+        if options.transformer_impl == "transformer_engine":
+            linears.require_transformer_engine()
+        check_shape(spec, shape, tp_size)
+        self.spec, self.shape, self.options, self.tp_size = spec, shape, options, tp_size
+        self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
+        d, patch = spec.hidden_size, spec.patch_size
+        mcfg = linears.megatron_config(d, spec.num_layers, spec.num_heads, tp_size)
+        self.patch_embedding = nn.Linear(spec.in_channels * math.prod(patch), d)
+        nn.init.xavier_uniform_(self.patch_embedding.weight)
+        nn.init.zeros_(self.patch_embedding.bias)
+        self.condition_embedder = ConditionEmbedder(spec, mcfg)
+        impl, backend = options.transformer_impl, options.attention_backend
+        self.blocks = nn.ModuleList(WanBlock(spec, mcfg, tp_size, impl, backend) for _ in range(spec.num_layers))
+        self.proj_out = nn.Linear(d, spec.out_channels * math.prod(patch))
+        nn.init.zeros_(self.proj_out.weight)
+        nn.init.zeros_(self.proj_out.bias)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d ** 0.5)
+        # CFG's negative branch: the negative-prompt embedding stored with the data (`set_negative`), else zeros
+        self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
+
+    def set_negative(self, emb: torch.Tensor) -> None:
+        """The negative-prompt embedding [L, text_dim] CFG uses as the negative condition."""
+        if tuple(emb.shape) != tuple(self.negative.shape):
+            raise ConfigError(f"negative-prompt embedding has shape {list(emb.shape)}, the model takes text "
+                              f"embeddings {list(self.negative.shape)}")
+        self.negative.copy_(emb)
+
+    def null_cond(self, n: int, device) -> torch.Tensor:
+        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
+
+    def _grid(self, x: torch.Tensor) -> tuple[int, int, int]:
+        if x.dim() != 5:
+            raise ValueError(f"Wan takes latents [B, C, T, H, W], got shape {tuple(x.shape)}")
+        return tuple(n // p for n, p in zip(x.shape[2:], self.spec.patch_size))
+
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
+        """(tokens [B, S, D], ctx [B, L, D], temb [B, D], mod [B, 6, D], rope (cos, sin) [S, d/2])."""
+        b, c = x.shape[:2]
+        (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
+        x = x.to(self.patch_embedding.weight.dtype)
+        patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
+        cos, sin = rope_tables((f, hh, ww), self.spec.head_dim)
+        temb, mod, ctx = self.condition_embedder(sigma, cond)
+        return self.patch_embedding(patches), ctx, temb, mod, (cos.to(x.device), sin.to(x.device))
+
+    def _block(self, i: int, h, ctx, mod, rope):
+        blk = self.blocks[i]
+        if self.options.recompute and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, use_reentrant=False)
+        return blk(h, ctx, mod, rope)
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        if not 0 <= layer < len(self.blocks):
+            raise IndexError(f"feature layer {layer} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
+        h, ctx, _, mod, rope = self._embed(x, sigma, cond)
+        for i in range(layer + 1):
+            h = self._block(i, h, ctx, mod, rope)
+        return h.mean(dim=1)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """v [B, C, T, H, W]."""
+        b, c = x.shape[:2]
+        (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
+        h, ctx, temb, mod, rope = self._embed(x, sigma, cond)
+        for i in range(len(self.blocks)):
+            h = self._block(i, h, ctx, mod, rope)
+        shift, scale = (self.scale_shift_table + temb.float()[:, None]).unbind(1)
+        out = self.proj_out(kernels.adaln_modulate(h, shift, scale, eps=self.spec.eps))
+        out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return out.reshape(b, c, f * pt, hh * ph, ww * pw)
+
+
+def check_shape(spec: WanSpec, shape: DataShape, tp_size: int) -> None:
+    """ConfigError naming the flag or size for a data shape / TP size this spec cannot take."""
+    if spec.num_heads % tp_size:
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention heads "
+                          f"({spec.num_heads}) of --model-size {spec.name}")
+    if spec.ffn_dim % tp_size:
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide ffn_dim {spec.ffn_dim} of "
+                          f"--model-size {spec.name}")
+    if shape.cond_shape is None or len(shape.cond_shape) != 2:
+        raise ConfigError(f"--model-size {spec.name} (Wan) takes text embeddings [L, {spec.text_dim}] per sample; "
+                          f"the data has {'class labels' if shape.cond_shape is None else list(shape.cond_shape)}")
+    if shape.cond_shape[-1] != spec.text_dim:
+        raise ConfigError(f"the data's text embeddings are {shape.cond_shape[-1]} wide, but --model-size "
+                          f"{spec.name} has text_dim {spec.text_dim}")
+    if shape.in_channels != spec.in_channels:
+        raise ConfigError(f"the data's latents have {shape.in_channels} channels, but --model-size {spec.name} "
+                          f"takes in_channels {spec.in_channels}")
+    if len(shape.spatial) != 3:
+        raise ConfigError(f"--model-size {spec.name} (Wan) takes video latents [C, T, H, W]; the data's are "
+                          f"{[shape.in_channels, *shape.spatial]}")
+    for n, p, what in zip(shape.spatial, spec.patch_size, ("frames", "height", "width")):
+        if n % p:
+            raise ConfigError(f"latent {what} {n} is not a multiple of the patch size {p} of --model-size {spec.name}")
+        if n // p > spec.rope_max_seq_len:
+            raise ConfigError(f"latent {what} {n} gives {n // p} positions, more than rope_max_seq_len "
+                              f"{spec.rope_max_seq_len} of --model-size {spec.name}")
+
+
+def build_wan(spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()) -> Wan:
+    return Wan(spec, shape, tp_size, options)
+
+
+WAN = ModelFamily("wan", build_wan)

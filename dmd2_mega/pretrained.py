@@ -1,0 +1,192 @@
+"""Real checkpoints in and out: diffusers folders <-> our Megatron checkpoints, and a notebook API.
+
+    import_diffusers(src, save, tp_size)   a diffusers WanTransformer3DModel folder (or a pipeline folder holding
+                                           one in transformer/) -> a teacher checkpoint at TP=tp_size that
+                                           --teacher-load / --critic-load / --student-load accept; the folder's
+                                           config.json is copied to <save>/config.json so `--model-size <save>`
+                                           builds the same spec
+    export_diffusers(load, out, ema=True)  any of our Wan checkpoints (any TP; the student's EMA if it has one)
+                                           -> out/transformer/ (WanTransformer3DModel.from_pretrained loads it),
+                                           out/scheduler/scheduler_config.json (the student's few-step sigmas)
+                                           and out/README.md (how to run it in WanPipeline)
+    load_model(path)                       a diffusers folder or one of our checkpoints -> a TP=1 fp32 CPU model,
+                                           model(x, sigma, cond) -> velocity (DESIGN section 1)
+
+Streaming: the import reads one safetensors shard at a time into one full copy (our layout), then writes each
+TP rank's slice; nothing is written until every tensor has been read and checked, so a bad folder leaves no
+checkpoint behind. The TP split of each parameter comes from the model built on the meta device (no memory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dmd2_mega.atomic import atomic_write
+from dmd2_mega.checkpoint import TRACKER, load_model_weights, load_payload, save_offline
+from dmd2_mega.config import ParallelConfig
+from dmd2_mega.errors import CheckpointError, ConfigError
+from dmd2_mega.models import DataShape, FamilyModel, ModelSize, get_size
+from dmd2_mega.models.wan import WAN, Wan, WanSpec
+from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
+from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
+
+TEXT_LEN = 512
+"""Wan's text length (UMT5 tokens, zero-padded): the negative buffer's length when no data gives one."""
+
+
+def _wan_shape(spec: WanSpec) -> DataShape:
+    return DataShape(spec.in_channels, spec.patch_size, cond_shape=(TEXT_LEN, spec.text_dim))
+
+
+def _extra_states(model: torch.nn.Module) -> dict:
+    """The non-tensor `_extra_state` entries megatron-core's linears add to a state dict (None here)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+
+
+def _meta_model(spec: WanSpec) -> Wan:
+    with torch.device("meta"):
+        return Wan(spec, _wan_shape(spec), 1)
+
+
+def _one_process() -> ParallelState:
+    return ParallelState(rank=0, world_size=1, local_rank=0, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1,
+                         device=torch.device("cpu"), backend="gloo")
+
+
+def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: str = "transformer",
+                     log=print) -> dict:
+    """Convert (module docstring); returns {"spec", "parameters", "files"}."""
+    folder = model_dir(src, subfolder)
+    spec = WanSpec.from_config(read_config(folder), folder)
+    if spec.num_heads % tp_size or spec.ffn_dim % tp_size:
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
+                          f"and ffn_dim {spec.ffn_dim} of {folder}")
+    if os.path.exists(os.path.join(save, TRACKER)):
+        raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
+    meta = _meta_model(spec)
+    expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
+    log(f"> reading {folder} ({spec.num_layers} layers, {spec.num_heads} heads x {spec.head_dim}, "
+        f"{sum(map(_numel, expected.values())):,} parameters)")
+    state = read_state(folder, spec, expected)
+    args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(folder)}
+    payloads = []
+    for r in range(tp_size):
+        shard = {n: (t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r]).clone() for n, t in state.items()}
+        payloads.append({"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size, "iteration": 0,
+                         "role": "teacher", "family": "wan", "args": args, "data_info": None,
+                         "checkpoint_version": 1})
+    os.makedirs(save, exist_ok=True)
+    shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(save, "config.json"))
+    final = save_offline(save, 0, payloads)
+    log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
+    return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def checkpoint_spec(root: str, payload: dict) -> ModelSize:
+    """(family, spec) of one of our checkpoints: <root>/config.json if present, else its --model-size."""
+    if os.path.isfile(os.path.join(root, "config.json")):
+        return get_size(root)
+    size = ((payload.get("args") or {}).get("model") or {}).get("size")
+    if not size:
+        raise CheckpointError(f"{root}: the checkpoint records no --model-size and has no config.json")
+    return get_size(size)
+
+
+def _read_ours(root: str, flag: str) -> dict:
+    payload = load_payload(root, _one_process(), flag=flag)  # every TP shard joined into TP=1
+    if payload is None:
+        raise CheckpointError(f"{flag} {root} holds no checkpoint (no {TRACKER})")
+    return payload
+
+
+def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
+    """Export (module docstring); returns {"weights": "ema" | "model", "sigmas": [...] or None}."""
+    payload = _read_ours(load, "--load")
+    size = checkpoint_spec(load, payload)
+    family, spec = size.family, size.spec
+    if family is not WAN:
+        raise ConfigError(f"--load {load} holds a {family.name} model; --to-diffusers exports the Wan family")
+    which = "ema" if ema and "ema" in payload else "model"
+    state = {n: t for n, t in payload[which].items() if not n.endswith("_extra_state")}
+    expected = {n: tuple(p.shape) for n, p in _meta_model(spec).named_parameters()}
+    extra = sorted(set(state) - set(expected))
+    if extra or set(expected) - set(state):
+        raise CheckpointError(f"--load {load}: its weights do not form a Wan transformer of its config "
+                              f"(unexpected {extra[:3]}, missing {sorted(set(expected) - set(state))[:3]}); "
+                              f"export the student (--save), not the critic")
+    if os.path.exists(os.path.join(out, "transformer", "config.json")):
+        raise ConfigError(f"--to-diffusers {out} holds a transformer/ already; export into a new directory")
+    write_folder(os.path.join(out, "transformer"), state, spec)
+    sigmas = payload.get("student_sigmas")
+    _write_scheduler(os.path.join(out, "scheduler"), sigmas)
+    atomic_write(os.path.join(out, "README.md"), lambda f: f.write(_readme(load, which, sigmas)), text=True)
+    log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
+        f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
+    return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
+
+
+def _write_scheduler(folder: str, sigmas: Optional[list]) -> None:
+    """FlowMatchEulerDiscreteScheduler with stochastic sampling: each step predicts x0 and re-noises it to the next
+    sigma with fresh noise, the DMD2 student's sampler; `sigmas` is the student's schedule (None: a teacher)."""
+    cfg = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+           "use_dynamic_shifting": False, "stochastic_sampling": sigmas is not None}
+    if sigmas is not None:
+        cfg["dmd2_student_sigmas"] = [float(s) for s in sigmas]
+    atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
+
+
+def _readme(load: str, which: str, sigmas) -> str:
+    steps = len(sigmas) if sigmas else 50
+    sig = f"sigmas={[round(float(s), 6) for s in sigmas]}" if sigmas else "num_inference_steps=50"
+    return f"""# Exported by dmd2-mega from {load} ({which} weights)
+
+```python
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", torch_dtype=torch.bfloat16)
+scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")
+pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", transformer=transformer, scheduler=scheduler,
+                                   torch_dtype=torch.bfloat16).to("cuda")
+# {steps} steps, no CFG (the student was distilled with the teacher's guidance)
+video = pipe(prompt="...", guidance_scale=1.0, {sig}).frames[0]
+```
+"""
+
+
+def _ensure_world() -> None:
+    """megatron-core's linears need its parallel state even at TP=1: a world of one if none exists."""
+    if not dist.is_initialized():
+        init_distributed(ParallelConfig())
+
+
+def load_model(path: str, ema: bool = True) -> FamilyModel:
+    """A diffusers folder or one of our checkpoints -> TP=1 fp32 CPU model in eval mode (module docstring)."""
+    _ensure_world()
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        payload = _read_ours(path, "load_model")
+        size = checkpoint_spec(path, payload)
+        family, spec = size.family, size.spec
+        info = payload.get("data_info")
+        model = family.build(spec, _wan_shape(spec) if info is None else DataShape.from_info(info), 1)
+        state = payload["ema"] if ema and "ema" in payload else payload["model"]
+        load_model_weights(model, state, path)
+        return model.float().eval()
+    folder = model_dir(path)
+    spec = WanSpec.from_config(read_config(folder), folder)
+    model = Wan(spec, _wan_shape(spec), 1)
+    state = read_state(folder, spec, {n: tuple(p.shape) for n, p in model.named_parameters()})
+    load_model_weights(model, {**state, **_extra_states(model)}, folder)
+    return model.float().eval()

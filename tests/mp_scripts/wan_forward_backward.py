@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""One forward + backward of a converted Wan checkpoint at the current TP degree; rank 0 saves full tensors.
+
+    torchrun --standalone --nproc-per-node 2 tests/mp_scripts/wan_forward_backward.py \
+        --ckpt CKPT --inputs inputs.pt --out out.pt [--bf16]
+
+CKPT is one of our checkpoints converted from a diffusers folder (`pretrained.import_diffusers`, any TP);
+`--model-size CKPT` builds it from its config.json, `load_payload` reshards it to this run's TP. inputs.pt holds
+x [B, C, T, H, W], sigma [B], cond [B, L, D] and target (same shape as x); the loss is
+mean((model(x, sigma, cond) - target)^2). Saved: output, loss, and every parameter's gradient all-gathered to
+its full TP=1 tensor (keyed by our parameter names).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
+from dmd2_mega.config import ParallelConfig  # noqa: E402
+from dmd2_mega.models import DataShape, build_model  # noqa: E402
+from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+
+
+def full(t: torch.Tensor, dim, ps) -> torch.Tensor:
+    if dim is None or ps.tp_size == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(ps.tp_size)]
+    dist.all_gather(parts, t.detach().contiguous(), group=ps.tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--inputs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--bf16", action="store_true")
+    a = p.parse_args()
+    ps = init_distributed(ParallelConfig(tensor_model_parallel_size=int(os.environ.get("WORLD_SIZE", "1"))))
+    try:
+        inp = torch.load(a.inputs)
+        x, sigma, cond, target = inp["x"], inp["sigma"], inp["cond"], inp["target"]
+        shape = DataShape(x.shape[1], tuple(x.shape[2:]), cond_shape=tuple(cond.shape[1:]))
+        model = build_model(a.ckpt, shape, tp_size=ps.tp_size)
+        load_model_weights(model, load_payload(a.ckpt, ps, flag="--ckpt")["model"], a.ckpt)
+        if a.bf16:
+            model = model.to(torch.bfloat16)
+        out = model(x, sigma, cond)
+        loss = ((out.float() - target) ** 2).mean()
+        loss.backward()
+        grads = {n: full(q.grad.float(), tp_partition_dim(q), ps) for n, q in model.named_parameters()}
+        if ps.rank == 0:
+            torch.save({"out": out.detach().float(), "loss": loss.detach(), "grads": grads}, a.out)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
