@@ -144,24 +144,28 @@ def _write_scheduler(folder: str, sigmas: Optional[list]) -> None:
     cfg = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
            "use_dynamic_shifting": False, "stochastic_sampling": sigmas is not None}
     if sigmas is not None:
-        cfg["dmd2_student_sigmas"] = [float(s) for s in sigmas]
+        cfg["_dmd2_student_sigmas"] = [float(s) for s in sigmas]  # "_": diffusers' config reader skips it quietly
     atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
 
 
 def _readme(load: str, which: str, sigmas) -> str:
     steps = len(sigmas) if sigmas else 50
-    sig = f"sigmas={[round(float(s), 6) for s in sigmas]}" if sigmas else "num_inference_steps=50"
+    sig = f"sigmas={[float(s) for s in sigmas]}" if sigmas else "num_inference_steps=50"
     return f"""# Exported by dmd2-mega from {load} ({which} weights)
 
 ```python
+import functools
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", torch_dtype=torch.bfloat16)
 scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")
 pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", transformer=transformer, scheduler=scheduler,
                                    torch_dtype=torch.bfloat16).to("cuda")
-# {steps} steps, no CFG (the student was distilled with the teacher's guidance)
-video = pipe(prompt="...", guidance_scale=1.0, {sig}).frames[0]
+# WanPipeline calls scheduler.set_timesteps(num_inference_steps): pin it to the student's own sigmas
+pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, {sig})
+# {steps} steps, no CFG (the student was distilled with the teacher's guidance); the scheduler predicts x0 and
+# re-noises it to the next sigma with fresh noise (stochastic_sampling), the DMD2 student's sampler
+video = pipe(prompt="...", guidance_scale=1.0, num_inference_steps={steps}).frames[0]
 ```
 """
 
@@ -181,7 +185,7 @@ def load_model(path: str, ema: bool = True) -> FamilyModel:
         family, spec = size.family, size.spec
         info = payload.get("data_info")
         model = family.build(spec, _wan_shape(spec) if info is None else DataShape.from_info(info), 1)
-        state = payload["ema"] if ema and "ema" in payload else payload["model"]
+        state = {**payload["model"], **payload["ema"]} if ema and "ema" in payload else payload["model"]
         load_model_weights(model, state, path)
         return model.float().eval()
     folder = model_dir(path)

@@ -70,7 +70,7 @@ class FlowTrainer(RunStateTrainer):
             lock_run_dirs([("--save", t.save)], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
-        self.model = cast_model(build_model(cfg.model, self.info, ps), cfg.optim.bf16)
+        self.model = cast_model(build_model(cfg.model, self.info, ps, negative=self.dataset.negative), cfg.optim.bf16)
         nparams = count_parameters(self.model, ps.tp_group, ps.device)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
                     f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "

@@ -5,8 +5,10 @@
         --out runs/samples            # -> runs/samples/samples.npz + runs/samples/grid.png
     torchrun --nproc-per-node 2 launch/sample.py ... --tensor-model-parallel-size 2
 
-samples.npz: `images` float32 [N, C, H, W] in [-1, 1], `labels` int64 [N] (class-balanced,
-0..K-1 repeated; for embedding-conditioned models the first N conditions of --data).
+samples.npz: `images` float32 [N, C, H, W] in [-1, 1] (video latents [N, C, T, H, W]: no grid.png), `labels`
+int64 [N] (class-balanced, 0..K-1 repeated; for embedding-conditioned models the first N conditions of --data,
+whose negative-prompt embedding is CFG's negative branch). A Wan teacher converted from diffusers records no
+data: --data is required, and --shift defaults to 1 (Wan's pipelines sample 480p with 3.0, 720p with 5.0).
 The checkpoint may have been saved at any TP degree; weights are resharded on load. A DMD2 student
 (`launch/pretrain_dmd2.py --save`) samples on the grid saved in its checkpoint unless --steps N is
 given (then the N-point grid, shifted), and with the EMA weights saved beside it (--ema-decay)
@@ -25,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dmd2_mega.atomic import atomic_write  # noqa: E402
-from dmd2_mega.builders import build_model, cast_model  # noqa: E402
+from dmd2_mega.builders import build_model, cast_model, data_info  # noqa: E402
 from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
@@ -107,17 +109,26 @@ def sample(a: argparse.Namespace) -> None:
     ps = init_distributed(ParallelConfig(a.tensor_model_parallel_size), seed=a.seed)
     payload = load_payload(a.load, ps, a.iteration)
     args, info = payload["args"], payload["data_info"]
-    model = build_model(ModelConfig(**args["model"]), info, ps)
+    data = a.data or (args.get("train") or {}).get("data")
+    dataset = None
+    if info is None or info["num_classes"] is None:  # text conditions (and a converted teacher's data shape)
+        if data is None:
+            raise ConfigError(f"--load {a.load} was converted from diffusers and records no data: give --data DIR "
+                              f"(the text embeddings to sample, and the latent shape)")
+        dataset = build_dataset(data)
+        info = info or data_info(dataset)
+    model = build_model(ModelConfig(size=args["model"]["size"]), info, ps,
+                        negative=dataset.negative if dataset is not None else None)
     state, weights = payload["model"], "raw weights"
     if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
         state, weights = {**state, **payload["ema"]}, "EMA weights"
     load_model_weights(model, state, f"--load {a.load}")
     model = cast_model(model, a.bf16)
-    shift = a.shift if a.shift is not None else args["train"]["timestep_shift"]
+    shift = a.shift if a.shift is not None else (args.get("train") or {}).get("timestep_shift", 1.0)
     if info["num_classes"] is not None:
         cond = torch.arange(a.num_samples) % info["num_classes"]
     else:
-        cond = eval_conditions(build_dataset(a.data or args["train"]["data"]), a.num_samples)
+        cond = eval_conditions(dataset, a.num_samples)
     shape = DataShape.from_info(info).sample_shape
     dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
     if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
@@ -138,9 +149,11 @@ def sample(a: argparse.Namespace) -> None:
         atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
             f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
         k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
-        grid = save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
-        print(f"> wrote {a.num_samples} samples (iteration {payload['iteration']}, {weights}, {a.steps} steps, "
-              f"guidance {a.guidance}) to {a.out}/samples.npz and {grid}", flush=True)
+        grid = (save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
+                if images.dim() == 4 else None)  # video latents: decoded with a VAE, not gridded here
+        print(f"> wrote {a.num_samples} samples {list(images.shape[1:])} (iteration {payload['iteration']}, "
+              f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
+              + (f" and {grid}" if grid else ""), flush=True)
 
 
 if __name__ == "__main__":

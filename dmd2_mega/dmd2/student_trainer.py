@@ -120,7 +120,7 @@ class DMD2Trainer(RunStateTrainer):
         """The role's model with its init weights: --<name>-load, else the teacher's. With --dmd2-gan the
         critic is a GANCritic: a critic saved with its head loads whole, else the head is fresh."""
         cfg, ps, d = self.cfg, self.ps, self.cfg.dmd2
-        model = build_model(cfg.model, self.info, ps)
+        model = build_model(cfg.model, self.info, ps, negative=self.dataset.negative)
         own = {"teacher": d.teacher_load, "student": d.student_load, "critic": d.critic_load}[name]
         source = own or d.teacher_load
         flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"
@@ -166,9 +166,7 @@ class DMD2Trainer(RunStateTrainer):
         if ps.device.type != "cuda":
             return frozenset(), "on a CPU there is no device memory to save"
         gib = d.gpu_memory_gb or torch.cuda.get_device_properties(ps.device).total_memory / 2**30
-        ms = mp.model_shape(self.cfg.model.size, info["in_channels"], info["image_size"],
-                            num_classes=info["num_classes"] if info["cond_shape"] is None else None,
-                            cond_shape=info["cond_shape"])
+        ms = mp.model_shape_from_info(self.cfg.model.size, info)
         plan = mp.plan_cycle(ms, tp=ps.tp_size, dp=ps.dp_size, micro=t.micro_batch_size,
                              steps=d.critic_steps_per_rollout, denoise=len(self.settings.student_sigmas),
                              bf16=self.cfg.optim.bf16, recompute=self.cfg.model.recompute_granularity == "full",

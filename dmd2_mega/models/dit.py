@@ -109,6 +109,8 @@ class DiT(FamilyModel):
         self.register_buffer("pos", sincos_2d(image_size // p, h), persistent=False)
         self.t_embed = TimestepEmbedder(h, spec.freq_dim)
         self.y_embed = LabelEmbedder(num_classes, h) if num_classes is not None else TextEmbedder(cond_shape, h)
+        if cond_shape is not None:  # text: the negative-prompt embedding (`set_negative`), zeros until set
+            self.register_buffer("negative", torch.zeros(cond_shape), persistent=False)
         self.blocks = nn.ModuleList(DiTBlock(spec, mcfg, tp_size, options.transformer_impl, options.attention_backend)
                                     for _ in range(spec.num_layers))
         self.final_adaln = linears.column(h, 2 * h, mcfg, nn.init.zeros_, gather_output=True)
@@ -119,7 +121,7 @@ class DiT(FamilyModel):
     def null_cond(self, n: int, device) -> torch.Tensor:
         if self.num_classes is not None:
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
-        return torch.zeros((n, *self.cond_shape), device=device)
+        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.cond_shape)
 
     def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
         """(tokens h [B, S, hidden], conditioning c [B, hidden])."""

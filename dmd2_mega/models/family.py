@@ -12,7 +12,8 @@ a `FamilyModel`:
         token mean of block `layer`'s output (0 <= layer < num_feature_layers; the blocks after it
         are not run): what DMD2's GAN head reads.
     null_cond(n, device) -> [n, ...]
-        the negative / null condition of classifier-free guidance.
+        the negative / null condition of classifier-free guidance: the learned null class, or for text the
+        negative-prompt embedding given by `set_negative` (the data's; zeros until then).
     tp_split() -> {parameter name: dim it is split along across TP ranks, or None if replicated}
         what checkpoints reshard and the optimizer's gradient norm counts once.
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.parallel import tp_partition_dim
 
 
@@ -92,6 +94,17 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def null_cond(self, n: int, device) -> torch.Tensor:
         """The negative / null condition of n samples."""
+
+    def set_negative(self, emb: torch.Tensor) -> None:
+        """CFG's negative condition for text models: the data's negative-prompt embedding [*cond_shape] (held in
+        the `negative` buffer that `null_cond` expands; zeros until set)."""
+        neg = getattr(self, "negative", None)
+        if neg is None:
+            raise ConfigError("a class-conditional model has a learned null class, not a negative-prompt embedding")
+        if tuple(emb.shape) != tuple(neg.shape):
+            raise ConfigError(f"the negative-prompt embedding has shape {list(emb.shape)}, but the model takes text "
+                              f"embeddings {list(neg.shape)}")
+        neg.copy_(emb)
 
     def tp_split(self) -> dict:
         return {name: tp_partition_dim(p) for name, p in self.named_parameters()}

@@ -247,13 +247,6 @@ class Wan(FamilyModel):
         # CFG's negative branch: the negative-prompt embedding stored with the data (`set_negative`), else zeros
         self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
 
-    def set_negative(self, emb: torch.Tensor) -> None:
-        """The negative-prompt embedding [L, text_dim] CFG uses as the negative condition."""
-        if tuple(emb.shape) != tuple(self.negative.shape):
-            raise ConfigError(f"negative-prompt embedding has shape {list(emb.shape)}, the model takes text "
-                              f"embeddings {list(self.negative.shape)}")
-        self.negative.copy_(emb)
-
     def null_cond(self, n: int, device) -> torch.Tensor:
         return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
 
