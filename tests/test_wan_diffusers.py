@@ -25,7 +25,7 @@ from diffusers import WanTransformer3DModel  # noqa: E402
 
 from dmd2_mega.models import DataShape, build_model  # noqa: E402
 from dmd2_mega.models.wan_diffusers import diffusers_name, our_name  # noqa: E402
-from dmd2_mega.pretrained import export_diffusers, import_diffusers, load_model  # noqa: E402
+from dmd2_mega.pretrained import load_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
