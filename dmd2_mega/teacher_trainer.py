@@ -31,7 +31,7 @@ from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.eval.digits import evaluate_digits
-from dmd2_mega.eval.grid import save_grid
+from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
@@ -154,8 +154,9 @@ class FlowTrainer(RunStateTrainer):
         result = {}
         if out_dir:
             labels = cond if cond.dim() == 1 else None
-            path = save_grid(images[:100], labels[:100] if labels is not None else None,
-                             os.path.join(out_dir, "samples", f"iter_{self.iteration:07d}.png"))
+            png = os.path.join(out_dir, "samples", f"iter_{self.iteration:07d}.png")
+            path = (save_video_grid(images[:16], png) if images.dim() == 5 else
+                    save_grid(images[:100], labels[:100] if labels is not None else None, png))
             result["grid"] = path
         if t.data == "digits":
             result.update(evaluate_digits(images, cond))

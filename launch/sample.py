@@ -5,7 +5,8 @@
         --out runs/samples            # -> runs/samples/samples.npz + runs/samples/grid.png
     torchrun --nproc-per-node 2 launch/sample.py ... --tensor-model-parallel-size 2
 
-samples.npz: `images` float32 [N, C, H, W] in [-1, 1] (video latents [N, C, T, H, W]: no grid.png), `labels`
+samples.npz: `images` float32 [N, C, H, W] in [-1, 1] (video latents [N, C, T, H, W]; their grid.png has one row
+per sample, frames along it, channel 0), `labels`
 int64 [N] (class-balanced, 0..K-1 repeated; for embedding-conditioned models the first N conditions of --data,
 whose negative-prompt embedding is CFG's negative branch). A Wan teacher converted from diffusers records no
 data: --data is required, and --shift defaults to 1 (Wan's pipelines sample 480p with 3.0, 720p with 5.0).
@@ -32,7 +33,7 @@ from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_model_weights,
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
-from dmd2_mega.eval.grid import save_grid  # noqa: E402
+from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
 from dmd2_mega.flow import student_sigmas  # noqa: E402
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
@@ -149,11 +150,12 @@ def sample(a: argparse.Namespace) -> None:
         atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
             f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
         k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
-        grid = (save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, os.path.join(a.out, "grid.png"))
-                if images.dim() == 4 else None)  # video latents: decoded with a VAE, not gridded here
+        png = os.path.join(a.out, "grid.png")
+        grid = (save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, png) if images.dim() == 4
+                else save_video_grid(images[:16], png))  # video: one row per sample, frames along it
         print(f"> wrote {a.num_samples} samples {list(images.shape[1:])} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
-              + (f" and {grid}" if grid else ""), flush=True)
+              + f" and {grid}", flush=True)
 
 
 if __name__ == "__main__":

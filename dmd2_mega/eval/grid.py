@@ -9,6 +9,7 @@ the samples of class c in their input order along row c, columns = the largest c
 empty cells stay black. Without labels: a near-square grid, ceil(sqrt(N)) columns, row-major.
 The PNG is (rows * H * upscale) high and (cols * W * upscale) wide, written to a temporary
 file in the target directory and renamed, so a reader never sees a half-written image.
+`save_video_grid` lays videos [N, C, T, H, W] out one per row, frames along the row.
 """
 from __future__ import annotations
 
@@ -69,3 +70,14 @@ def save_grid(images, labels, path, num_classes: int | None = None, upscale: int
     path = os.fspath(path)
     atomic_write(path, lambda f: im.save(f, format="PNG"))
     return path
+
+
+def save_video_grid(videos, path, upscale: int = 4) -> str:
+    """Write videos [N, C, T, H, W] in [-1, 1] as a PNG: one row per video, its T frames left to right (channel
+    rules as `save_grid`; for latents, a look at channel 0 until they are decoded with a VAE)."""
+    v = torch.as_tensor(_to_numpy(videos))
+    if v.dim() != 5:
+        raise EvalInputError(f"save_video_grid: videos must be [N, C, T, H, W], got shape {tuple(v.shape)}")
+    n, c, t, h, w = v.shape
+    frames = v.transpose(1, 2).reshape(n * t, c, h, w)
+    return save_grid(frames, torch.arange(n).repeat_interleave(t), path, num_classes=n, upscale=upscale)
