@@ -1,6 +1,11 @@
-"""Per-rank memory and FLOP maths of the DiT and of one DMD2 cycle (behind `launch/plan_memory.py`).
+"""Per-rank memory and FLOP maths of the model families and of one DMD2 cycle (behind `launch/plan_memory.py`).
 
-Notation: hidden h, layers L, heads a, patch p, channels C, image side H, tokens S = (H / p)^2,
+`ModelShape` is a model of either family (DiT or Wan, told apart by its spec) on one data shape; `model_shape`
+builds it from flags and `model_shape_from_info` from a checkpoint's `data_info`. Each family's formulas are
+one `FamilyMaths` row of `FAMILY_MATHS`: the DiT's below, Wan's in `memory_plan_wan.py` (its docstring gives
+them). Role bytes, the cycle plan and the offload choice are the same for every family.
+
+DiT notation: hidden h, layers L, heads a, patch p, channels C, image side H, tokens S = (H / p)^2,
 MLP width m = int(h * mlp_ratio), timestep feature width f, TP degree t, micro-batch B, K critic
 steps, N student steps. Weight bytes w = 2 under --bf16 else 4; activation bytes = w.
 
@@ -11,9 +16,9 @@ of RowParallelLinear, RowParallelLinear's bias stays whole):
     replicated:              x_embed (Cp^2+1)h, t_embed (f+1)h + (h+1)h, labels (classes+1)h or
                              text (D+1)h + (h+1)h, per block the proj and fc2 biases 2h,
                              final (h+1)p^2C
-    buffer:                  pos [S, h] (model dtype)
-Role bytes per rank (P = parameters per rank, n = parameter tensors, AdamW):
-    weights P w + S h w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
+    buffer:                  pos [S, h] and, with text, the negative-prompt embedding (model dtype)
+Role bytes per rank, every family (P = parameters per rank, n = parameter tensors, AdamW):
+    weights (P + buffer) w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
     accumulation and DP reduction in place; under --bf16 it is also the masters' grad; the model-dtype
     `.grad` of one parameter lives only until its hook);  under --bf16 fp32 masters 4P;  Adam exp_avg +
     exp_avg_sq 8P and one fp32 `step` per tensor 4n. Everything of a role sleeps with it.
@@ -34,12 +39,16 @@ times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `for
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
+from dmd2_mega import memory_plan_wan as wan
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import DiTSpec, get_spec
+from dmd2_mega.models import DataShape, get_spec
+from dmd2_mega.models.wan import WanSpec
+from dmd2_mega.models.wan import check_shape as check_wan_shape
 
 PHASES = ("rollout", "critic", "actor")
 # phase -> (roles resident when time-sliced, the role trained in it)  (mirrors dmd2/roles.PHASE_ROLES)
@@ -49,35 +58,103 @@ PHASE_NEEDS = {"rollout": (("student",), None), "critic": (("critic", "teacher")
 
 @dataclass
 class ModelShape:
-    spec: DiTSpec
+    """One model of a family (DiT or Wan, by its spec) on one data shape: what the formulas read."""
+
+    spec: object
+    """DiTSpec or WanSpec (`models.get_spec`)."""
     in_channels: int
-    image_size: int
+    spatial: tuple
+    """(H, W) images (the DiT's are square; an int n means (n, n)) or (T, H, W) video latents (Wan)."""
     num_classes: Optional[int] = 10
     cond_shape: Optional[tuple] = None
+    """Per-sample text embeddings [D] or [L, D] instead of labels; Wan: [L, text_dim]."""
+
+    def __post_init__(self):
+        if isinstance(self.spatial, int):
+            self.spatial = (self.spatial, self.spatial)
+        self.spatial = tuple(int(n) for n in self.spatial)
+
+    @property
+    def family(self) -> str:
+        return "wan" if isinstance(self.spec, WanSpec) else "dit"
+
+    @property
+    def image_size(self) -> int:
+        return self.spatial[-1]
+
+    @property
+    def patch(self) -> tuple:
+        p = self.spec.patch_size
+        return tuple(p) if isinstance(p, tuple) else (p,) * len(self.spatial)
 
     @property
     def tokens(self) -> int:
-        return (self.image_size // self.spec.patch_size) ** 2
+        return math.prod(n // p for n, p in zip(self.spatial, self.patch))
+
+    @property
+    def text_len(self) -> int:
+        """L: the text tokens cross-attention reads (0 for labels or a pooled embedding)."""
+        return self.cond_shape[0] if self.cond_shape is not None and len(self.cond_shape) == 2 else 0
+
+    @property
+    def sample_numel(self) -> int:
+        return self.in_channels * math.prod(self.spatial)
 
     @property
     def mlp(self) -> int:
-        return int(self.spec.hidden_size * self.spec.mlp_ratio)
+        return self.spec.ffn_dim if self.family == "wan" else int(self.spec.hidden_size * self.spec.mlp_ratio)
 
 
-def model_shape(size: str, in_channels: int, image_size: int, patch: Optional[int] = None,
+def model_shape(size: str, in_channels: int, spatial, patch: Optional[int] = None,
                 num_classes: Optional[int] = 10, cond_shape: Optional[tuple] = None) -> ModelShape:
+    """`--model-size` (a registered name or a diffusers config.json / folder) on latents [in_channels, *spatial]
+    (spatial: the DiT's image side, or (T, H, W) for Wan, whose cond_shape is [L, text_dim]). ConfigError for
+    a shape the model cannot take."""
     spec = get_spec(size)
-    if patch is not None:
-        spec = replace(spec, patch_size=patch)
-    if image_size % spec.patch_size:
-        raise ConfigError(f"--image-size {image_size} is not a multiple of --patch {spec.patch_size}")
     if (num_classes is None) == (cond_shape is None):
         raise ConfigError("give exactly one of --num-classes or --cond-shape")
-    return ModelShape(spec, in_channels, image_size, num_classes, tuple(cond_shape) if cond_shape else None)
+    cond_shape = tuple(cond_shape) if cond_shape is not None else None
+    if isinstance(spec, WanSpec):
+        if patch is not None:
+            raise ConfigError(f"--patch applies to the DiT; --model-size {size} (Wan) has patch {spec.patch_size}")
+        ms = ModelShape(spec, in_channels, spatial, num_classes, cond_shape)
+        check_wan_shape(spec, DataShape(in_channels, ms.spatial, num_classes, cond_shape), 1)
+        return ms
+    if patch is not None:
+        spec = replace(spec, patch_size=patch)
+    ms = ModelShape(spec, in_channels, spatial, num_classes, cond_shape)
+    if len(ms.spatial) != 2 or ms.spatial[0] != ms.spatial[1]:
+        raise ConfigError(f"--model-size {size} (DiT) takes square images [C, H, H], got latents "
+                          f"{[in_channels, *ms.spatial]}")
+    if ms.image_size % spec.patch_size:
+        raise ConfigError(f"--image-size {ms.image_size} is not a multiple of --patch {spec.patch_size}")
+    return ms
 
 
-def param_counts(ms: ModelShape) -> dict:
-    """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
+def model_shape_from_info(size: str, info: dict) -> ModelShape:
+    """The shape of `--model-size size` on the data a checkpoint's `data_info` describes (`latent_shape`
+    [C, *spatial], `num_classes`, `cond_shape`; older infos: `in_channels` + `image_size`). Labels count only
+    when the data has no embeddings."""
+    shape = DataShape.from_info(info)
+    return model_shape(size, shape.in_channels, shape.spatial,
+                       num_classes=shape.num_classes if shape.cond_shape is None else None,
+                       cond_shape=shape.cond_shape)
+
+
+class FamilyMaths(NamedTuple):
+    """One family's formulas (module docstrings): param_counts(ms); forward_flops(ms, n, tp); per block
+    layer(ms, n, tp, bf16) kept for backward and block_input(ms, n, bf16) under full recompute; outside(ms,
+    n, tp, bf16, recompute) kept outside the blocks; nograd(ms, n, tp, bf16) the peak of a no-grad forward."""
+
+    param_counts: Callable
+    forward_flops: Callable
+    layer: Callable
+    block_input: Callable
+    outside: Callable
+    nograd: Callable
+
+
+def _dit_param_counts(ms: ModelShape) -> dict:
     s, h, m, c, p = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size
     per_block = 6 * h * (h + 1) + 3 * h * (h + 1) + h * h + m * (h + 1) + m * h
     sharded = s.num_layers * per_block + 2 * h * (h + 1)
@@ -85,24 +162,67 @@ def param_counts(ms: ModelShape) -> dict:
     replicated = ((c * p * p + 1) * h + (s.freq_dim + 1) * h + (h + 1) * h + cond
                   + 2 * h * s.num_layers + (h + 1) * p * p * c)
     tensors = 2 + 4 + (1 if ms.num_classes is not None else 4) + 10 * s.num_layers + 2 + 2
-    return {"sharded": sharded, "replicated": replicated, "tensors": tensors, "buffer": ms.tokens * h}
+    negative = math.prod(ms.cond_shape) if ms.cond_shape is not None else 0
+    return {"sharded": sharded, "replicated": replicated, "tensors": tensors, "buffer": ms.tokens * h + negative}
 
 
-def params_per_rank(ms: ModelShape, tp: int) -> int:
-    n = param_counts(ms)
-    if ms.spec.num_heads % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
-    return n["sharded"] // tp + n["replicated"]
-
-
-def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
-    """Matmul FLOPs of one forward of n samples on one TP rank (see the module docstring)."""
+def _dit_forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
     s, h, m, c, p, S = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size, ms.tokens
     out = 2 * S * (c * p * p * h + h * p * p * c) + 2 * (s.freq_dim * h + h * h) + 2 * h * 2 * h // tp
     if ms.cond_shape is not None:
         out += 2 * (ms.cond_shape[-1] * h + h * h)
     block = 2 * h * 6 * h + 2 * S * (3 * h * h + h * h + 2 * h * m) + 4 * S * S * h
     return n * (out + s.num_layers * block // tp)
+
+
+def _dit_layer(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
+    h, m, S, w = ms.spec.hidden_size, ms.mlp, ms.tokens, 2 if bf16 else 4
+    return n * S * (8 * h + (5 * h + 2 * m) // tp) * w + n * (ms.spec.num_heads // tp) * S * 4
+
+
+def _dit_block_input(ms: ModelShape, n: int, bf16: bool) -> int:
+    return n * ms.tokens * ms.spec.hidden_size * (2 if bf16 else 4)
+
+
+def _dit_outside(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool) -> int:
+    return n * ms.tokens * (3 * ms.spec.hidden_size + ms.in_channels * ms.spec.patch_size ** 2) * (2 if bf16 else 4)
+
+
+def _dit_nograd(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
+    h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
+    return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
+
+
+FAMILY_MATHS = {
+    "dit": FamilyMaths(_dit_param_counts, _dit_forward_flops, _dit_layer, _dit_block_input, _dit_outside,
+                       _dit_nograd),
+    "wan": FamilyMaths(wan.param_counts, wan.forward_flops, wan.layer_activation_bytes, wan.block_input_bytes,
+                       wan.outside_activation_bytes, wan.nograd_activation_bytes),
+}
+
+
+def param_counts(ms: ModelShape) -> dict:
+    """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
+    return FAMILY_MATHS[ms.family].param_counts(ms)
+
+
+def check_tp(ms: ModelShape, tp: int) -> None:
+    """ConfigError unless TP divides the heads (and Wan's FFN width)."""
+    if ms.spec.num_heads % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
+    if ms.mlp % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the FFN width {ms.mlp}")
+
+
+def params_per_rank(ms: ModelShape, tp: int) -> int:
+    check_tp(ms, tp)
+    n = param_counts(ms)
+    return n["sharded"] // tp + n["replicated"]
+
+
+def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
+    """Matmul FLOPs of one forward of n samples on one TP rank (see the family's module docstring)."""
+    return FAMILY_MATHS[ms.family].forward_flops(ms, n, tp)
 
 
 def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool) -> dict:
@@ -118,21 +238,19 @@ def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool) -> d
 
 def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False) -> int:
     """Estimated bytes a training forward of n samples keeps for its backward (module docstring)."""
-    h, S, w, L = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4, ms.spec.num_layers
-    outside = n * S * (3 * h + ms.in_channels * ms.spec.patch_size ** 2) * w
-    return outside + L * (n * S * h * w if recompute else layer_activation_bytes(ms, n, tp, bf16))
+    f = FAMILY_MATHS[ms.family]
+    per_layer = f.block_input(ms, n, bf16) if recompute else f.layer(ms, n, tp, bf16)
+    return f.outside(ms, n, tp, bf16, recompute) + ms.spec.num_layers * per_layer
 
 
 def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
-    h, m, S, w = ms.spec.hidden_size, ms.mlp, ms.tokens, 2 if bf16 else 4
-    return n * S * (8 * h + (5 * h + 2 * m) // tp) * w + n * (ms.spec.num_heads // tp) * S * 4
+    return FAMILY_MATHS[ms.family].layer(ms, n, tp, bf16)
 
 
 def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False) -> int:
     """Estimated peak activation bytes of one forward (+ backward when `grad`) of n samples."""
     if not grad:
-        h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
-        return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
+        return FAMILY_MATHS[ms.family].nograd(ms, n, tp, bf16)
     extra = layer_activation_bytes(ms, n, tp, bf16) if recompute else 0  # the block being recomputed
     return saved_activation_bytes(ms, n, tp, bf16, recompute) + extra
 
@@ -150,8 +268,9 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
                recompute: bool = False, guidance: float = 1.0) -> CyclePlan:
     """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident."""
     roles = {r: role_bytes(ms, tp, dp, bf16, trained=r != "teacher") for r in ("student", "critic", "teacher")}
-    x = ms.in_channels * ms.image_size ** 2 * 4            # one fp32 image
-    held_rollout = steps * micro * (2 * x + 32)            # x, x0hat, sigma, ids, stop steps, cond
+    x = ms.sample_numel * 4                                # one fp32 sample
+    cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
+    held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond
     held_scores = micro * 4 * x                            # x, x0_fake, x0_real, x_s
     teacher_n = micro * (2 if guidance != 1.0 else 1)
     act = {"rollout": activation_bytes(ms, steps * micro, tp, bf16, grad=False) + held_rollout + steps * micro * 4 * x,

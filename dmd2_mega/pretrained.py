@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -31,8 +32,10 @@ from dmd2_mega.checkpoint import TRACKER, load_model_weights, load_payload, save
 from dmd2_mega.config import ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import DataShape, FamilyModel, ModelSize, get_size
-from dmd2_mega.models.wan import WAN, Wan, WanSpec
+from dmd2_mega.models.registry import EXPERTS_FILE, boundary_ratio
+from dmd2_mega.models.wan import WAN, WanSpec
 from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
+from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
 
 TEXT_LEN = 512
@@ -48,9 +51,13 @@ def _extra_states(model: torch.nn.Module) -> dict:
     return {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
 
 
-def _meta_model(spec: WanSpec) -> Wan:
+def _family(spec: WanSpec):
+    return WAN_EXPERTS if spec.boundary_ratio is not None else WAN
+
+
+def _meta_model(spec: WanSpec) -> FamilyModel:
     with torch.device("meta"):
-        return Wan(spec, _wan_shape(spec), 1)
+        return _family(spec).build(spec, _wan_shape(spec), 1)
 
 
 def _one_process() -> ParallelState:
@@ -58,31 +65,58 @@ def _one_process() -> ParallelState:
                          device=torch.device("cpu"), backend="gloo")
 
 
-def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: str = "transformer",
+def _source(src: str, subfolder: Optional[str]) -> tuple[WanSpec, dict]:
+    """(spec, {parameter-name prefix: model folder}) of a diffusers folder: one model (prefix ""), or the two experts
+    of a Wan 2.2 pipeline folder ("high.": transformer/, "low.": transformer_2/) unless `subfolder` picks one."""
+    ratio = boundary_ratio(src) if subfolder is None and os.path.isdir(src) else None
+    if ratio is None:
+        folder = model_dir(src, subfolder or EXPERTS[0])
+        return WanSpec.from_config(read_config(folder), folder), {"": folder}
+    folders = {"high.": model_dir(src, EXPERTS[0]), "low.": model_dir(src, EXPERTS[1])}
+    specs = [WanSpec.from_config(read_config(f), f) for f in folders.values()]
+    if replace(specs[0], name="") != replace(specs[1], name=""):
+        raise ConfigError(f"--from-diffusers {src}: {EXPERTS[0]}/ and {EXPERTS[1]}/ have different configs; the two "
+                          f"experts of a Wan 2.2 pipeline share one")
+    return replace(specs[0], boundary_ratio=ratio), folders
+
+
+def _read_source(spec: WanSpec, folders: dict, expected: dict) -> dict:
+    state = {}
+    for prefix, folder in folders.items():
+        part = {n[len(prefix):]: shape for n, shape in expected.items() if n.startswith(prefix)}
+        state.update({prefix + n: t for n, t in read_state(folder, spec, part).items()})
+    return state
+
+
+def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[str] = None,
                      log=print) -> dict:
-    """Convert (module docstring); returns {"spec", "parameters", "files"}."""
-    folder = model_dir(src, subfolder)
-    spec = WanSpec.from_config(read_config(folder), folder)
+    """Convert (module docstring); returns {"spec", "parameters", "dir"}. A Wan 2.2 pipeline folder gives a
+    two-expert checkpoint unless `subfolder` names one expert."""
+    spec, folders = _source(src, subfolder)
     if spec.num_heads % tp_size or spec.ffn_dim % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
-                          f"and ffn_dim {spec.ffn_dim} of {folder}")
+                          f"and ffn_dim {spec.ffn_dim} of {src}")
     if os.path.exists(os.path.join(save, TRACKER)):
         raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
     meta = _meta_model(spec)
     expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
-    log(f"> reading {folder} ({spec.num_layers} layers, {spec.num_heads} heads x {spec.head_dim}, "
-        f"{sum(map(_numel, expected.values())):,} parameters)")
-    state = read_state(folder, spec, expected)
-    args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(folder)}
+    experts = f"two experts, boundary {spec.boundary_ratio}; " if spec.boundary_ratio is not None else ""
+    log(f"> reading {', '.join(folders.values())} ({experts}{spec.num_layers} layers, {spec.num_heads} heads x "
+        f"{spec.head_dim}, {sum(map(_numel, expected.values())):,} parameters)")
+    state = _read_source(spec, folders, expected)
+    args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
     payloads = []
     for r in range(tp_size):
         shard = {n: (t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r]).clone() for n, t in state.items()}
-        payloads.append({"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size, "iteration": 0,
-                         "role": "teacher", "family": "wan", "args": args, "data_info": None,
+        payloads.append({"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size,
+                         "iteration": 0, "role": "teacher", "family": "wan", "args": args, "data_info": None,
                          "checkpoint_version": 1})
     os.makedirs(save, exist_ok=True)
-    shutil.copyfile(os.path.join(folder, "config.json"), os.path.join(save, "config.json"))
+    shutil.copyfile(os.path.join(next(iter(folders.values())), "config.json"), os.path.join(save, "config.json"))
+    if spec.boundary_ratio is not None:
+        atomic_write(os.path.join(save, EXPERTS_FILE), lambda f: json.dump(
+            {"boundary_ratio": spec.boundary_ratio, "experts": list(EXPERTS)}, f), text=True)
     final = save_offline(save, 0, payloads)
     log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
@@ -117,7 +151,7 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
     payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)
     family, spec = size.family, size.spec
-    if family is not WAN:
+    if family.name != "wan":
         raise ConfigError(f"--load {load} holds a {family.name} model; --to-diffusers exports the Wan family")
     which = "ema" if ema and "ema" in payload else "model"
     state = {n: t for n, t in payload[which].items() if not n.endswith("_extra_state")}
@@ -129,7 +163,10 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
                               f"export the student (--save), not the critic")
     if os.path.exists(os.path.join(out, "transformer", "config.json")):
         raise ConfigError(f"--to-diffusers {out} holds a transformer/ already; export into a new directory")
-    write_folder(os.path.join(out, "transformer"), state, spec)
+    prefixes = ("high.", "low.") if spec.boundary_ratio is not None else ("",)
+    for prefix, sub in zip(prefixes, EXPERTS):
+        write_folder(os.path.join(out, sub), {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)},
+                     spec)
     sigmas = payload.get("student_sigmas")
     _write_scheduler(os.path.join(out, "scheduler"), sigmas)
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(_readme(load, which, sigmas)), text=True)
@@ -188,9 +225,8 @@ def load_model(path: str, ema: bool = True) -> FamilyModel:
         state = {**payload["model"], **payload["ema"]} if ema and "ema" in payload else payload["model"]
         load_model_weights(model, state, path)
         return model.float().eval()
-    folder = model_dir(path)
-    spec = WanSpec.from_config(read_config(folder), folder)
-    model = Wan(spec, _wan_shape(spec), 1)
-    state = read_state(folder, spec, {n: tuple(p.shape) for n, p in model.named_parameters()})
-    load_model_weights(model, {**state, **_extra_states(model)}, folder)
+    spec, folders = _source(path, None)
+    model = _family(spec).build(spec, _wan_shape(spec), 1)
+    state = _read_source(spec, folders, {n: tuple(p.shape) for n, p in model.named_parameters()})
+    load_model_weights(model, {**state, **_extra_states(model)}, path)
     return model.float().eval()

@@ -12,9 +12,11 @@
 
 The export writes export/student/transformer/ (WanTransformer3DModel.from_pretrained(..., subfolder=
 "transformer")), export/student/scheduler/scheduler_config.json (the student's few-step sigmas) and
-export/student/README.md (running it in WanPipeline). Wan 2.2 A14B pipelines hold two experts:
-convert each with --subfolder transformer and --subfolder transformer_2. Nothing is downloaded; a bad
-folder or flag exits 1 with one line naming the file or flag, and nothing is written.
+export/student/README.md (running it in WanPipeline). A Wan 2.2 A14B pipeline folder (model_index.json with
+boundary_ratio, transformer/ and transformer_2/) converts to ONE two-expert checkpoint (the high- and low-noise
+experts, switched at the boundary, `dmd2_mega/models/wan_experts.py`) and exports back to transformer/ and
+transformer_2/. Nothing is downloaded; a bad folder or flag exits 1 with one line naming the file or flag,
+and nothing is written.
 """
 import argparse
 import os
@@ -31,8 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("diffusers -> ours")
     src.add_argument("--from-diffusers", metavar="DIR", help="a diffusers model folder or pipeline folder")
-    src.add_argument("--subfolder", default="transformer",
-                     help="the model folder inside a pipeline folder (transformer_2: Wan 2.2's low-noise expert)")
+    src.add_argument("--subfolder", default=None,
+                     help="the model folder inside a pipeline folder (default transformer/, or both experts of a Wan "
+                          "2.2 A14B pipeline; transformer_2 picks the low-noise expert alone)")
     src.add_argument("--save", metavar="DIR", help="the checkpoint directory to write")
     src.add_argument("--tensor-model-parallel-size", type=int, default=1)
     dst = p.add_argument_group("ours -> diffusers")

@@ -4,6 +4,9 @@
     python launch/plan_memory.py --model-size 8b --tensor-model-parallel-size 8 --data-parallel-size 16 \
         --micro-batch-size 4 --bf16 --dmd2-critic-steps-per-rollout 5 --dmd2-denoising-steps 4 \
         --image-size 32 --in-channels 4 --patch 2 --num-classes 1000 --recompute-granularity full
+    # Wan (a registered size, or a diffusers config.json / model folder): video latents [C, T, H, W], text
+    python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
+        --tensor-model-parallel-size 8 --micro-batch-size 1 --bf16 --recompute-granularity full
 
 Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradients (--bf16, alive
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
@@ -27,7 +30,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "T
 
 from dmd2_mega import memory_plan as mp  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.models.registry import MODEL_SIZES  # noqa: E402
+from dmd2_mega.models.registry import MODEL_SIZES, get_size  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 
 
@@ -47,7 +50,8 @@ def fmt_count(n: float) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-size", default="8b", choices=sorted(MODEL_SIZES))
+    p.add_argument("--model-size", default="8b",
+                   help=f"one of {', '.join(sorted(MODEL_SIZES))}, or a diffusers config.json / model folder (Wan)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=4, help="B per DP rank")
@@ -56,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5, help="K")
     p.add_argument("--dmd2-denoising-steps", type=int, default=4, help="N")
     p.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0, help="> 1 doubles the teacher batch")
+    p.add_argument("--latent-shape", type=int, nargs="+", default=None, metavar="N",
+                   help="latents C T H W (video, Wan) or C H W; instead of --in-channels / --image-size")
+    p.add_argument("--text-len", type=int, default=None, help="Wan: text tokens L of the embeddings (default 512)")
     p.add_argument("--image-size", type=int, default=32, help="latent side H (= W)")
     p.add_argument("--in-channels", type=int, default=4)
     p.add_argument("--patch", type=int, default=None, help="default: the size's patch")
@@ -71,10 +78,13 @@ def check_args(a: argparse.Namespace) -> None:
     """ConfigError naming the first flag out of range (counts and sizes >= 1, guidance >= 1, memory > 0)."""
     for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
                  "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels",
-                 "num_classes", "patch"):
+                 "num_classes", "patch", "text_len"):
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if a.latent_shape is not None and (len(a.latent_shape) not in (3, 4) or min(a.latent_shape) < 1):
+        raise ConfigError(f"--latent-shape must be C T H W or C H W with sizes >= 1, got "
+                          f"{' '.join(map(str, a.latent_shape))}")
     if a.cond_shape is not None and (len(a.cond_shape) not in (1, 2) or min(a.cond_shape) < 1):
         raise ConfigError(f"--cond-shape must be D or L D with sizes >= 1, got {' '.join(map(str, a.cond_shape))}")
     g = a.dmd2_teacher_guidance_scale
@@ -89,10 +99,41 @@ def main(argv=None) -> int:
     return run_main(lambda: plan(parse_args(argv)))
 
 
-def plan(a: argparse.Namespace) -> None:
+def shape_from_args(a: argparse.Namespace) -> mp.ModelShape:
+    """The model and data shape the flags describe: Wan reads --latent-shape and --text-len, the DiT
+    --latent-shape or --in-channels / --image-size, and --num-classes or --cond-shape."""
+    size = get_size(a.model_size)  # ConfigError for an unknown name or a folder without a config.json
+    if size.family.name == "wan":
+        if a.latent_shape is None or len(a.latent_shape) != 4:
+            raise ConfigError(f"--model-size {a.model_size} (Wan) takes video latents: give --latent-shape C T H W")
+        if a.cond_shape is not None:
+            raise ConfigError(f"--model-size {a.model_size} (Wan) reads text embeddings [L, {size.spec.text_dim}]: "
+                              f"give --text-len L, not --cond-shape")
+        return mp.model_shape(a.model_size, a.latent_shape[0], tuple(a.latent_shape[1:]), a.patch, num_classes=None,
+                              cond_shape=(a.text_len or 512, size.spec.text_dim))
+    if a.text_len is not None:
+        raise ConfigError(f"--text-len is for Wan; --model-size {a.model_size} (DiT) takes --cond-shape L D")
+    channels, spatial = ((a.latent_shape[0], tuple(a.latent_shape[1:])) if a.latent_shape
+                         else (a.in_channels, a.image_size))
     cond_shape = tuple(a.cond_shape) if a.cond_shape else None
-    ms = mp.model_shape(a.model_size, a.in_channels, a.image_size, a.patch,
-                        num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
+    return mp.model_shape(a.model_size, channels, spatial, a.patch,
+                          num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
+
+
+def describe_model(name: str, ms: mp.ModelShape) -> str:
+    sp, lat = ms.spec, "x".join(map(str, (ms.in_channels, *ms.spatial)))
+    if ms.family == "wan":
+        experts = (f"; {len(sp.experts)} experts ({'/'.join(sp.experts)}, boundary {sp.boundary_ratio}) in every "
+                   f"role, each sample runs one" if sp.experts else "")
+        return (f"model {name} (Wan): hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, "
+                f"FFN {sp.ffn_dim}, patch {'x'.join(map(str, sp.patch_size))}; latents {lat} -> {ms.tokens} tokens, "
+                f"text {ms.text_len} x {sp.text_dim}{experts}")
+    return (f"model {name}: hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, patch "
+            f"{sp.patch_size}; latents {lat} -> {ms.tokens} tokens")
+
+
+def plan(a: argparse.Namespace) -> None:
+    ms = shape_from_args(a)
     tp, dp = a.tensor_model_parallel_size, a.data_parallel_size
     per_rank = mp.params_per_rank(ms, tp)  # ConfigError unless TP divides the heads
     counts = mp.param_counts(ms)
@@ -101,13 +142,12 @@ def plan(a: argparse.Namespace) -> None:
     recompute = a.recompute_granularity == "full"
     plan = mp.plan_cycle(ms, tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=a.bf16, recompute=recompute,
                          guidance=a.dmd2_teacher_guidance_scale)
-    sp = ms.spec
-    print(f"model {a.model_size}: hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, patch "
-          f"{sp.patch_size}; latents {a.in_channels}x{a.image_size}x{a.image_size} -> {ms.tokens} tokens")
+    print(describe_model(a.model_size, ms))
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
           f"({fmt_count(counts['replicated'])} replicated); DP={dp} ({tp * dp} GPUs); B={b} per rank, K={k}, "
           f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}; recompute {a.recompute_granularity or 'none'}; "
           f"teacher guidance {a.dmd2_teacher_guidance_scale}")
+    print(f"forward {mp.forward_flops(ms, 1, tp) / 1e12:.4g} TFLOP per sample per rank (matmuls, attention included)")
     print("\nper-rank bytes of each role (AdamW):")
     kinds = ["weights", "grads", "optimizer"]
     head = ["role", "parameters", "fp32 gradients", "optimizer state", "total"]

@@ -2,15 +2,22 @@
 
 References, all independent of the planner's formulas:
   * parameters, gradients, fp32 masters, master gradients and AdamW state: the storage bytes of built
-    debug / digits DiTs (world of one) measured just before their second optimizer step (state
-    materialised, grads alive), and the offload layer's own total (Sleeper.resident_bytes) - exact;
-  * the TP split: each parameter's megatron `partition_dim` attribute - exact;
-  * forward FLOPs: torch's FlopCounterMode with SDPA on its math path (attention as bmm) - exact;
+    debug / digits DiTs and wan-debug Wans (world of one) measured just before their second optimizer
+    step (state materialised, grads alive), and the offload layer's own total (Sleeper.resident_bytes) - exact;
+  * the TP split: each parameter's megatron `partition_dim` attribute - exact; for Wan also the shards of a
+    real TP=2 build (torchrun, gloo: this file is its script) and the meta-device count of wan2.1-14b;
+  * forward FLOPs: torch's FlopCounterMode with SDPA on its math path (attention as bmm) - exact (Wan at
+    TP=2 too, per rank);
   * activations kept for backward: saved-tensor hooks (unique non-parameter storages) - the estimate
-    is within ACT_FACTOR either way, with and without full recompute, fp32 and bf16;
+    is within ACT_FACTOR either way, with and without full recompute, fp32 and bf16 (Wan: equal at TP 1
+    and 2 but for the bf16 temporaries the hooks see);
   * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds.
 """
 from __future__ import annotations
+
+import json
+import os
+import sys
 
 import pytest
 import torch
@@ -25,14 +32,22 @@ from dmd2_mega.dmd2.rollout import rollout
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.offload import Sleeper, resident_bytes
 from dmd2_mega.optim import build_optimizer
+from dmd2_mega.models import DataShape
+from dmd2_mega.models.registry import get_spec
+from dmd2_mega.models.wan import Wan, WanSpec
 from dmd2_mega.parallel import tp_partition_dim
 from launch import plan_memory
-from tests.utils import world_of_one
+from tests.utils import torchrun, world_of_one
 
 pytestmark = pytest.mark.timeout(120)
 ACT_FACTOR = 1.25
-# (size, in_channels, image_size, cond_shape): labels (10 classes) when cond_shape is None
-SHAPES = [("debug", 1, 8, None), ("digits", 1, 8, None), ("debug", 4, 6, (7, 12)), ("digits", 3, 12, None)]
+# (size, in_channels, spatial, cond_shape): labels (10 classes) when cond_shape is None; an int spatial is a
+# DiT image side (recorded as the old `image_size` data_info), a tuple Wan's (T, H, W) (as `latent_shape`)
+WAN_SHAPES = [("wan-debug", 4, (3, 4, 6), (7, 16)), ("wan-debug", 4, (1, 2, 2), (1, 16)),
+              ("wan-debug", 4, (5, 6, 10), (3, 16))]
+SHAPES = [("debug", 1, 8, None), ("digits", 1, 8, None), ("debug", 4, 6, (7, 12)), ("digits", 3, 12, None),
+          *WAN_SHAPES]
+WAN_14B_PARAMETERS = 14_288_491_584  # the meta-device build (test_wan_14b_count_equals_meta_build)
 
 
 @pytest.fixture(scope="module")
@@ -41,37 +56,70 @@ def ps():
         yield state
 
 
-def make(ps, size, ch, img, cond_shape, bf16=False, recompute=None):
-    info = {"in_channels": ch, "image_size": img, "num_classes": None if cond_shape else 10, "cond_shape": cond_shape}
+def data_info(ch, spatial, cond_shape) -> dict:
+    info = {"num_classes": None if cond_shape else 10, "cond_shape": cond_shape}
+    if isinstance(spatial, int):  # as checkpoints written before video data recorded images
+        return {**info, "in_channels": ch, "image_size": spatial}
+    return {**info, "in_channels": ch, "latent_shape": [ch, *spatial]}
+
+
+def make(ps, size, ch, spatial, cond_shape, bf16=False, recompute=None):
+    info = data_info(ch, spatial, cond_shape)
     model = cast_model(build_model(ModelConfig(size=size, recompute_granularity=recompute), info, ps), bf16)
-    ms = mp.model_shape(size, ch, img, num_classes=info["num_classes"], cond_shape=cond_shape)
-    return model, ms
+    return model.train(), mp.model_shape_from_info(size, info)
 
 
 def batch(ms, n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, ms.in_channels, ms.image_size, ms.image_size, generator=g)
+    x = torch.randn(n, ms.in_channels, *ms.spatial, generator=g)
     cond = torch.randn(n, *ms.cond_shape, generator=g) if ms.cond_shape else torch.randint(0, 10, (n,), generator=g)
     return x, torch.rand(n, generator=g), cond
+
+
+def split(model) -> tuple[int, int]:
+    """(TP-split, replicated) parameters of this rank's model."""
+    params = list(model.parameters())
+    return (sum(p.numel() for p in params if tp_partition_dim(p) is not None),
+            sum(p.numel() for p in params if tp_partition_dim(p) is None))
+
+
+def counted_flops(model, ms, n) -> int:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(*batch(ms, n))
+    return counter.get_total_flops()
+
+
+def kept_bytes(model, ms, n) -> int:
+    """Bytes of the unique non-parameter storages a training forward of n samples saves for backward."""
+    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*batch(ms, n))
+    del out
+    return sum(kept.values())
 
 
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
 def test_parameter_split_matches_partition_dims(ps, size, ch, img, cond_shape):
     model, ms = make(ps, size, ch, img, cond_shape)
-    params = list(model.parameters())
     counts = mp.param_counts(ms)
-    assert counts["sharded"] == sum(p.numel() for p in params if tp_partition_dim(p) is not None)
-    assert counts["replicated"] == sum(p.numel() for p in params if tp_partition_dim(p) is None)
-    assert counts["tensors"] == len(params)
+    assert (counts["sharded"], counts["replicated"]) == split(model)
+    assert counts["tensors"] == len(list(model.parameters()))
     assert counts["buffer"] == sum(b.numel() for b in model.buffers())
-    for tp in (1, 2, 4):
+    for tp in (t for t in (1, 2, 4) if ms.spec.num_heads % t == 0):
         assert mp.params_per_rank(ms, tp) == counts["sharded"] // tp + counts["replicated"]
     with pytest.raises(ValueError, match="must divide"):
         mp.params_per_rank(ms, 3)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3])
+@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3] + WAN_SHAPES[:1])
 def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
     model, ms = make(ps, size, ch, img, cond_shape, bf16)
     grads = GradBuffer(model)
@@ -108,37 +156,29 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
 def test_forward_flops_match_flop_counter(ps, size, ch, img, cond_shape, n):
     model, ms = make(ps, size, ch, img, cond_shape)
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(*batch(ms, n))
-    assert mp.forward_flops(ms, n) == counter.get_total_flops()
+    assert mp.forward_flops(ms, n) == counted_flops(model, ms, n)
 
 
 @pytest.mark.parametrize("recompute", [None, "full"], ids=["no-recompute", "recompute"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("size,ch,img,cond_shape,n", [("debug", 1, 8, None, 5), ("digits", 1, 8, None, 64),
-                                                      ("digits", 4, 16, None, 3)])
+                                                      ("digits", 4, 16, None, 3), (*WAN_SHAPES[0], 3),
+                                                      (*WAN_SHAPES[2], 2)])
 def test_saved_activations_within_factor(ps, size, ch, img, cond_shape, n, bf16, recompute):
     model, ms = make(ps, size, ch, img, cond_shape, bf16, recompute)
-    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    kept = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            kept[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*batch(ms, n))
     est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute == "full")
-    got = sum(kept.values())
+    got = kept_bytes(model, ms, n)
     assert est / ACT_FACTOR <= got <= est * ACT_FACTOR, f"measured {got} B kept for backward, estimated {est} B"
-    del out
+    if ms.family == "wan":  # the Wan estimate is exact (module docstring of memory_plan_wan)
+        assert got == est
 
 
-def test_activation_estimate_scaling():
-    ms = mp.model_shape("2b", 4, 32, num_classes=1000)
+@pytest.mark.parametrize("size,ch,spatial,cond_shape", [("2b", 4, 32, None), ("wan2.1-14b", 16, (21, 60, 104),
+                                                                               (512, 4096))])
+def test_activation_estimate_scaling(size, ch, spatial, cond_shape):
+    ms = mp.model_shape(size, ch, spatial, num_classes=None if cond_shape else 1000, cond_shape=cond_shape)
     a = lambda n, tp=1, **kw: mp.activation_bytes(ms, n, tp, True, grad=True, **kw)  # noqa: E731
-    assert a(8) == 2 * a(4)                                    # linear in the batch
+    assert a(8) == 2 * a(4) - a(0)                             # affine in the batch (Wan: + the rope tables)
     assert a(4, recompute=True) < a(4) / 5                     # recompute keeps block inputs only
     assert a(4, tp=2) < a(4) and a(4, tp=8) < a(4, tp=2)       # TP splits the per-head / MLP parts
     assert mp.activation_bytes(ms, 4, 1, True, grad=False) < a(4) / 10
@@ -162,8 +202,10 @@ def test_rollout_pass_count_matches_real_rollouts():
     assert (cfg_orig["scoring"], cfg_orig["critic"], cfg_orig["actor"], cfg_orig["plain_step"]) == (3.0, 20.0, 4.0, 4.0)
 
 
-def test_plan_cycle_time_slicing():
-    ms = mp.model_shape("8b", 4, 32, patch=2, num_classes=1000)
+@pytest.mark.parametrize("size", ["8b", "wan2.1-14b"])
+def test_plan_cycle_time_slicing(size):
+    ms = (mp.model_shape(size, 4, 32, patch=2, num_classes=1000) if size == "8b"
+          else mp.model_shape(size, 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096)))
     plan = mp.plan_cycle(ms, tp=8, dp=16, micro=4, steps=5, denoise=4, bf16=True, recompute=True)
     r = plan.roles
     for phase in mp.PHASES:
@@ -197,6 +239,137 @@ def test_cli_reports_measured_role_bytes(ps, capsys):
 def test_cli_rejects_tp_that_does_not_divide_heads(capsys):
     assert plan_memory.main(["--model-size", "8b", "--tensor-model-parallel-size", "3"]) == 1
     assert capsys.readouterr().err == "ConfigError: --tensor-model-parallel-size 3 must divide the 32 heads\n"
+
+
+# ---- the Wan family -------------------------------------------------------------------------------
+
+def test_wan_14b_count_equals_meta_build(ps):
+    spec = get_spec("wan2.1-14b")
+    with torch.device("meta"):  # no memory: the shapes only
+        model = Wan(spec, DataShape(16, (1, 2, 2), cond_shape=(512, 4096)))
+    ms = mp.model_shape("wan2.1-14b", 16, (1, 2, 2), num_classes=None, cond_shape=(512, 4096))
+    counts = mp.param_counts(ms)
+    assert (counts["sharded"], counts["replicated"]) == split(model)
+    assert counts["sharded"] + counts["replicated"] == WAN_14B_PARAMETERS
+    assert counts["tensors"] == len(list(model.parameters())) and counts["buffer"] == 512 * 4096
+    assert mp.params_per_rank(ms, 8) == counts["sharded"] // 8 + counts["replicated"]
+    for tp in (3, 16):  # 40 heads
+        with pytest.raises(ValueError, match=f"size {tp} must divide the 40 heads"):
+            mp.params_per_rank(ms, tp)
+
+
+WAN_TP2 = WAN_SHAPES[0]
+
+
+def tp2_report(out_dir: str) -> None:
+    """Under torchrun with 2 ranks (test_wan_tp2_shards_match_per_rank_maths): this rank's parameter split,
+    forward FLOPs and bytes kept for backward of WAN_TP2 at TP=2, fp32 and bf16, in out_dir/rank<r>.json."""
+    from dmd2_mega.config import ParallelConfig
+    from dmd2_mega.parallel import destroy_distributed, init_distributed
+    ps = init_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    report = {}
+    for bf16 in (False, True):
+        model, ms = make(ps, *WAN_TP2, bf16)
+        report["bf16" if bf16 else "fp32"] = {"split": split(model), "flops": counted_flops(model, ms, 3),
+                                              "kept": kept_bytes(model, ms, 3)}
+    with open(os.path.join(out_dir, f"rank{ps.rank}.json"), "w") as f:
+        json.dump(report, f)
+    destroy_distributed()
+
+
+def test_wan_tp2_shards_match_per_rank_maths(tmp_path):
+    torchrun(2, __file__, ["--tp2-report", tmp_path]).check("wan-debug at TP=2")
+    ms = mp.model_shape_from_info(WAN_TP2[0], data_info(*WAN_TP2[1:]))
+    counts = mp.param_counts(ms)
+    for rank in (0, 1):
+        report = json.load(open(tmp_path / f"rank{rank}.json"))
+        for kind, got in report.items():
+            assert got["split"] == [counts["sharded"] // 2, counts["replicated"]]
+            assert mp.params_per_rank(ms, 2) == sum(got["split"])
+            assert got["flops"] == mp.forward_flops(ms, 3, tp=2) < mp.forward_flops(ms, 3, tp=1)
+            assert got["kept"] == mp.saved_activation_bytes(ms, 3, 2, kind == "bf16"), (rank, kind)
+
+
+def test_wan_config_json_without_cross_attn_norm(ps, tmp_path, capsys):
+    """A diffusers folder (`--model-size DIR`): 3 heads, patch (1, 1, 2), no cross-attention norm."""
+    spec = WanSpec(name="x", num_heads=3, head_dim=6, num_layers=2, ffn_dim=30, in_channels=4, out_channels=4,
+                   text_dim=10, freq_dim=8, patch_size=(1, 1, 2), cross_attn_norm=False)
+    (tmp_path / "config.json").write_text(json.dumps(spec.diffusers_config()))
+    model, ms = make(ps, str(tmp_path), 4, (2, 3, 4), (5, 10))
+    counts = mp.param_counts(ms)
+    assert (ms.family, ms.tokens, ms.text_len) == ("wan", 2 * 3 * 2, 5)
+    assert (counts["sharded"], counts["replicated"], counts["tensors"]) == (*split(model), len(list(model.parameters())))
+    assert mp.forward_flops(ms, 2) == counted_flops(model, ms, 2)
+    assert kept_bytes(model, ms, 2) == mp.saved_activation_bytes(ms, 2, 1, False)
+    weights = resident_bytes(list(model.parameters()) + list(model.buffers()))
+    assert plan_memory.main(["--model-size", str(tmp_path), "--latent-shape", "4", "2", "3", "4",
+                             "--text-len", "5", "--micro-batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(Wan): hidden 18, 2 layers, 3 heads, FFN 30, patch 1x1x2; latents 4x2x3x4 -> 12 tokens, text 5 x 10" in out
+    teacher = next(line for line in out.splitlines() if line.startswith("teacher "))
+    assert teacher.split()[1:3] == plan_memory.fmt_bytes(weights).split()
+
+
+def test_model_shape_from_info():
+    old = {"in_channels": 4, "image_size": 32, "num_classes": 1000, "cond_shape": None}
+    new = {**old, "latent_shape": [4, 32, 32]}
+    want = mp.model_shape("2b", 4, 32, num_classes=1000)
+    assert mp.model_shape_from_info("2b", old) == mp.model_shape_from_info("2b", new) == want
+    text = {"in_channels": 4, "latent_shape": [4, 32, 32], "num_classes": 10, "cond_shape": [7, 12]}
+    assert mp.model_shape_from_info("2b", text) == mp.model_shape("2b", 4, 32, num_classes=None, cond_shape=(7, 12))
+    video = {"in_channels": 16, "latent_shape": [16, 21, 60, 104], "num_classes": None, "cond_shape": [512, 4096]}
+    ms = mp.model_shape_from_info("wan2.1-14b", video)
+    assert (ms.family, ms.spatial, ms.tokens, ms.text_len, ms.sample_numel) == (
+        "wan", (21, 60, 104), 21 * 30 * 52, 512, 16 * 21 * 60 * 104)
+    with pytest.raises(ValueError, match="latent height 61 is not a multiple of the patch size 2"):
+        mp.model_shape_from_info("wan2.1-14b", {**video, "latent_shape": [16, 21, 61, 104]})
+    with pytest.raises(ValueError, match="takes text embeddings"):
+        mp.model_shape_from_info("wan2.1-14b", {**video, "num_classes": 10, "cond_shape": None})
+    with pytest.raises(ValueError, match="takes square images"):
+        mp.model_shape_from_info("2b", video)
+
+
+def test_cli_wan_14b_acceptance_row(capsys):
+    row = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--text-len", "512",
+           "--tensor-model-parallel-size", "8", "--data-parallel-size", "1", "--micro-batch-size", "1", "--bf16"]
+    assert plan_memory.main(row) == 0
+    out = capsys.readouterr().out
+    assert "latents 16x21x60x104 -> 32760 tokens, text 512 x 4096" in out
+    assert "parameters 14.288 B in all" in out and "per rank at TP=8" in out
+    assert "peak time-sliced : " in out and "does NOT fit in 80 GiB" in out  # no recompute: ~150 GiB activations
+    assert plan_memory.main(row + ["--recompute-granularity", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "(critic phase) -> fits in 80 GiB" in out.split("peak time-sliced")[1].splitlines()[0]
+    assert "does NOT fit in 80 GiB" in out.split("peak all resident")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--latent-shape", "16", "21", "60", "104", "--tensor-model-parallel-size", "16"],
+     "--tensor-model-parallel-size 16 must divide the 40 heads"),
+    ([], "--model-size wan2.1-14b (Wan) takes video latents: give --latent-shape C T H W"),
+    (["--latent-shape", "16", "21", "60", "103"], "latent width 103 is not a multiple of the patch size 2"),
+    (["--latent-shape", "4", "21", "60", "104"], "the data's latents have 4 channels, but --model-size wan2.1-14b "
+                                                   "takes in_channels 16"),
+    (["--latent-shape", "16", "60", "104"], "--model-size wan2.1-14b (Wan) takes video latents"),
+    (["--latent-shape", "16", "21", "60", "104", "--cond-shape", "7", "4096"], "give --text-len L, not --cond-shape"),
+    (["--latent-shape", "16", "21", "60", "104", "--patch", "2"], "--patch applies to the DiT"),
+    (["--latent-shape", "16", "21", "60", "104", "--text-len", "0"], "--text-len must be >= 1, got 0"),
+])
+def test_cli_wan_errors_are_one_line(capsys, flags, error):
+    assert plan_memory.main(["--model-size", "wan2.1-14b", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ConfigError: ") and err.count("\n") == 1 and error in err, err
+
+
+def test_cli_dit_flags_keep_working(capsys):
+    assert plan_memory.main(["--model-size", "2b", "--latent-shape", "4", "32", "32"]) == 0
+    by_shape = capsys.readouterr().out
+    assert plan_memory.main(["--model-size", "2b", "--in-channels", "4", "--image-size", "32"]) == 0
+    assert capsys.readouterr().out == by_shape
+    assert plan_memory.main(["--model-size", "2b", "--text-len", "7"]) == 1
+    assert "--text-len is for Wan" in capsys.readouterr().err
+    assert plan_memory.main(["--model-size", "no-such-size"]) == 1
+    assert "--model-size 'no-such-size' is unknown" in capsys.readouterr().err
 
 
 def test_cycle_summary_and_acceptance_on_model_timings():
@@ -256,3 +429,7 @@ def test_choose_offload_picks_the_cheapest_fitting_set():
     assert mp.phase_bytes(plan, every_role) == {p: plan.phases[(p, True)]["total"] for p in mp.PHASES}
     gan = mp.phase_bytes(plan, every_role, gan=True)
     assert gan["actor"] - mp.phase_bytes(plan, every_role)["actor"] == plan.roles["critic"]["weights"]
+
+
+if __name__ == "__main__":  # torchrun's script for test_wan_tp2_shards_match_per_rank_maths
+    tp2_report(sys.argv[sys.argv.index("--tp2-report") + 1])

@@ -8,6 +8,7 @@ path to a diffusers folder (or a checkpoint converted from one), whose config.js
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
 from dmd2_mega.models.wan import WAN, WanSpec
+from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ def _dit(name: str, **kw) -> tuple[str, ModelSize]:
 
 
 def _wan(name: str, **kw) -> tuple[str, ModelSize]:
-    return name, ModelSize(WAN, WanSpec(name=name, **kw))
+    spec = WanSpec(name=name, **kw)
+    return name, ModelSize(WAN_EXPERTS if spec.boundary_ratio is not None else WAN, spec)
 
 
 MODEL_SIZES: dict[str, ModelSize] = dict([
@@ -44,8 +47,7 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
     _wan("wan2.1-14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824),
     _wan("wan2.2-ti2v-5b", num_heads=24, head_dim=128, num_layers=30, ffn_dim=14336, in_channels=48,
          out_channels=48),
-    _wan("wan2.2-a14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824,
-         experts=("transformer", "transformer_2")),
+    _wan("wan2.2-a14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824, boundary_ratio=0.875),
 ])
 
 
@@ -68,7 +70,31 @@ def get_size(name: str) -> ModelSize:
     if path is None:
         raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)} or give a "
                           f"diffusers model folder with a config.json")
-    return ModelSize(WAN, WanSpec.from_file(path))
+    ratio = boundary_ratio(os.path.dirname(os.path.dirname(path)) if path.endswith(os.path.join("transformer",
+                           "config.json")) else os.path.dirname(path))
+    spec = WanSpec.from_file(path, ratio)
+    return ModelSize(WAN_EXPERTS if ratio is not None else WAN, spec)
+
+
+EXPERTS_FILE = "wan_experts.json"
+"""Written beside config.json in a checkpoint converted from a two-expert pipeline: {"boundary_ratio": r}."""
+
+
+def boundary_ratio(folder: str):
+    """The expert boundary of a two-expert Wan folder: a pipeline folder whose model_index.json sets boundary_ratio
+    and which holds transformer_2/, or one of our checkpoints converted from one (EXPERTS_FILE); else None."""
+    ours = os.path.join(folder, EXPERTS_FILE)
+    index = os.path.join(folder, "model_index.json")
+    for path, need in ((ours, None), (index, os.path.join(folder, EXPERTS[1], "config.json"))):
+        if os.path.isfile(path) and (need is None or os.path.isfile(need)):
+            try:
+                with open(path) as f:
+                    ratio = json.load(f).get("boundary_ratio")
+            except (OSError, json.JSONDecodeError, AttributeError) as e:
+                raise ConfigError(f"{path}: cannot read ({e})") from None
+            if ratio is not None:
+                return float(ratio)
+    return None
 
 
 def get_spec(name: str):

@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -68,8 +69,14 @@ class WanSpec:
     cross_attn_norm: bool = True
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
-    experts: tuple = field(default=(), compare=False)
-    """Two-expert Wan 2.2 A14B: ('transformer', 'transformer_2'); empty for one model (see registry)."""
+    boundary_ratio: Optional[float] = None
+    """Two-expert Wan 2.2 A14B (`models/wan_experts.py`): the high-noise expert predicts where the timestep is
+    >= boundary_ratio * 1000, the low-noise one below; None for one model."""
+
+    @property
+    def experts(self) -> tuple:
+        """The pipeline subfolders of the experts: ('transformer', 'transformer_2'), or () for one model."""
+        return ("transformer", "transformer_2") if self.boundary_ratio is not None else ()
 
     @property
     def hidden_size(self) -> int:
@@ -80,6 +87,8 @@ class WanSpec:
             raise ConfigError(f"{self.name}: attention_head_dim {self.head_dim} must be even and >= 6 (3-D rotary)")
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ConfigError(f"{self.name}: patch_size must be 3 positive ints, got {self.patch_size}")
+        if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
+            raise ConfigError(f"{self.name}: boundary_ratio must lie in (0, 1), got {self.boundary_ratio}")
         if self.out_channels != self.in_channels:
             raise ConfigError(f"{self.name}: out_channels {self.out_channels} != in_channels {self.in_channels}; "
                               f"a velocity model predicts as many channels as it reads")
@@ -119,12 +128,13 @@ class WanSpec:
             raise ConfigError(f"{name}: config.json lacks {e.args[0]!r}, which a {DIFFUSERS_CLASS} needs") from None
 
     @classmethod
-    def from_file(cls, path: str) -> "WanSpec":
+    def from_file(cls, path: str, boundary_ratio: Optional[float] = None) -> "WanSpec":
         try:
             with open(path) as f:
-                return cls.from_config(json.load(f), os.path.dirname(path) or path)
+                spec = cls.from_config(json.load(f), os.path.dirname(path) or path)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: cannot read a diffusers config.json ({e})") from None
+        return replace(spec, boundary_ratio=boundary_ratio) if boundary_ratio is not None else spec
 
     def as_dict(self) -> dict:
         return asdict(self)

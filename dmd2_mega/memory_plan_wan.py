@@ -1,0 +1,106 @@
+"""The Wan family's per-rank parameter / FLOP / activation maths (`dmd2_mega/models/wan.py`), for memory_plan.py.
+
+Notation: hidden D = heads a x head_dim d, layers N, FFN width F, latent channels C, patch (pt, ph, pw) with
+P = pt ph pw, tokens S = (T/pt)(H/ph)(W/pw), text tokens L of width E (text_dim), timestep feature width f,
+TP degree t, n samples; weight / activation bytes w = 2 under --bf16 else 4.
+
+Parameters (exact; column-parallel weight [out/t, in] and bias split, row-parallel weight [out, in/t] and
+bias whole, the q / k RMSNorm weights [D/t] split like the heads):
+    sharded (divided by t):  per block, twice (self- and cross-attention): to_q / to_k / to_v 3 D(D+1),
+                             to_out D^2, norm_q / norm_k 2D;  fc1 F(D+1), fc2 D F;  time_proj 6D(D+1)
+    replicated:              patch_embedding (CP+1)D, time_embedder (f+1)D + (D+1)D, text_embedder
+                             (E+1)D + (D+1)D, proj_out (D+1)CP, final scale_shift_table 2D; per block the
+                             two to_out biases and the fc2 bias 3D, scale_shift_table 6D, norm2 2D (when
+                             cross_attn_norm)
+    buffer:                  the negative-prompt embedding [L, E] (model dtype)
+Forward FLOPs per sample on one TP rank (matmuls, 2 per multiply-add):
+    2 S (CP D + D CP) + 2 (f D + D^2) + 2 L (E D + D^2) + 2 D 6D / t
+    + N [2 S 4D^2 + 4 S^2 D  +  2 S 2D^2 + 2 L 2D^2 + 4 S L D  +  2 S 2 D F] / t
+          self-attention          cross-attention (q / out on S, k / v on L)      FFN
+Activations a training forward of n samples keeps for backward, per block (c = 1 with cross_attn_norm, else 0):
+    n S D (6w + 4 + 4c)     h, the modulated inputs of attn1 / FFN, the attn1 output (gated), the mid residual
+                            (attn2's input: with c its fp32 copy, LayerNorm's input, and the normed input at w),
+                            the residual before the FFN; the FFN output is kept in fp32 (the model upcasts it)
+    + n S (9D + 2F) w / t   per TP shard: q, k before and after the q/k norm, v and the attention output of
+                            self-attention; q before / after the norm and the output of cross-attention;
+                            fc1 and GELU outputs
+    + n L 3D w / t          cross-attention k before / after the norm, v on the text tokens
+    + 4 n S (7 + 2c + 2a/t) + 4 n L + 4 n 8D     fp32 norm statistics, the two attention log-sum-exps,
+                            the block's modulation [n, 6, D] and two scale copies (+ 8D c under
+                            --bf16: norm2's weight and bias upcast to fp32)
+    outside the blocks:     n (f + 4D) w + n L (E + 3D) w + n S (CP + 2D) w + 8 n S + 4 n D + 4 S d
+                            (timestep MLP, text MLP and ctx, patches, final norm and projection input, rope
+                            tables). --recompute-granularity full keeps each block's input n S D w (and the
+                            modulation n 6D w once, no rope tables), plus one block's full set while that
+                            block is recomputed in backward.
+    Measured with saved-tensor hooks (tests/test_plan_memory.py: wan-debug fp32 and bf16, with and without
+    recompute, TP 1 and 2; a config without cross_attn_norm) the estimate equals the kept bytes: factor 1.00
+    (the DiT's ACT_FACTOR of 1.25 is not needed). It assumes SDPA / flash attention (log-sum-exp only, no S^2
+    term) and counts the torch path of the fused kernels, which saves what the Triton path saves.
+A no-grad forward of n samples holds about n L (E + D + 2D/t) w (text embeddings, ctx, cross k / v) plus, per
+    token, the largest of: the fp32 residual update (h, its modulated input and the attention / FFN output at
+    w, with its fp32 product and sum and, under --bf16, the fp32 copy of h: 3Dw + 4D(2 + [bf16])) and the
+    attention (2Dw + 5Dw/t) or FFN (2Dw + 2Fw/t) temporaries. An estimate: not measured by the tests.
+"""
+from __future__ import annotations
+
+import math
+
+
+def _dims(ms):
+    s = ms.spec
+    return s, s.hidden_size, s.ffn_dim, ms.in_channels * math.prod(s.patch_size), ms.tokens, ms.text_len
+
+
+def param_counts(ms) -> dict:
+    """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
+    s, D, F, CP, _, L = _dims(ms)
+    attn_sharded = 3 * D * (D + 1) + D * D + 2 * D
+    sharded = s.num_layers * (2 * attn_sharded + F * (D + 1) + D * F) + 6 * D * (D + 1)
+    per_block = 3 * D + 6 * D + (2 * D if s.cross_attn_norm else 0)
+    replicated = ((CP + 1) * D + (s.freq_dim + 1) * D + (D + 1) * D + (s.text_dim + 1) * D + (D + 1) * D
+                  + (D + 1) * CP + 2 * D + s.num_layers * per_block)
+    # per block: 2 x (q, k, v, out weights + biases, norm_q, norm_k), fc1 + fc2 (+ biases), table, norm2
+    tensors = 15 + s.num_layers * (2 * 10 + 4 + 1 + (2 if s.cross_attn_norm else 0))
+    e = max(1, len(s.experts))  # Wan 2.2 A14B: both experts live in every role (each sample runs one of them)
+    return {"sharded": e * sharded, "replicated": e * replicated, "tensors": e * tensors, "buffer": e * L * s.text_dim}
+
+
+def forward_flops(ms, n: int = 1, tp: int = 1) -> int:
+    """Matmul FLOPs of one forward of n samples on one TP rank (module docstring)."""
+    s, D, F, CP, S, L = _dims(ms)
+    out = 2 * S * (CP * D + D * CP) + 2 * (s.freq_dim * D + D * D) + 2 * L * (s.text_dim * D + D * D)
+    out += 2 * D * 6 * D // tp
+    self_attn = 2 * S * 4 * D * D + 4 * S * S * D
+    cross_attn = 2 * S * 2 * D * D + 2 * L * 2 * D * D + 4 * S * L * D
+    block = self_attn + cross_attn + 2 * S * 2 * D * F
+    return n * (out + s.num_layers * block // tp)
+
+
+def layer_activation_bytes(ms, n: int, tp: int, bf16: bool) -> int:
+    s, D, F, _, S, L = _dims(ms)
+    w = 2 if bf16 else 4
+    c = 1 if s.cross_attn_norm else 0
+    return (n * S * D * (6 * w + 4 + 4 * c) + n * S * (9 * D + 2 * F) // tp * w + n * L * 3 * D // tp * w
+            + 4 * n * S * (7 + 2 * c + 2 * s.num_heads // tp) + 4 * n * L + 4 * n * 8 * D
+            + (8 * D * c if bf16 else 0))  # norm2's weight and bias upcast to fp32
+
+
+def outside_activation_bytes(ms, n: int, tp: int, bf16: bool, recompute: bool) -> int:
+    s, D, _, CP, S, L = _dims(ms)
+    w = 2 if bf16 else 4
+    out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * S * (CP + 2 * D) * w
+           + 8 * n * S + 4 * n * D)
+    return out + (n * 6 * D * w if recompute else 4 * S * s.head_dim)
+
+
+def block_input_bytes(ms, n: int, bf16: bool) -> int:
+    return n * ms.tokens * ms.spec.hidden_size * (2 if bf16 else 4)
+
+
+def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool) -> int:
+    _, D, F, _, S, L = _dims(ms)
+    w = 2 if bf16 else 4
+    residual = 3 * D * w + 4 * D * (2 + (1 if bf16 else 0))
+    inner = 2 * D * w + max(5 * D, 2 * F) * w // tp
+    return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * S * max(residual, inner)

@@ -1,0 +1,67 @@
+"""Wan 2.2 A14B: two Wan transformers of one spec, switched by the noise level (diffusers' `WanPipeline` with
+`boundary_ratio`): the high-noise expert (`transformer`, here `high`) predicts where the model timestep
+t = 1000 sigma is >= 1000 boundary_ratio, the low-noise expert (`transformer_2`, here `low`) below.
+
+One model of the family interface, so one role: `forward(x, sigma, cond)` routes each sample to its expert
+(`index_select` in, `index_copy` out: gradients reach only the expert that saw the sample); `features` routes
+the same way; `null_cond` / `set_negative` are the experts' shared negative prompt. Parameters are named
+`high.<wan name>` and `low.<wan name>`. Routing reads how many samples go each way, one host sync per call; a
+call whose samples all sit on one side of the boundary runs only that expert. Both experts live in the role's
+memory (time-slicing the two experts inside a role is not done yet).
+"""
+from __future__ import annotations
+
+import torch
+
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+from dmd2_mega.models.wan import Wan, WanSpec
+
+EXPERTS = ("transformer", "transformer_2")
+"""The pipeline subfolders of the high- and the low-noise expert."""
+
+
+class WanExperts(FamilyModel):
+    def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
+        super().__init__()
+        if spec.boundary_ratio is None:
+            raise ValueError("a two-expert Wan needs spec.boundary_ratio")
+        self.spec, self.shape = spec, shape
+        self.high = Wan(spec, shape, tp_size, options)
+        self.low = Wan(spec, shape, tp_size, options)
+        self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
+        self.boundary_t = spec.boundary_ratio * 1000.0
+
+    def set_negative(self, emb: torch.Tensor) -> None:
+        self.high.set_negative(emb)
+        self.low.set_negative(emb)
+
+    def null_cond(self, n: int, device) -> torch.Tensor:
+        return self.high.null_cond(n, device)
+
+    def _route(self, fn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """fn(expert, x, sigma, cond) per expert on its samples, reassembled in sample order."""
+        high = sigma.float() * 1000.0 >= self.boundary_t  # WanPipeline's rule: t >= boundary_ratio * 1000
+        n_high = int(high.sum())  # the one host sync of a call
+        if n_high in (0, x.shape[0]):
+            return fn(self.high if n_high else self.low, x, sigma, cond)
+        parts = []
+        for expert, idx in ((self.high, high.nonzero().squeeze(1)), (self.low, (~high).nonzero().squeeze(1))):
+            parts.append((idx, fn(expert, x.index_select(0, idx), sigma.index_select(0, idx), cond.index_select(0, idx))))
+        out = parts[0][1].new_zeros((x.shape[0], *parts[0][1].shape[1:]))
+        for idx, v in parts:
+            out = out.index_copy(0, idx, v)
+        return out
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return self._route(lambda m, *a: m(*a), x, sigma, cond)
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        return self._route(lambda m, *a: m.features(*a, layer), x, sigma, cond)
+
+
+def build_wan_experts(spec: WanSpec, shape: DataShape, tp_size: int = 1,
+                      options: BuildOptions = BuildOptions()) -> WanExperts:
+    return WanExperts(spec, shape, tp_size, options)
+
+
+WAN_EXPERTS = ModelFamily("wan", build_wan_experts)

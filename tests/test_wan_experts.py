@@ -1,0 +1,103 @@
+"""Wan 2.2 A14B-style two-expert teachers: a tiny random pipeline folder (model_index.json with boundary_ratio 0.5,
+transformer/ and transformer_2/ of one config, different weights) built here.
+
+  * load_model routes each sample as WanPipeline does (t = 1000 sigma >= 1000 boundary -> transformer, else
+    transformer_2): output and every gradient equal the diffusers experts run on their own samples (fp32, 1e-5);
+  * diffusers pipeline folder -> one two-expert checkpoint at TP=2 -> transformer/ + transformer_2/ is bit-exact;
+  * the two-expert checkpoint is one teacher role: a DMD2 cycle runs on it and the student holds both experts.
+"""
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.utils import PRETRAIN_DMD2, REPO, python, world_of_one
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers import WanTransformer3DModel  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from dmd2_mega.checkpoint import load_payload  # noqa: E402
+from dmd2_mega.data import write_shards  # noqa: E402
+from dmd2_mega.models import get_size, get_spec  # noqa: E402
+from dmd2_mega.models.wan_diffusers import our_name  # noqa: E402
+from dmd2_mega.models.wan_experts import WanExperts  # noqa: E402
+from dmd2_mega.pretrained import _one_process, load_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wan22") / "pipe"
+    cfg = get_spec("wan-debug").diffusers_config()
+    cfg.pop("_class_name")
+    experts = []
+    for i, sub in enumerate(("transformer", "transformer_2")):
+        torch.manual_seed(100 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = WanTransformer3DModel(**cfg).eval()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        m.save_pretrained(d / sub)
+        experts.append(m)
+    json.dump({"_class_name": "WanPipeline", "boundary_ratio": 0.5, "transformer": ["diffusers", "WanTransformer3DModel"],
+               "transformer_2": ["diffusers", "WanTransformer3DModel"]}, open(d / "model_index.json", "w"))
+    return d, experts
+
+
+def test_routing_matches_the_pipeline_rule(pipeline):
+    d, (high, low) = pipeline
+    assert get_size(str(d)).spec.boundary_ratio == 0.5
+    g = torch.Generator().manual_seed(0)
+    x, cond = torch.randn(4, 4, 3, 4, 6, generator=g), torch.randn(4, 5, 16, generator=g)
+    sigma = torch.tensor([0.3, 0.7, 0.5, 0.49])  # 0.5 is the boundary itself: t = 500 >= 500 -> high
+    with world_of_one():
+        model = load_model(str(d)).train()
+        assert isinstance(model, WanExperts)
+        out = model(x, sigma, cond)
+        out.square().mean().backward()
+    want = torch.empty_like(out)
+    for m, idx in ((high, [1, 2]), (low, [0, 3])):
+        i = torch.tensor(idx)
+        want[i] = m(x[i], sigma[i] * 1000, cond[i]).sample
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    want.square().mean().backward()
+    grads = dict(model.named_parameters())
+    for prefix, m in (("high.", high), ("low.", low)):
+        for n, p in m.named_parameters():
+            ours = grads[prefix + our_name(n)].grad.reshape(p.shape)
+            assert float((ours - p.grad).abs().max()) <= 1e-5 * max(float(p.grad.abs().max()), 1e-6), n
+
+
+def test_two_expert_round_trip_and_dmd2(pipeline, tmp_path):
+    d, _ = pipeline
+    ckpt = tmp_path / "teacher"
+    python(CONVERT, ["--from-diffusers", d, "--save", ckpt, "--tensor-model-parallel-size", "2"]).check("import")
+    python(CONVERT, ["--load", ckpt, "--to-diffusers", tmp_path / "export"]).check("export")
+    for sub in ("transformer", "transformer_2"):
+        a, b = load_file(d / sub / WEIGHTS), load_file(tmp_path / "export" / sub / WEIGHTS)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sub
+    g = torch.Generator().manual_seed(1)
+    write_shards(str(tmp_path / "data"), torch.randn(8, 4, 3, 4, 6, generator=g), cond=torch.randn(8, 5, 16, generator=g))
+    python(PRETRAIN_DMD2, ["--model-size", ckpt, "--teacher-load", ckpt, "--data", tmp_path / "data",
+                           "--micro-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "1",
+                           "--dmd2-teacher-guidance-scale", "2", "--save", tmp_path / "run"], timeout=300).check("dmd2")
+    with world_of_one():
+        student = load_payload(str(tmp_path / "run"), _one_process())
+    names = [n for n in student["model"] if not n.endswith("_extra_state")]
+    assert student["role"] == "student" and {n.split(".")[0] for n in names} == {"high", "low"}
+
+
+def test_planner_counts_both_experts():
+    from dmd2_mega import memory_plan as mp
+    info = {"latent_shape": [16, 21, 60, 104], "num_classes": None, "cond_shape": (512, 4096)}
+    one, two = (mp.param_counts(mp.model_shape_from_info(s, info)) for s in ("wan2.1-14b", "wan2.2-a14b"))
+    assert one["sharded"] + one["replicated"] == 14_288_491_584  # the meta-built Wan 2.1 14B (test_plan_memory)
+    assert two["sharded"] + two["replicated"] == 2 * 14_288_491_584
