@@ -32,7 +32,7 @@ import os
 import shutil
 import zipfile
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -220,9 +220,10 @@ def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState)
     return final
 
 
-def save_offline(root: str, iteration: int, payloads: Sequence[dict]) -> str:
-    """One process writes a whole checkpoint, one payload per TP rank (`launch/convert_checkpoint.py`): the same
-    iter_N.tmp/ -> iter_N/ -> tracker order as a training save, so a crash leaves no checkpoint that looks whole."""
+def save_offline(root: str, iteration: int, payloads: Iterable[dict]) -> str:
+    """One process writes a whole checkpoint, one payload per TP rank in rank order (`launch/convert_checkpoint.py`;
+    an iterator is consumed one payload at a time): the same iter_N.tmp/ -> iter_N/ -> tracker order as a
+    training save, so a crash leaves no checkpoint that looks whole."""
     final, tmp = iter_dir(root, iteration), iter_dir(root, iteration) + ".tmp"
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists already; write the conversion to a new directory")

@@ -34,6 +34,11 @@ Parts: a role's storages fall in two parts, slept and woken separately (`set_res
 `set_resident("weights")` keeps exactly the weights (the actor phase's frozen critic under the GAN
 head); "all" = `wake()`, "none" = `sleep()`.
 
+Experts (`ExpertSleeper`): a frozen role whose model is several experts of which a forward runs some (Wan
+2.2's two, `FamilyModel.expert_modules`) has one frozen Sleeper per expert. While a phase needs the role, an
+expert wakes in a forward-pre-hook of its own module, after every other expert has been put to sleep, so at most
+one expert is resident at a time (a frozen expert's sleep only frees; its wake is one host-to-device copy).
+
 Accounting: `resident_bytes(tensors)` sums nbytes of the unique storages; a sleeping role has 0.
 
 Calls: `sleep()` while asleep and `wake()` while awake are no-ops (the phase table may wake a role
@@ -301,3 +306,57 @@ class Sleeper:
     def wake(self) -> int:
         """Re-allocate every freed storage and copy its bytes back; returns the bytes restored."""
         return self.set_resident("all")
+
+
+class ExpertSleeper:
+    """Time-slicing of a frozen role of several experts (module docstring, "Experts"); the Sleeper interface the
+    roles use: set_resident / sleep / wake / resident_bytes / asleep / close / copied_bytes."""
+
+    def __init__(self, name: str, experts: Sequence[torch.nn.Module], device: Optional[torch.device] = None):
+        self.name = name
+        self.sleepers = [Sleeper(f"{name} (expert {i})", [m], device=device, frozen=True) for i, m in enumerate(experts)]
+        self.needed = True  # set_resident: the phase needs the role, its experts wake on demand
+        # prepended: runs before the expert's own asleep guard
+        self._handles = [m.register_forward_pre_hook(self._enter_hook(i), prepend=True) for i, m in enumerate(experts)]
+
+    def _enter_hook(self, i: int):
+        def enter(module, args):
+            if self.needed:
+                for j, other in enumerate(self.sleepers):
+                    if j != i:
+                        other.sleep()
+                self.sleepers[i].wake()
+        return enter
+
+    def set_resident(self, level: str) -> int:
+        """"none": every expert sleeps; "all" / "weights": the role is needed, an expert wakes on its forward."""
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+        self.needed = level != "none"
+        return self.sleep() if not self.needed else 0
+
+    def sleep(self) -> int:
+        return sum(s.sleep() for s in self.sleepers)
+
+    def wake(self) -> int:
+        """Every expert resident (a checkpoint save reads them all)."""
+        self.needed = True
+        return sum(s.wake() for s in self.sleepers)
+
+    @property
+    def asleep(self) -> bool:
+        return all(s.asleep for s in self.sleepers)
+
+    @property
+    def copied_bytes(self) -> int:
+        return sum(s.copied_bytes for s in self.sleepers)
+
+    def resident_bytes(self) -> int:
+        return sum(s.resident_bytes() for s in self.sleepers)
+
+    def close(self) -> None:
+        self.wake()
+        for h in self._handles:
+            h.remove()
+        for s in self.sleepers:
+            s.close()

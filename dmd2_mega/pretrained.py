@@ -13,7 +13,7 @@
                                            model(x, sigma, cond) -> velocity (DESIGN section 1)
 
 Streaming: the import reads one safetensors shard at a time into one full copy (our layout), then writes each
-TP rank's slice; nothing is written until every tensor has been read and checked, so a bad folder leaves no
+TP rank's slice in turn (peak host memory: the full copy plus one rank's slice); nothing is written until every tensor has been read and checked, so a bad folder leaves no
 checkpoint behind. The TP split of each parameter comes from the model built on the meta device (no memory).
 """
 from __future__ import annotations
@@ -106,18 +106,20 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
         f"{spec.head_dim}, {sum(map(_numel, expected.values())):,} parameters)")
     state = _read_source(spec, folders, expected)
     args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
-    payloads = []
-    for r in range(tp_size):
-        shard = {n: (t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r]).clone() for n, t in state.items()}
-        payloads.append({"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size,
-                         "iteration": 0, "role": "teacher", "family": "wan", "args": args, "data_info": None,
-                         "checkpoint_version": 1})
+
+    def payloads():  # one rank's shard at a time: replicated tensors as they are, split ones cloned (a view
+        for r in range(tp_size):  # would save its whole storage)
+            shard = {n: t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r].clone() for n, t in state.items()}
+            yield {"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size,
+                   "iteration": 0, "role": "teacher", "family": "wan", "args": args, "data_info": None,
+                   "checkpoint_version": 1}
+
     os.makedirs(save, exist_ok=True)
     shutil.copyfile(os.path.join(next(iter(folders.values())), "config.json"), os.path.join(save, "config.json"))
     if spec.boundary_ratio is not None:
         atomic_write(os.path.join(save, EXPERTS_FILE), lambda f: json.dump(
             {"boundary_ratio": spec.boundary_ratio, "experts": list(EXPERTS)}, f), text=True)
-    final = save_offline(save, 0, payloads)
+    final = save_offline(save, 0, payloads())
     log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
 

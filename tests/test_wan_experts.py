@@ -4,7 +4,8 @@ transformer/ and transformer_2/ of one config, different weights) built here.
   * load_model routes each sample as WanPipeline does (t = 1000 sigma >= 1000 boundary -> transformer, else
     transformer_2): output and every gradient equal the diffusers experts run on their own samples (fp32, 1e-5);
   * diffusers pipeline folder -> one two-expert checkpoint at TP=2 -> transformer/ + transformer_2/ is bit-exact;
-  * the two-expert checkpoint is one teacher role: a DMD2 cycle runs on it and the student holds both experts.
+  * the two-expert checkpoint is one teacher role: a DMD2 cycle runs on it and the student holds both experts;
+    time-sliced (--offload-inactive) the teacher keeps one expert resident at a time and the cycle is bit-identical.
 """
 import json
 import os
@@ -13,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.utils import PRETRAIN_DMD2, REPO, python, world_of_one
+from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, python, read_trace, world_of_one
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
@@ -86,9 +87,13 @@ def test_two_expert_round_trip_and_dmd2(pipeline, tmp_path):
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sub
     g = torch.Generator().manual_seed(1)
     write_shards(str(tmp_path / "data"), torch.randn(8, 4, 3, 4, 6, generator=g), cond=torch.randn(8, 5, 16, generator=g))
-    python(PRETRAIN_DMD2, ["--model-size", ckpt, "--teacher-load", ckpt, "--data", tmp_path / "data",
-                           "--micro-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "1",
-                           "--dmd2-teacher-guidance-scale", "2", "--save", tmp_path / "run"], timeout=300).check("dmd2")
+    base = ["--model-size", ckpt, "--teacher-load", ckpt, "--data", tmp_path / "data", "--micro-batch-size", "2",
+            "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "1", "--dmd2-teacher-guidance-scale", "2"]
+    for name, extra in (("run", []), ("sliced", ["--offload-inactive"])):  # the teacher's experts time-sliced
+        python(PRETRAIN_DMD2, base + extra + ["--save", tmp_path / name, "--loss-trace", tmp_path / f"{name}.jsonl"],
+               timeout=300).check(name)
+    assert_traces_close(read_trace(tmp_path / "sliced.jsonl"), read_trace(tmp_path / "run.jsonl"), 0.0,
+                        "two-expert teacher time-sliced vs resident", keys=DMD2_TRACE_KEYS)
     with world_of_one():
         student = load_payload(str(tmp_path / "run"), _one_process())
     names = [n for n in student["model"] if not n.endswith("_extra_state")]
@@ -101,3 +106,33 @@ def test_planner_counts_both_experts():
     one, two = (mp.param_counts(mp.model_shape_from_info(s, info)) for s in ("wan2.1-14b", "wan2.2-a14b"))
     assert one["sharded"] + one["replicated"] == 14_288_491_584  # the meta-built Wan 2.1 14B (test_plan_memory)
     assert two["sharded"] + two["replicated"] == 2 * 14_288_491_584
+
+
+def test_time_sliced_teacher_keeps_one_expert_resident(pipeline):
+    """ExpertSleeper: in a phase that needs the teacher, an expert wakes for its own forward after the other
+    sleeps; outputs are those of the model without time-slicing; "none" frees both."""
+    from dmd2_mega.dmd2.roles import Role
+    from dmd2_mega.offload import ExpertSleeper, RoleAsleepError
+
+    d, _ = pipeline
+    g = torch.Generator().manual_seed(3)
+    x, cond = torch.randn(3, 4, 3, 4, 6, generator=g), torch.randn(3, 5, 16, generator=g)
+    with world_of_one():
+        plain, sliced = load_model(str(d)), load_model(str(d))
+        role = Role("teacher", sliced).with_offload(torch.device("cpu"))
+        assert isinstance(role.sleeper, ExpertSleeper)
+        one = sum(t.numel() * t.element_size() for t in [*sliced.high.parameters(), *sliced.high.buffers()])
+        role.sleeper.set_resident("none")
+        assert role.resident_bytes() == 0
+        with pytest.raises(RoleAsleepError):
+            sliced.high(x, torch.full((3,), 0.9), cond)
+        role.sleeper.set_resident("all")  # needed: nothing is copied until a forward
+        assert role.resident_bytes() == 0
+        with torch.no_grad():
+            for sigma, awake in ((torch.full((3,), 0.9), "high"), (torch.tensor([0.9, 0.2, 0.6]), "low"),
+                                 (torch.full((3,), 0.1), "low")):
+                assert torch.equal(sliced(x, sigma, cond), plain(x, sigma, cond))
+                assert role.resident_bytes() == one  # one expert on the device
+                assert getattr(sliced, awake).proj_out.weight.untyped_storage().size() > 0
+        assert torch.equal(sliced.null_cond(2, "cpu"), plain.null_cond(2, "cpu"))
+        role.sleeper.close()

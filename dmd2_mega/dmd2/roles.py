@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from dmd2_mega.grad_buffer import GradBuffer
-from dmd2_mega.offload import Sleeper, resident_bytes, state_tensors, weight_tensors
+from dmd2_mega.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.optim import LRSchedule, Optimizer
 
 # phase -> {role: what of it must be resident}: "all" (weights and, if trained, grads + optimizer
@@ -53,7 +53,11 @@ class Role:
 
     def with_offload(self, device: torch.device) -> "Role":
         """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing); a role without
-        an optimizer (the teacher) is frozen: its host copy is made once."""
+        an optimizer (the teacher) is frozen: its host copy is made once, and a model of experts (Wan 2.2) gets
+        an ExpertSleeper that keeps only the expert a forward runs resident."""
+        experts = self.model.expert_modules() if hasattr(self.model, "expert_modules") else ()
+        if experts and not self.trainable:
+            return replace(self, sleeper=ExpertSleeper(self.name, experts, device=device))
         return replace(self, sleeper=Sleeper(self.name, [self.model], [self.optimizer] if self.optimizer else [],
                                              list(self.extra), device=device, frozen=not self.trainable))
 

@@ -14,6 +14,8 @@ a `FamilyModel`:
     null_cond(n, device) -> [n, ...]
         the negative / null condition of classifier-free guidance: the learned null class, or for text the
         negative-prompt embedding given by `set_negative` (the data's; zeros until then).
+    expert_modules() -> (sub-models of which each forward runs only some) or ()
+        Wan 2.2's experts: a time-sliced frozen role wakes only the expert a forward runs.
     tp_split() -> {parameter name: dim it is split along across TP ranks, or None if replicated}
         what checkpoints reshard and the optimizer's gradient norm counts once.
 
@@ -105,6 +107,11 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
             raise ConfigError(f"the negative-prompt embedding has shape {list(emb.shape)}, but the model takes text "
                               f"embeddings {list(neg.shape)}")
         neg.copy_(emb)
+
+    def expert_modules(self) -> tuple:
+        """Sub-models of which each forward runs only some (Wan 2.2's two experts), else (): a frozen role keeps
+        only the running one resident when it is time-sliced (`offload.ExpertSleeper`)."""
+        return ()
 
     def tp_split(self) -> dict:
         return {name: tp_partition_dim(p) for name, p in self.named_parameters()}

@@ -6,8 +6,9 @@ One model of the family interface, so one role: `forward(x, sigma, cond)` routes
 (`index_select` in, `index_copy` out: gradients reach only the expert that saw the sample); `features` routes
 the same way; `null_cond` / `set_negative` are the experts' shared negative prompt. Parameters are named
 `high.<wan name>` and `low.<wan name>`. Routing reads how many samples go each way, one host sync per call; a
-call whose samples all sit on one side of the boundary runs only that expert. Both experts live in the role's
-memory (time-slicing the two experts inside a role is not done yet).
+call whose samples all sit on one side of the boundary runs only that expert. A trained role (student, critic)
+keeps both experts resident; the time-sliced teacher wakes each expert only for its own forward
+(`expert_modules`, `offload.ExpertSleeper`), so one expert at a time is on the device.
 """
 from __future__ import annotations
 
@@ -30,13 +31,19 @@ class WanExperts(FamilyModel):
         self.low = Wan(spec, shape, tp_size, options)
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
         self.boundary_t = spec.boundary_ratio * 1000.0
+        self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
+
+    def expert_modules(self) -> tuple:
+        return (self.high, self.low)
 
     def set_negative(self, emb: torch.Tensor) -> None:
-        self.high.set_negative(emb)
-        self.low.set_negative(emb)
+        super().set_negative(emb)
+        for expert in self.expert_modules():
+            expert.set_negative(emb)
 
     def null_cond(self, n: int, device) -> torch.Tensor:
-        return self.high.null_cond(n, device)
+        """Its own copy of the negative prompt: readable while a time-sliced teacher's experts sleep."""
+        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
 
     def _route(self, fn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """fn(expert, x, sigma, cond) per expert on its samples, reassembled in sample order."""
