@@ -18,17 +18,17 @@ import warnings
 import pytest
 import torch
 
-from tests.utils import MP_SCRIPTS, REPO, python, torchrun, world_of_one
+from tests.utils import MP_SCRIPTS, torchrun, world_of_one
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
 
 from dmd2_mega.models import DataShape, build_model  # noqa: E402
 from dmd2_mega.models.wan_diffusers import diffusers_name, our_name  # noqa: E402
-from dmd2_mega.pretrained import load_model  # noqa: E402
+from dmd2_mega.errors import ConfigError  # noqa: E402
+from dmd2_mega.pretrained import export_diffusers, import_diffusers, load_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 FB = os.path.join(MP_SCRIPTS, "wan_forward_backward.py")
 
 BASE = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -116,15 +116,15 @@ def test_bf16_forward_within_tolerance(world, tmp_path):
 
 @pytest.mark.parametrize("name", ["L2-H3-T5-6x10-txt7", "L1-H2-T3-4x6-txt1"])
 def test_tp2_matches_diffusers_and_round_trip_is_bit_exact(world, tmp_path, name):
-    if name.startswith("L2-H3"):  # 3 heads do not split over 2 ranks: a one-line error, nothing written
+    if name.startswith("L2-H3"):  # 3 heads do not split over 2 ranks: an error naming the flag, nothing written
         ref, folder, shape, text = make_folder(tmp_path, name)
-        r = python(CONVERT, ["--from-diffusers", folder, "--save", tmp_path / "bad", "--tensor-model-parallel-size", 2])
-        assert r.returncode == 1 and "--tensor-model-parallel-size 2 must divide the 3 attention heads" in r.stderr
-        assert not os.path.exists(tmp_path / "bad" / "latest_checkpointed_iteration.txt")
+        with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 must divide the 3 attention heads"):
+            import_diffusers(folder, str(tmp_path / "bad"), 2, log=lambda *_: None)
+        assert not os.path.exists(tmp_path / "bad")
         return
     ref, folder, shape, text = make_folder(tmp_path, name)
     ckpt, out_dir = tmp_path / "ckpt_tp2", tmp_path / "export"
-    python(CONVERT, ["--from-diffusers", folder, "--save", ckpt, "--tensor-model-parallel-size", 2]).check("import")
+    import_diffusers(folder, str(ckpt), 2, log=lambda *_: None)  # the CLI runs this (test_wan_dmd2, test_wan_errors)
     assert sorted(os.listdir(ckpt / "iter_0000000")) == ["mp_rank_00", "mp_rank_01"]
     inp = inputs(shape, text, BASE["text_dim"], b=3)
     torch.save(inp, tmp_path / "inputs.pt")
@@ -135,7 +135,7 @@ def test_tp2_matches_diffusers_and_round_trip_is_bit_exact(world, tmp_path, name
     for n, g in want_grads.items():
         assert rel(got["grads"][n], g, grad_floor(want_grads)) <= 1e-5, n
     # ours (TP=2) -> diffusers: bit-exact, and diffusers loads it
-    python(CONVERT, ["--load", ckpt, "--to-diffusers", out_dir]).check("export")
+    export_diffusers(str(ckpt), str(out_dir), log=lambda *_: None)
     from safetensors.torch import load_file
     a = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
     b = load_file(out_dir / "transformer" / "diffusion_pytorch_model.safetensors")

@@ -15,19 +15,19 @@ import warnings
 import pytest
 import torch
 
-from tests.utils import PRETRAIN_DMD2, REPO, python, world_of_one
+from tests.utils import PRETRAIN_DMD2, python, world_of_one
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import DiTTransformer2DModel, WanTransformer3DModel  # noqa: E402
 
 from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.models import DataShape, build_model, get_spec  # noqa: E402
+from dmd2_mega.models import DataShape, build_model, get_size, get_spec  # noqa: E402
+from dmd2_mega.pretrained import import_diffusers  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from launch.convert_checkpoint import main as convert_main, parse_args  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 
 
 def tiny_wan(path, **over):
@@ -107,12 +107,12 @@ def test_tp_that_does_not_divide_the_heads(tmp_path):
 
 def test_text_width_and_model_size_path(tmp_path):
     d = tiny_wan(tmp_path / "wan")
-    python(CONVERT, ["--from-diffusers", d, "--save", tmp_path / "teacher"]).check("convert")
+    import_diffusers(str(d), str(tmp_path / "teacher"), log=lambda *_: None)
     write_shards(str(tmp_path / "data"), torch.randn(4, 4, 1, 2, 2), cond=torch.randn(4, 3, 8))
     r = python(PRETRAIN_DMD2, ["--model-size", tmp_path / "teacher", "--teacher-load", tmp_path / "teacher",
                                "--data", tmp_path / "data", "--train-iters", "1", "--micro-batch-size", "2",
                                "--save", tmp_path / "run"])
     assert r.returncode == 1 and "text embeddings are 8 wide" in r.stderr and "text_dim 16" in r.stderr, r.tail()
     assert not os.path.exists(tmp_path / "run" / "latest_checkpointed_iteration.txt")
-    r = python(PRETRAIN_DMD2, ["--model-size", tmp_path / "data", "--teacher-load", tmp_path / "teacher"])
-    assert r.returncode == 1 and "no config.json in that folder" in r.stderr, r.tail()
+    with pytest.raises(ConfigError, match="--model-size .*data: no config.json in that folder"):
+        get_size(str(tmp_path / "data"))

@@ -8,13 +8,12 @@ transformer/ and transformer_2/ of one config, different weights) built here.
     time-sliced (--offload-inactive) the teacher keeps one expert resident at a time and the cycle is bit-identical.
 """
 import json
-import os
 import warnings
 
 import pytest
 import torch
 
-from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, python, read_trace, world_of_one
+from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, python, read_trace, world_of_one
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
@@ -25,10 +24,9 @@ from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.models import get_size, get_spec  # noqa: E402
 from dmd2_mega.models.wan_diffusers import our_name  # noqa: E402
 from dmd2_mega.models.wan_experts import WanExperts  # noqa: E402
-from dmd2_mega.pretrained import _one_process, load_model  # noqa: E402
+from dmd2_mega.pretrained import _one_process, export_diffusers, import_diffusers, load_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -80,8 +78,8 @@ def test_routing_matches_the_pipeline_rule(pipeline):
 def test_two_expert_round_trip_and_dmd2(pipeline, tmp_path):
     d, _ = pipeline
     ckpt = tmp_path / "teacher"
-    python(CONVERT, ["--from-diffusers", d, "--save", ckpt, "--tensor-model-parallel-size", "2"]).check("import")
-    python(CONVERT, ["--load", ckpt, "--to-diffusers", tmp_path / "export"]).check("export")
+    import_diffusers(str(d), str(ckpt), 2, log=lambda *_: None)  # in process: the CLI is test_wan_dmd2's
+    export_diffusers(str(ckpt), str(tmp_path / "export"), log=lambda *_: None)
     for sub in ("transformer", "transformer_2"):
         a, b = load_file(d / sub / WEIGHTS), load_file(tmp_path / "export" / sub / WEIGHTS)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), sub
