@@ -101,8 +101,9 @@ if ((CUDA == 0)); then  # a dry run on a machine without a GPU: say what would r
 fi
 step nvidia_smi 20 nvidia-smi
 
-step kernel_tests 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels_adaln.py \
-    tests/test_kernels_dmd.py tests/test_kernels_flow_matching.py tests/test_kernels_utils.py tests/test_kernels_x0.py
+step kernel_tests 180 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels_adaln.py \
+    tests/test_kernels_dmd.py tests/test_kernels_flow_matching.py tests/test_kernels_utils.py tests/test_kernels_x0.py \
+    tests/test_kernels_qk_norm_rope.py
 
 step bench_kernels 100 "$PYTHON" benchmarks/bench_kernels.py --no-compile --warmup 10 --rep 40 \
     --csv "$OUTDIR/bench_kernels.csv"
