@@ -262,6 +262,18 @@ class CyclePlan:
     roles: dict                      # role -> role_bytes(...)
     activations: dict                # phase -> activation bytes (incl. rollout / score tensors)
     phases: dict = field(default_factory=dict)  # (phase, sliced) -> {role: bytes, 'activations', 'total'}
+    teacher_share: float = 1.0
+    """The part of a time-sliced teacher resident while it runs: 1 / experts (Wan 2.2: one expert at a time,
+    `offload.ExpertSleeper`), else 1."""
+
+    def resident(self, role: str, in_phase: bool, sliced: bool) -> int:
+        """Bytes of `role` resident in a phase that needs it (`in_phase`) or not, time-sliced or not."""
+        full = sum(self.roles[role].values())
+        if not sliced:
+            return full
+        if not in_phase:
+            return 0
+        return int(full * self.teacher_share) if role == "teacher" else full
 
 
 def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
@@ -277,11 +289,12 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
            "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute),
                          activation_bytes(ms, teacher_n, tp, bf16, grad=False)) + held_rollout + held_scores,
            "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute) + held_scores}
-    plan = CyclePlan(roles, act)
+    experts = len(getattr(ms.spec, "experts", ()))
+    plan = CyclePlan(roles, act, teacher_share=1.0 / experts if experts else 1.0)
     for phase in PHASES:
         needed = PHASE_NEEDS[phase][0]
         for sliced in (True, False):
-            row = {r: sum(b.values()) if not sliced or r in needed else 0 for r, b in roles.items()}
+            row = {r: plan.resident(r, r in needed, sliced) for r in roles}
             row["activations"] = act[phase]
             row["total"] = sum(row.values())
             plan.phases[(phase, sliced)] = row
@@ -297,7 +310,7 @@ def phase_bytes(plan: CyclePlan, offloaded, gan: bool = False) -> dict:
         total = plan.activations[phase]
         for r, b in plan.roles.items():
             if r not in offloaded or r in needed:
-                total += sum(b.values())
+                total += plan.resident(r, r in needed, r in offloaded)
             elif gan and phase == "actor" and r == "critic":
                 total += b["weights"]
         out[phase] = total
