@@ -13,8 +13,9 @@
                                            model(x, sigma, cond) -> velocity (DESIGN section 1)
 
 Streaming: the import reads one safetensors shard at a time into one full copy (our layout), then writes each
-TP rank's slice in turn (peak host memory: the full copy plus one rank's slice); nothing is written until every tensor has been read and checked, so a bad folder leaves no
-checkpoint behind. The TP split of each parameter comes from the model built on the meta device (no memory).
+TP rank's slice in turn (peak host memory: the full copy plus one rank's slice); nothing is written until every
+tensor has been read and checked, so a bad folder leaves no checkpoint behind. The TP split of each parameter
+comes from the model built on the meta device (no memory).
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
                      spec)
     sigmas = payload.get("student_sigmas")
     _write_scheduler(os.path.join(out, "scheduler"), sigmas)
-    atomic_write(os.path.join(out, "README.md"), lambda f: f.write(_readme(load, which, sigmas)), text=True)
+    atomic_write(os.path.join(out, "README.md"), lambda f: f.write(_readme(load, which, sigmas, spec.boundary_ratio is not None)),
+                 text=True)
     log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
         f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
     return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
@@ -187,26 +189,27 @@ def _write_scheduler(folder: str, sigmas: Optional[list]) -> None:
     atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
 
 
-def _readme(load: str, which: str, sigmas) -> str:
-    steps = len(sigmas) if sigmas else 50
-    sig = f"sigmas={[float(s) for s in sigmas]}" if sigmas else "num_inference_steps=50"
-    return f"""# Exported by dmd2-mega from {load} ({which} weights)
-
-```python
-import functools
-import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", torch_dtype=torch.bfloat16)
-scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")
-pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", transformer=transformer, scheduler=scheduler,
-                                   torch_dtype=torch.bfloat16).to("cuda")
-# WanPipeline calls scheduler.set_timesteps(num_inference_steps): pin it to the student's own sigmas
-pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, {sig})
-# {steps} steps, no CFG (the student was distilled with the teacher's guidance); the scheduler predicts x0 and
-# re-noises it to the next sigma with fresh noise (stochastic_sampling), the DMD2 student's sampler
-video = pipe(prompt="...", guidance_scale=1.0, num_inference_steps={steps}).frames[0]
-```
-"""
+def _readme(load: str, which: str, sigmas, experts: bool) -> str:
+    """How to run the export in WanPipeline: a student on its own sigmas without CFG, a teacher as Wan samples."""
+    t2 = ("transformer_2 = WanTransformer3DModel.from_pretrained(\"<this folder>\", subfolder=\"transformer_2\",\n"
+          "                                                       torch_dtype=torch.bfloat16)\n") if experts else ""
+    parts = "transformer=transformer, " + ("transformer_2=transformer_2, " if experts else "")
+    if sigmas:
+        run = (f"# WanPipeline calls scheduler.set_timesteps(num_inference_steps): pin it to the student's own sigmas\n"
+               f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+               f"sigmas={[float(x) for x in sigmas]})\n"
+               f"# {len(sigmas)} steps, no CFG (the student was distilled with the teacher's guidance): each step predicts\n"
+               f"# x0 and re-noises it to the next sigma with fresh noise (stochastic_sampling), the student's sampler\n"
+               f"video = pipe(prompt=\"...\", guidance_scale=1.0, num_inference_steps={len(sigmas)}).frames[0]\n")
+    else:
+        run = "video = pipe(prompt=\"...\", num_inference_steps=50, guidance_scale=5.0).frames[0]\n"
+    return (f"# Exported by dmd2-mega from {load} ({which} weights)\n\n```python\nimport functools\nimport torch\n"
+            f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n"
+            f"transformer = WanTransformer3DModel.from_pretrained(\"<this folder>\", subfolder=\"transformer\", "
+            f"torch_dtype=torch.bfloat16)\n{t2}"
+            f"scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(\"<this folder>\", subfolder=\"scheduler\")\n"
+            f"pipe = WanPipeline.from_pretrained(\"<the base Wan pipeline folder>\", {parts}scheduler=scheduler,\n"
+            f"                                   torch_dtype=torch.bfloat16).to(\"cuda\")\n{run}```\n")
 
 
 def _ensure_world() -> None:
