@@ -271,9 +271,9 @@ class Wan(FamilyModel):
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         x = x.to(self.patch_embedding.weight.dtype)
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
-        cos, sin = rope_tables((f, hh, ww), self.spec.head_dim)
+        rope = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device)
         temb, mod, ctx = self.condition_embedder(sigma, cond)
-        return self.patch_embedding(patches), ctx, temb, mod, (cos.to(x.device), sin.to(x.device))
+        return self.patch_embedding(patches), ctx, temb, mod, rope
 
     def _block(self, i: int, h, ctx, mod, rope):
         blk = self.blocks[i]
