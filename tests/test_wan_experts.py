@@ -54,6 +54,7 @@ def pipeline(tmp_path_factory):
 def test_routing_matches_the_pipeline_rule(pipeline):
     d, (high, low) = pipeline
     assert get_size(str(d)).spec.boundary_ratio == 0.5
+    assert get_size(str(d / "transformer_2")).spec.boundary_ratio is None  # one expert's folder is one model
     g = torch.Generator().manual_seed(0)
     x, cond = torch.randn(4, 4, 3, 4, 6, generator=g), torch.randn(4, 5, 16, generator=g)
     sigma = torch.tensor([0.3, 0.7, 0.5, 0.49])  # 0.5 is the boundary itself: t = 500 >= 500 -> high

@@ -52,26 +52,29 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
 
 
 def _config_path(name: str):
-    """The diffusers config.json that `--model-size <path>` names (a model folder, a pipeline folder with
-    transformer/, one of our converted checkpoints, or the file itself), or None if `name` is no path."""
+    """(config.json, the folder that may say it is two experts) of `--model-size <path>`: the file itself, a model
+    folder or one of our converted checkpoints (the folder itself), or a pipeline folder (its transformer/
+    config, the pipeline folder); None if `name` is no path."""
     if not (os.sep in name or os.path.exists(name)):
         return None
-    for cand in (name, os.path.join(name, "config.json"), os.path.join(name, "transformer", "config.json")):
+    if os.path.isfile(name):
+        return name, os.path.dirname(name)
+    for cand in (os.path.join(name, "config.json"), os.path.join(name, EXPERTS[0], "config.json")):
         if os.path.isfile(cand):
-            return cand
-    raise ConfigError(f"--model-size {name}: no config.json in that folder (nor in its transformer/)")
+            return cand, name
+    raise ConfigError(f"--model-size {name}: no config.json in that folder (nor in its {EXPERTS[0]}/)")
 
 
 def get_size(name: str) -> ModelSize:
     """A registered name, or a path to a diffusers config.json (or a folder holding one)."""
     if name in MODEL_SIZES:
         return MODEL_SIZES[name]
-    path = _config_path(name)
-    if path is None:
+    found = _config_path(name)
+    if found is None:
         raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)} or give a "
                           f"diffusers model folder with a config.json")
-    ratio = boundary_ratio(os.path.dirname(os.path.dirname(path)) if path.endswith(os.path.join("transformer",
-                           "config.json")) else os.path.dirname(path))
+    path, folder = found
+    ratio = boundary_ratio(folder)  # a model folder inside a pipeline (pipeline/transformer) is one model
     spec = WanSpec.from_file(path, ratio)
     return ModelSize(WAN_EXPERTS if ratio is not None else WAN, spec)
 
