@@ -28,9 +28,9 @@ import torch.utils.checkpoint
 import kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
-from dmd2_mega.models.attention import attention, check_backend
+from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, sincos_2d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,7 @@ class DiT(FamilyModel):
 
     def __init__(self, spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
-        check_backend(options.attention_backend)
-        if options.transformer_impl == "transformer_engine":
-            linears.require_transformer_engine()
-        if spec.num_heads % tp_size:
-            raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention "
-                              f"heads ({spec.num_heads}) of --model-size {spec.name}")
+        check_build(spec.name, spec.num_heads, tp_size, options)
         if len(shape.spatial) != 2 or shape.spatial[0] != shape.spatial[1]:
             raise ConfigError(f"--model-size {spec.name} (DiT) takes square images [C, H, H]; the data's samples "
                               f"are {list(shape.sample_shape)}")

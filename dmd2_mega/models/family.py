@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.models import linears
+from dmd2_mega.models.attention import check_backend
 from dmd2_mega.parallel import tp_partition_dim
 
 
@@ -65,6 +67,17 @@ class DataShape:
         shape = info.get("latent_shape") or (info["in_channels"], info["image_size"], info["image_size"])
         return cls(int(shape[0]), tuple(int(n) for n in shape[1:]), info.get("num_classes"),
                    tuple(cond) if cond is not None else None)
+
+
+def check_build(name: str, num_heads: int, tp_size: int, options: "BuildOptions") -> None:
+    """What every family's constructor checks first: the attention backend and linear implementation asked for
+    are installed (a clear error, never a silent fallback) and TP divides the heads of --model-size `name`."""
+    check_backend(options.attention_backend)
+    if options.transformer_impl == "transformer_engine":
+        linears.require_transformer_engine()
+    if num_heads % tp_size:
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention heads "
+                          f"({num_heads}) of --model-size {name}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,9 +43,9 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 import kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
-from dmd2_mega.models.attention import attention, check_backend
+from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import sincos_1d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
 from dmd2_mega.models.rope import rope_tables
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
@@ -135,9 +135,6 @@ class WanSpec:
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: cannot read a diffusers config.json ({e})") from None
         return replace(spec, boundary_ratio=boundary_ratio) if boundary_ratio is not None else spec
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _tp_group(tp_size: int):
@@ -236,9 +233,7 @@ class Wan(FamilyModel):
 
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
-        check_backend(options.attention_backend)
-        if options.transformer_impl == "transformer_engine":
-            linears.require_transformer_engine()
+        check_build(spec.name, spec.num_heads, tp_size, options)
         check_shape(spec, shape, tp_size)
         self.spec, self.shape, self.options, self.tp_size = spec, shape, options, tp_size
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
@@ -303,10 +298,8 @@ class Wan(FamilyModel):
 
 
 def check_shape(spec: WanSpec, shape: DataShape, tp_size: int) -> None:
-    """ConfigError naming the flag or size for a data shape / TP size this spec cannot take."""
-    if spec.num_heads % tp_size:
-        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention heads "
-                          f"({spec.num_heads}) of --model-size {spec.name}")
+    """ConfigError naming the flag or size for a data shape / TP size this spec cannot take (the heads:
+    `family.check_build`)."""
     if spec.ffn_dim % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide ffn_dim {spec.ffn_dim} of "
                           f"--model-size {spec.name}")
