@@ -20,6 +20,7 @@ comes from the model built on the meta device (no memory).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -104,7 +105,7 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
     dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
     experts = f"two experts, boundary {spec.boundary_ratio}; " if spec.boundary_ratio is not None else ""
     log(f"> reading {', '.join(folders.values())} ({experts}{spec.num_layers} layers, {spec.num_heads} heads x "
-        f"{spec.head_dim}, {sum(map(_numel, expected.values())):,} parameters)")
+        f"{spec.head_dim}, {sum(map(math.prod, expected.values())):,} parameters)")
     state = _read_source(spec, folders, expected)
     args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
 
@@ -123,13 +124,6 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
     final = save_offline(save, 0, payloads())
     log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def checkpoint_spec(root: str, payload: dict) -> ModelSize:

@@ -15,19 +15,16 @@ import os
 import shutil
 import warnings
 
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 import pytest
 import torch
 
+from dmd2_mega.data import write_shards
+from dmd2_mega.models import get_spec
+from dmd2_mega.pretrained import load_model
+from dmd2_mega.sampling import few_step_sample
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, launch, python, read_trace,
                          world_of_one)
-
-diffusers = pytest.importorskip("diffusers")
-from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel  # noqa: E402
-
-from dmd2_mega.data import write_shards  # noqa: E402
-from dmd2_mega.models import get_spec  # noqa: E402
-from dmd2_mega.pretrained import load_model  # noqa: E402
-from dmd2_mega.sampling import few_step_sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")

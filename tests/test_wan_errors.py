@@ -12,20 +12,17 @@ import json
 import os
 import warnings
 
+from diffusers import DiTTransformer2DModel, WanTransformer3DModel
 import pytest
 import torch
 
+from dmd2_mega.data import write_shards
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.models import DataShape, build_model, get_size, get_spec
+from dmd2_mega.pretrained import import_diffusers
+from dmd2_mega.resilience import run_main
+from launch.convert_checkpoint import main as convert_main, parse_args
 from tests.utils import PRETRAIN_DMD2, python, world_of_one
-
-diffusers = pytest.importorskip("diffusers")
-from diffusers import DiTTransformer2DModel, WanTransformer3DModel  # noqa: E402
-
-from dmd2_mega.data import write_shards  # noqa: E402
-from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.models import DataShape, build_model, get_size, get_spec  # noqa: E402
-from dmd2_mega.pretrained import import_diffusers  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
-from launch.convert_checkpoint import main as convert_main, parse_args  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,7 @@
 """The Wan family <-> diffusers `WanTransformer3DModel` folders: parameter names, tensor layouts, files.
 
-Names (ours at TP=1 <-> diffusers); everything else is the same name and the same tensor:
+Names (ours at TP=1 -> diffusers, `diffusers_name`; reading maps back through the names of the model the
+spec builds); everything else is the same name and the same tensor:
     patch_embedding.weight [D, C*pt*ph*pw]         <-> patch_embedding.weight [D, C, pt, ph, pw]   (a Conv3d)
     condition_embedder.time_embedder.{0,2}.*       <-> condition_embedder.time_embedder.linear_{1,2}.*
     condition_embedder.text_embedder.{0,2}.*       <-> condition_embedder.text_embedder.linear_{1,2}.*
@@ -39,27 +40,10 @@ _RULES = [  # (ours, diffusers), applied in order to a parameter name
     (r"\.fc2\.inner\.", r".ffn.net.2."),
     (r"\.inner\.", r"."),
 ]
-_BACK = [  # the inverse rewrites
-    (r"^condition_embedder\.(time|text)_embedder\.linear_1\.", r"condition_embedder.\1_embedder.0."),
-    (r"^condition_embedder\.(time|text)_embedder\.linear_2\.", r"condition_embedder.\1_embedder.2."),
-    (r"\.to_out\.0\.", r".to_out.inner."),
-    (r"\.ffn\.net\.0\.proj\.", r".fc1.inner."),
-    (r"\.ffn\.net\.2\.", r".fc2.inner."),
-    (r"\.(to_q|to_k|to_v)\.", r".\1.inner."),
-    (r"^condition_embedder\.time_proj\.", r"condition_embedder.time_proj.inner."),
-]
-
-
 def diffusers_name(ours: str) -> str:
     for pat, rep in _RULES:
         ours = re.sub(pat, rep, ours)
     return ours
-
-
-def our_name(theirs: str) -> str:
-    for pat, rep in _BACK:
-        theirs = re.sub(pat, rep, theirs)
-    return theirs
 
 
 def to_diffusers_tensor(name: str, t: torch.Tensor, spec: WanSpec) -> torch.Tensor:
@@ -124,12 +108,14 @@ def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
     """Our TP=1 state dict from a model folder, shard by shard. `expected`: {our name: shape} of the model the
-    spec builds; a missing, unexpected or wrongly shaped tensor is a CheckpointError naming the file and key."""
-    state, where = {}, {}
+    spec builds (its diffusers names, `diffusers_name`, say where each tensor goes); a missing, unexpected or
+    wrongly shaped tensor is a CheckpointError naming the file and key."""
+    ours = {diffusers_name(n): n for n in expected}
+    state = {}
     for path in _shard_files(folder):
         for key, t in _tensors(path):
-            name = our_name(key)
-            if name not in expected:
+            name = ours.get(key)
+            if name is None:
                 if key.startswith("norm_added_q"):  # diffusers ignores it too
                     continue
                 raise CheckpointError(f"{path}: tensor {key!r} has no place in a {DIFFUSERS_CLASS} of this "
@@ -138,7 +124,7 @@ def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
             if tuple(t.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{path}: tensor {key!r} has shape {list(t.shape)}, config.json implies "
                                       f"{list(expected[name])} (weights and config disagree)")
-            state[name], where[name] = t, path
+            state[name] = t
     missing = [diffusers_name(n) for n in expected if n not in state]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensors of the model are in none of its weight files, "
