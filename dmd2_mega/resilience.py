@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from dmd2_mega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from dmd2_mega.logger import print_rank0
+from dmd2_mega.parallel import destroy_distributed
 
 KILL_ENV = "DMD2_MEGA_TEST_KILL_AT"
 KILL_STAGES = ("rank-file-tmp", "rank-file", "before-dir-rename", "old-aside", "before-tracker",
@@ -184,6 +185,19 @@ def run_main(train: Callable[[], object], teardown: Optional[Callable[[], None]]
     finally:
         if teardown is not None:
             teardown()
+
+
+def run_training(parse: Callable[[], object], trainer: Callable[[object], object]) -> int:
+    """The training scripts' main: `trainer(parse()).train()` under `run_main`, with the process group torn down
+    after, and Ctrl-C naming the last complete checkpoint of the parsed --save (None until the flags parse)."""
+    cfg = None
+
+    def train() -> None:
+        nonlocal cfg
+        cfg = parse()
+        trainer(cfg).train()
+
+    return run_main(train, destroy_distributed, save_dir=lambda: cfg.train.save if cfg else None)
 
 
 def _print_one_line(message: str) -> None:

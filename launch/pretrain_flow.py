@@ -13,22 +13,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.arguments import parse_flow_args  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
+from dmd2_mega.resilience import run_training  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:
     """0 on success and on a preemption exit; 1 with a one-line message for a bad flag, file or value;
     130 on Ctrl-C (without --exit-signal-handler) with a line naming the last complete checkpoint."""
-    cfg = None
-
-    def train() -> None:
-        nonlocal cfg
-        cfg = parse_flow_args(argv)
-        FlowTrainer(cfg).train()
-
-    return run_main(train, destroy_distributed, save_dir=lambda: cfg.train.save if cfg else None)
+    return run_training(lambda: parse_flow_args(argv), FlowTrainer)
 
 
 if __name__ == "__main__":
