@@ -18,9 +18,7 @@ handled like SIGTERM with --exit-signal-handler and is one line naming the last 
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,13 +30,12 @@ from dmd2_mega.resilience import ExitController, run_main
 from dmd2_mega.teacher_trainer import FlowTrainer
 from launch import plan_memory, pretrain_dmd2, pretrain_flow
 from launch import sample as sample_script
-from tests.utils import PRETRAIN, REPO, child_env, python, world_of_one
+from tests.utils import PRETRAIN, REPO, python, signal_when_logged, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 
 FLOW = ["--model-size", "debug", "--micro-batch-size", "4", "--train-iters", "0", "--log-interval", "1"]
 DMD2 = FLOW + ["--teacher-load", "no/such/teacher"]  # every case fails before the teacher is read
-LOGGED = re.compile(r"^ iteration +(\d+)/")
 
 
 def one_line(capsys, rc: int, error: str, *needles: str) -> str:
@@ -252,28 +249,12 @@ def test_run_main_keyboard_interrupt_is_one_line(case, tmp_path, capsys):
 
 def _interrupt_after_third_log(save: str, handler: bool, timeout: float = 120) -> tuple:
     """A real flow run (debug, 100000 iterations, save every 2) sent SIGINT once iteration 3 is logged:
-    (exit status, stdout, stderr). SIGINT's default disposition is restored in the child (a shell may
-    have it ignored)."""
+    (exit status, stdout, stderr)."""
     cmd = [sys.executable, PRETRAIN, "--model-size", "debug", "--micro-batch-size", "4", "--log-interval", "1",
            "--train-iters", "100000", "--save", save, "--save-interval", "2"] + (
         ["--exit-signal-handler"] if handler else [])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
-    out = []
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            m = LOGGED.match(line)
-            if m and int(m.group(1)) >= 3:
-                proc.send_signal(signal.SIGINT)
-                break
-        rest, err = proc.communicate()
-    finally:
-        timer.cancel()
-    return proc.returncode, "".join(out) + rest, err
+    res = signal_when_logged(cmd, signal.SIGINT, iteration=3, timeout=timeout)
+    return res.returncode, res.stdout, res.stderr
 
 
 @pytest.fixture(scope="module")

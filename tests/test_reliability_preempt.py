@@ -14,9 +14,7 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,14 +25,13 @@ from dmd2_mega.checkpoint import latest_iteration
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.teacher_trainer import FlowTrainer
-from tests.utils import PRETRAIN, PRETRAIN_DMD2, REPO, Result, child_env, world_of_one
+from tests.utils import LOGGED, PRETRAIN, PRETRAIN_DMD2, Result, signal_when_logged, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 
 # a fixed --lr-decay-iters: resumes with another --train-iters keep the LR schedule (else an error, issue 13)
 FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5",
         "--lr-decay-iters", "1000"]
-LOGGED = re.compile(r"^ iteration +(\d+)/", re.M)
 
 
 def dmd2_args(teacher: str) -> list:
@@ -48,25 +45,6 @@ def teacher(debug_teacher):
     return debug_teacher
 
 
-def term_after_first_log(cmd: list, timeout: float = 180) -> Result:
-    """Start `cmd`, SIGTERM it after its first log line, return its Result (stdout + stderr merged)."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
-    out = []
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if LOGGED.match(line):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out.append(proc.communicate()[0])
-    finally:
-        timer.cancel()
-    return Result([str(c) for c in cmd], proc.returncode, "".join(out), "", 0.0)
-
-
 @pytest.fixture(scope="module")
 def terminated(teacher, tmp_path_factory):
     d = tmp_path_factory.mktemp("rel_term")
@@ -75,7 +53,7 @@ def terminated(teacher, tmp_path_factory):
             "dmd2": [sys.executable, PRETRAIN_DMD2] + dmd2_args(teacher) + [
                 "--train-iters", "100000", "--exit-signal-handler", "--save", d / "dmd2"]}
     with ThreadPoolExecutor(2) as pool:
-        futs = {k: pool.submit(term_after_first_log, cmd) for k, cmd in jobs.items()}
+        futs = {k: pool.submit(signal_when_logged, cmd, signal.SIGTERM) for k, cmd in jobs.items()}
         return {k: (f.result(), str(d / k)) for k, f in futs.items()}
 
 

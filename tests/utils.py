@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -72,6 +74,35 @@ def run(cmd: Sequence[str], timeout: float = 120, extra_env: Optional[dict] = No
         res = Result(cmd, -9, out, err, time.time() - start)
         raise AssertionError(f"timed out after {timeout} s (a hung rank?)\n{res.tail()}")
     return Result(cmd, proc.returncode, out, err, time.time() - start)
+
+
+LOGGED = re.compile(r"^ iteration +(\d+)/", re.M)
+"""A training log line; group 1 is its iteration (cycle)."""
+
+
+def signal_when_logged(cmd: Sequence, sig: int, iteration: int = 1, timeout: float = 180) -> Result:
+    """Start `cmd` from the repo root in its own session (with SIGINT's default disposition: a shell may have it
+    ignored), send it `sig` once a log line of iteration >= `iteration` appears, and return its Result; its
+    process group is SIGKILLed after `timeout` s."""
+    cmd = [str(c) for c in cmd]
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            m = LOGGED.match(line)
+            if m and int(m.group(1)) >= iteration:
+                proc.send_signal(sig)
+                break
+        rest, err = proc.communicate()
+    finally:
+        timer.cancel()
+    return Result(cmd, proc.returncode, "".join(out) + rest, err, time.time() - start)
 
 
 def python(script: str, args: Sequence = (), timeout: float = 120) -> Result:

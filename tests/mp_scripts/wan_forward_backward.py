@@ -17,20 +17,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.models import DataShape, build_model  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
-
-
-def full(t: torch.Tensor, dim, ps) -> torch.Tensor:
-    if dim is None or ps.tp_size == 1:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(ps.tp_size)]
-    dist.all_gather(parts, t.detach().contiguous(), group=ps.tp_group)
-    return torch.cat(parts, dim=dim)
+from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 
 
 def main() -> int:
@@ -52,7 +44,7 @@ def main() -> int:
         out = model(x, sigma, cond)
         loss = ((out.float() - target) ** 2).mean()
         loss.backward()
-        grads = {n: full(q.grad.float(), tp_partition_dim(q), ps) for n, q in model.named_parameters()}
+        grads = {n: gather_full(q.grad.float(), tp_partition_dim(q), ps) for n, q in model.named_parameters()}
         if ps.rank == 0:
             torch.save({"out": out.detach().float(), "loss": loss.detach(), "grads": grads}, a.out)
     finally:
