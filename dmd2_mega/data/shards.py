@@ -99,22 +99,27 @@ def _check_tensor(t: torch.Tensor, shape: Sequence[int], floating: bool, where: 
         raise DataError(f"{where}: '{key}' expected an integer dtype (int64), found {t.dtype}")
 
 
+def _read_tensors(where: str, keys: Sequence[str]) -> list:
+    """The named tensors of one safetensors file; a missing key or an unreadable file is a DataError naming it."""
+    try:
+        with safe_open(where, framework="pt") as f:
+            found = set(f.keys())
+            for key in keys:
+                if key not in found:
+                    raise DataError(f"{where}: expected tensor '{key}', found keys {sorted(found)}")
+            return [f.get_tensor(k) for k in keys]
+    except DataError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise DataError(f"{where}: cannot read as safetensors ({e})") from e
+
+
 def _load_shard(path: str, entry: dict, index: dict) -> tuple:
     where = os.path.join(path, entry["file"])
     if not os.path.isfile(where):
         raise DataError(f"{where}: shard listed in {INDEX} is missing")
     cond_key = "labels" if index["cond"] == "labels" else "cond"
-    try:
-        with safe_open(where, framework="pt") as f:
-            keys = set(f.keys())
-            for key in ("latents", cond_key):
-                if key not in keys:
-                    raise DataError(f"{where}: expected tensor '{key}', found keys {sorted(keys)}")
-            latents, cond = f.get_tensor("latents"), f.get_tensor(cond_key)
-    except DataError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise DataError(f"{where}: cannot read as safetensors ({e})") from e
+    latents, cond = _read_tensors(where, ("latents", cond_key))
     n = entry["num_samples"]
     _check_tensor(latents, [n, *index["latent_shape"]], True, where, "latents")
     if cond_key == "labels":
@@ -130,16 +135,7 @@ def _load_shard(path: str, entry: dict, index: dict) -> tuple:
 
 def _load_negative(path: str, cond_shape: tuple) -> torch.Tensor:
     where = os.path.join(path, NEGATIVE)
-    try:
-        with safe_open(where, framework="pt") as f:
-            if "cond" not in f.keys():
-                raise DataError(f"{where}: expected tensor 'cond' (the negative-prompt embedding), found "
-                                f"{sorted(f.keys())}")
-            neg = f.get_tensor("cond")
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"{where}: cannot read as safetensors ({e})") from e
+    neg, = _read_tensors(where, ("cond",))  # the negative-prompt embedding
     _check_tensor(neg, list(cond_shape), True, where, "cond")
     return neg.float()
 
