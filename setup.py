@@ -19,6 +19,8 @@ setup(
         "pillow",
         "tqdm",
         "tensorboard",
+        "imageio>=2.30",  # decoded media: GIF / PNG, and MP4 through imageio-ffmpeg's pip-installed ffmpeg
+        "imageio-ffmpeg",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
