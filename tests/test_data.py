@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 
-from dmd2_mega.data import DigitsDataset, GlobalBatchSampler, ShardDataset, build_dataset, write_shards
+from dmd2_mega.data import DigitsDataset, GlobalBatchSampler, ShardDataset, build_dataset, load_shards, write_shards
 from dmd2_mega.errors import DataError
 
 # ---------------------------------------------------------------- digits
@@ -79,9 +79,11 @@ def test_shards_roundtrip_embedding(tmp_path, dtype):
     ds = ShardDataset(str(tmp_path))
     assert (ds.num_classes, ds.cond_shape, ds.channels, ds.image_size) == (None, (4, 6), 3, 2)
     x, c = ds.get_batch(torch.arange(5))
-    assert x.dtype == c.dtype == torch.float32
-    assert torch.equal(x, lat.float()) and torch.equal(c, emb.float())
+    assert x.dtype == c.dtype == dtype  # streamed in the stored dtype; the loader casts on the device
+    assert torch.equal(x, lat) and torch.equal(c, emb)
     assert torch.equal(ds.null_cond(3), torch.zeros(3, 4, 6))
+    mem = load_shards(str(tmp_path))  # the in-memory reader: float32
+    assert mem.x.dtype == mem.cond.dtype == torch.float32 and torch.equal(mem.x, lat.float())
 
 
 def _corrupt(path, **tensors):
@@ -96,21 +98,29 @@ def _corrupt(path, **tensors):
 BAD = "shard_00001.safetensors"
 
 
-@pytest.mark.parametrize("case, tensors, expect", [
-    ("latent shape", {"latents": torch.randn(3, 2, 4, 5)}, "[3, 2, 4, 4]"),
-    ("sample count", {"latents": torch.randn(2, 2, 4, 4)}, "[3, 2, 4, 4]"),
-    ("int latents", {"latents": torch.zeros(3, 2, 4, 4, dtype=torch.int32)}, "floating"),
-    ("nan", {"latents": torch.full((3, 2, 4, 4), float("nan"))}, "non-finite"),
-    ("inf", {"latents": torch.full((3, 2, 4, 4), float("inf"))}, "non-finite"),
-    ("label range", {"labels": torch.tensor([0, 5, 1])}, "[0, 5)"),
-    ("negative label", {"labels": torch.tensor([0, -1, 1])}, "[0, 5)"),
-    ("float labels", {"labels": torch.tensor([0.0, 1.0, 2.0])}, "integer"),
-    ("label shape", {"labels": torch.tensor([0, 1])}, "[3]"),
+NAN_ONE = torch.zeros(3, 2, 4, 4).index_put_((torch.tensor([1]), torch.tensor([0]), torch.tensor([2]),
+                                                torch.tensor([3])), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("case, tensors, when, expect", [
+    ("latent shape", {"latents": torch.randn(3, 2, 4, 5)}, "open", "[3, 2, 4, 4]"),
+    ("sample count", {"latents": torch.randn(2, 2, 4, 4)}, "open", "[3, 2, 4, 4]"),
+    ("int latents", {"latents": torch.zeros(3, 2, 4, 4, dtype=torch.int32)}, "open", "floating"),
+    ("float labels", {"labels": torch.tensor([0.0, 1.0, 2.0])}, "open", "integer"),
+    ("label shape", {"labels": torch.tensor([0, 1])}, "open", "[3]"),
+    # values are checked as the rows are read (the start-up check reads headers only)
+    ("nan", {"latents": NAN_ONE}, "read", "'latents' has 1 non-finite values (NaN/inf) in sample 1"),
+    ("inf", {"latents": torch.full((3, 2, 4, 4), float("inf"))}, "read", "non-finite"),
+    ("label range", {"labels": torch.tensor([0, 5, 1])}, "read", "[0, 5)"),
+    ("negative label", {"labels": torch.tensor([0, -1, 1])}, "read", "[0, 5)"),
 ])
-def test_malformed_shard_names_file(tmp_path, case, tensors, expect):
+def test_malformed_shard_names_file(tmp_path, case, tensors, when, expect):
     _corrupt(tmp_path, **tensors)
     with pytest.raises(DataError) as e:
-        ShardDataset(str(tmp_path))
+        ds = ShardDataset(str(tmp_path))
+        assert when == "read", f"{case}: opened without the header check failing"
+        ds.get_batch(torch.tensor([0, 1, 2]))  # shard 0 is good
+        ds.get_batch(torch.tensor([5, 6, 4, 3]))  # shard 1 holds samples 3..5
     assert BAD in str(e.value) and expect in str(e.value), str(e.value)
 
 

@@ -10,6 +10,7 @@ iterations) and a 2-cycle DMD2 student + critic, trained in-process once per mod
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.checkpoint import iter_dir, rank_file
+from dmd2_mega.checkpoint import iter_dir, latest_iteration, rank_file
 from dmd2_mega.data import write_shards
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.teacher_trainer import FlowTrainer
@@ -186,14 +187,31 @@ def _damage(path: str, how: str) -> str:
 
 
 @pytest.mark.parametrize("how,needle", [("shape", "'latents' expected shape [6, 1, 4, 4], found [6, 1, 4, 5]"),
-                                        ("dtype", "'latents' expected a floating dtype"),
-                                        ("nonfinite", "'latents' has 1 non-finite values (NaN/inf)")])
+                                        ("dtype", "'latents' expected a floating dtype")])
 def test_bad_latent_shard(ckpts, tmp_path, capsys, how, needle):
     data = _shards(tmp_path / "data")
     shard = _damage(data, how)
     ck = copy_of(ckpts["teacher"], tmp_path / "ck")
     fails(capsys, "flow", FLOW + ["--train-iters", "12", "--data", data, "--load", ck, "--save", ck],
           "DataError", f"{shard}: {needle}", keep=[ck])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nonfinite_latents_stop_the_run_where_read(tmp_path, capsys, workers):
+    """Values are checked as the rows are read (start-up reads headers only): the run stops at the batch holding
+    the bad sample, before its optimizer step, with one line naming the shard and the sample, from the training
+    process or a DataLoader worker alike; the last save stays the last good state."""
+    data = _shards(tmp_path / "data")
+    shard = _damage(data, "nonfinite")
+    with world_of_one():
+        rc = MAIN["flow"]([str(a) for a in FLOW + ["--train-iters", "12", "--data", data, "--save", tmp_path / "s",
+                                                   "--save-interval", "1", "--num-workers", str(workers)]])
+    out, err = capsys.readouterr()
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"DataError: {shard}: 'latents' has 1 non-finite values (NaN/inf) in sample 2" in err, err
+    done = len(re.findall(r" iteration +\d+/", out))  # iterations that trained and saved before the bad batch
+    assert done < 3, out  # 12 samples, 4 per batch: the bad one is read within the first epoch
+    assert latest_iteration(str(tmp_path / "s")) == (done or None), out
 
 
 def test_empty_data_directory(tmp_path, capsys):

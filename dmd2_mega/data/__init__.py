@@ -1,42 +1,54 @@
-"""Datasets behind `--data`: the embedded 8x8 digits or a directory of safetensors shards.
+"""Datasets behind `--data`: the embedded 8x8 digits, the embedded moving-digits clips, or a directory of
+safetensors shards.
 
-Every dataset is held in memory as
-    x    float32 [N, C, H, W]  (H == W == image_size; pixels in [-1, 1] or precomputed latents)
+Every dataset yields
+    x    [N, C, H, W] or video [N, C, T, H, W]  (pixels in [-1, 1] or precomputed latents)
     cond int64 [N] labels in [0, num_classes)          (class-conditional), or
-         float32 [N, *cond_shape] embeddings           (text-conditional)
-and exposes one interface (`ImageDataset`): `len(ds)`, `ds.get_batch(indices) -> (x, cond)`,
-`channels`, `image_size`, `num_classes` (int, or None for embeddings), `cond_shape` (tuple, or None
-for labels) and `null_cond(n)`: the null condition for CFG, i.e. labels full of `num_classes`
-(the null class id) or all-zero embeddings.
+         [N, *cond_shape] embeddings                   (text-conditional)
+through one interface (`LatentDataset`): `len(ds)`, `ds.get_batch(indices) -> (x, cond)`, `channels`,
+`spatial`, `image_size`, `num_classes` (int, or None for embeddings), `cond_shape` (tuple, or None for
+labels), `negative` and `null_cond(n)`: the null condition for CFG, i.e. labels full of `num_classes` (the
+null class id), the negative-prompt embedding or all-zero embeddings. In-memory sets (`ImageDataset`) are
+float32; shard sets stream in their stored dtype (`loader.MicroBatchLoader` casts on the device).
 
-`build_dataset("digits", split)` -> `DigitsDataset`; `build_dataset(path)` -> `ShardDataset`.
+`build_dataset("digits", split)` -> `DigitsDataset`; `build_dataset("moving-digits", split)` ->
+`MovingDigitsDataset` (video clips x [N, 1, 4, 16, 16], prompt embeddings cond [N, 4, 16] of
+(digit, direction), negative = the empty prompt's embedding); `build_dataset(path)` -> `ShardDataset`.
 Which indices each rank reads per iteration is `GlobalBatchSampler`'s job (sampler.py).
-Modules: `dataset` (ImageDataset), `digits`, `shards` (ShardDataset, write_shards), `sampler`.
+Modules: `dataset` (LatentDataset, ImageDataset), `digits`, `moving_digits`, `shards` (ShardDataset, load_shards),
+`shard_index` (the format's checks), `safetensors_rows` (header + row reads), `shard_writer` (write_shards),
+`sampler` (GlobalBatchSampler), `loader` (MicroBatchLoader: DataLoader workers in the sampler's order),
+`prompts` (the --eval-prompts file).
 """
 import os
 
 from dmd2_mega.errors import DataError
 
-from .dataset import ImageDataset
+from .dataset import ImageDataset, LatentDataset
 from .digits import DigitsDataset
+from .moving_digits import MovingDigitsDataset
 from .sampler import GlobalBatchSampler
-from .shards import ShardDataset, write_shards
+from .shard_writer import write_shards
+from .shards import ShardDataset, load_shards
 
 
-def build_dataset(spec: str, split: str = "train") -> ImageDataset:
-    """`--data` value -> dataset. 'digits' -> DigitsDataset(split); a directory -> ShardDataset."""
+def build_dataset(spec: str, split: str = "train") -> LatentDataset:
+    """`--data` value -> dataset. 'digits' -> DigitsDataset(split); 'moving-digits' -> MovingDigitsDataset(split);
+    a directory -> ShardDataset."""
     if split not in ("train", "heldout"):
         raise DataError(f"split must be 'train' or 'heldout', got {split!r}")
     if spec == "digits":
         return DigitsDataset(split)
+    if spec == "moving-digits":
+        return MovingDigitsDataset(split)
     if not spec or not os.path.isdir(spec):
-        raise DataError(f"--data must be 'digits' or a directory of safetensors shards with index.json; "
-                        f"got {spec!r}, which is not an existing directory")
+        raise DataError(f"--data must be 'digits', 'moving-digits' or a directory of safetensors shards with "
+                        f"index.json; got {spec!r}, which is not an existing directory")
     if split != "train":
         raise DataError(f"--data {spec}: shard datasets define only split='train'; there is no "
                         f"held-out split (got split={split!r})")
     return ShardDataset(spec)
 
 
-__all__ = ["ImageDataset", "DigitsDataset", "ShardDataset", "write_shards",
-           "GlobalBatchSampler", "build_dataset"]
+__all__ = ["LatentDataset", "ImageDataset", "DigitsDataset", "MovingDigitsDataset", "ShardDataset", "load_shards",
+           "write_shards", "GlobalBatchSampler", "build_dataset"]

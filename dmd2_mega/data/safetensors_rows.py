@@ -1,0 +1,118 @@
+"""Per-sample reads from safetensors files: the header alone at open time, then only the rows asked for.
+
+The safetensors layout (documented by the format): 8 bytes little-endian u64 `n`, then `n` bytes of JSON
+    {"<name>": {"dtype": "BF16", "shape": [N, ...], "data_offsets": [begin, end]}, ..., "__metadata__": {...}}
+then the data; a tensor's bytes are `8 + n + begin .. 8 + n + end`, row-major. Row i of a tensor [N, ...]
+therefore starts at `8 + n + begin + i * row_bytes`.
+
+`read_header(path)` parses and checks the header (offsets inside the file, sizes consistent with dtype x
+shape, a truncated file caught here) without reading tensor data. `RowFile.read(name, rows)` reads the
+given rows into one preallocated tensor of the stored dtype with one `os.preadv` per run of consecutive
+rows: no memory map, so host memory holds exactly the rows read (a memory map would keep every page it
+touched resident until closed), and positional reads are safe in forked DataLoader workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+MAX_HEADER = 100 * 2**20  # the format's own limit
+
+
+class HeaderError(ValueError):
+    """A file that is not a well-formed safetensors file; the caller names it."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    offset: int  # absolute byte offset of element 0 in the file
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape[1:]:
+            n *= s
+        return n
+
+
+def read_header(path: str) -> Dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header only; HeaderError if malformed or truncated."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HeaderError(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise HeaderError(f"header length {n} does not fit the file's {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HeaderError(f"header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise HeaderError("header is not a JSON object")
+    out, end_max = {}, 0
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = DTYPES[h["dtype"]], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise HeaderError(f"tensor {name!r}: unsupported or malformed entry {h!r}") from e
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
+            raise HeaderError(f"tensor {name!r}: data offsets {[begin, end]} do not hold {h['dtype']} {list(shape)}")
+        out[name] = TensorInfo(dtype, shape, 8 + n + begin)
+        end_max = max(end_max, end)
+    if 8 + n + end_max > size:
+        raise HeaderError(f"truncated: the header needs {8 + n + end_max} bytes, the file has {size}")
+    return out
+
+
+class RowFile:
+    """One open safetensors file read by rows (see the module docstring)."""
+
+    def __init__(self, path: str, tensors: Dict[str, TensorInfo]):
+        self.path, self.tensors = path, tensors
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """rows int64 [k] (any order) -> tensor [k, *shape[1:]] in the stored dtype."""
+        info = self.tensors[name]
+        out = torch.empty((rows.numel(), *info.shape[1:]), dtype=info.dtype)
+        rb = info.row_bytes
+        if rb == 0 or rows.numel() == 0:
+            return out
+        flat = out.view(-1).view(torch.uint8).numpy().reshape(rows.numel(), rb)
+        r = rows.tolist()
+        start = 0
+        for k in range(1, len(r) + 1):  # one read per run of consecutive rows
+            if k == len(r) or r[k] != r[k - 1] + 1:
+                self._read_into(memoryview(flat[start:k]).cast("B"), info.offset + r[start] * rb, name)
+                start = k
+        return out
+
+    def _read_into(self, buf: memoryview, offset: int, name: str) -> None:
+        done = 0
+        while done < len(buf):  # Linux returns at most ~2 GiB per call
+            got = os.preadv(self.fd, [buf[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{self.path}: short read of {name!r} at byte {offset + done} (file changed?)")
+            done += got
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -1,0 +1,139 @@
+"""The shard format's checks: index.json, each shard's safetensors header, and the values of what is read.
+
+Start-up (`read_index`, `check_shard`) reads index.json and each shard's header only: the listed files
+exist and are whole (not truncated), hold the named tensors with the expected shapes and dtypes. The values
+(finite floats, labels in range) are checked on every batch as it is read (`check_values`), so a
+terabyte-sized set opens in the time it takes to read its headers. Every failure is one `DataError` line that
+names the file and what was expected vs found. The format itself is documented in `shards.py`.
+"""
+import json
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from dmd2_mega.errors import DataError
+from .safetensors_rows import HeaderError, RowFile, TensorInfo, read_header
+
+INDEX = "index.json"
+NEGATIVE = "negative.safetensors"
+TEXT_LEN = "text_len"
+
+
+def _int_list(value, n: Optional[int], where: str, key: str) -> List[int]:
+    ok = isinstance(value, list) and all(isinstance(v, int) and v > 0 for v in value)
+    if not ok or (n is not None and len(value) != n):
+        want = f"a list of {n} positive ints" if n is not None else "a list of positive ints"
+        raise DataError(f"{where}: '{key}' must be {want}, found {value!r}")
+    return value
+
+
+def read_index(path: str) -> dict:
+    """index.json of the shard directory `path`, with its structure checked."""
+    index_path = os.path.join(path, INDEX)
+    if not os.path.isdir(path):
+        raise DataError(f"--data {path}: not a directory (expected {INDEX} plus safetensors shards)")
+    if not os.listdir(path):
+        raise DataError(f"--data {path}: empty data directory (expected {INDEX} plus safetensors shards)")
+    if not os.path.isfile(index_path):
+        raise DataError(f"{index_path}: missing; a shard directory needs {INDEX} listing its shards")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{index_path}: cannot parse JSON ({e})") from e
+    if not isinstance(index, dict):
+        raise DataError(f"{index_path}: expected a JSON object, found {type(index).__name__}")
+    shards = index.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise DataError(f"{index_path}: 'shards' must be a non-empty list of "
+                        f"{{'file', 'num_samples'}}, found {shards!r}")
+    for s in shards:
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str)
+                and isinstance(s.get("num_samples"), int) and s["num_samples"] > 0):
+            raise DataError(f"{index_path}: bad shard entry {s!r}; expected "
+                            f"{{'file': str, 'num_samples': positive int}}")
+    shape = _int_list(index.get("latent_shape"), None, index_path, "latent_shape")
+    if len(shape) not in (3, 4):
+        raise DataError(f"{index_path}: 'latent_shape' must be [C, H, W] or [C, T, H, W], found {shape}")
+    kind = index.get("cond")
+    if kind == "labels":
+        k = index.get("num_classes")
+        if not isinstance(k, int) or k < 1:
+            raise DataError(f"{index_path}: cond 'labels' needs 'num_classes' >= 1, found {k!r}")
+    elif kind == "embedding":
+        _int_list(index.get("cond_shape"), None, index_path, "cond_shape")
+    else:
+        raise DataError(f"{index_path}: 'cond' must be 'labels' or 'embedding', found {kind!r}")
+    return index
+
+
+def cond_key(index: dict) -> str:
+    return "labels" if index["cond"] == "labels" else "cond"
+
+
+def _check_info(info: TensorInfo, shape: Sequence[int], floating: bool, where: str, key: str) -> None:
+    if tuple(info.shape) != tuple(shape):
+        raise DataError(f"{where}: '{key}' expected shape {list(shape)}, found {list(info.shape)}")
+    if floating and not info.dtype.is_floating_point:
+        raise DataError(f"{where}: '{key}' expected a floating dtype (float32/bfloat16/float16), found {info.dtype}")
+    if not floating and (info.dtype.is_floating_point or info.dtype == torch.bool):
+        raise DataError(f"{where}: '{key}' expected an integer dtype (int64), found {info.dtype}")
+
+
+def header(where: str) -> Dict[str, TensorInfo]:
+    """The tensors of one safetensors file from its header; a missing, unreadable or truncated file is a DataError."""
+    if not os.path.isfile(where):
+        raise DataError(f"{where}: shard listed in {INDEX} is missing")
+    try:
+        return read_header(where)
+    except (HeaderError, OSError) as e:
+        raise DataError(f"{where}: cannot read as safetensors ({e})") from e
+
+
+def check_shard(path: str, entry: dict, index: dict) -> Dict[str, TensorInfo]:
+    """One shard's header against index.json (names, shapes, dtypes, whole file); reads no tensor data."""
+    where = os.path.join(path, entry["file"])
+    tensors = header(where)
+    key, n = cond_key(index), entry["num_samples"]
+    for name in ("latents", key):
+        if name not in tensors:
+            raise DataError(f"{where}: expected tensor '{name}', found keys {sorted(tensors)}")
+    _check_info(tensors["latents"], [n, *index["latent_shape"]], True, where, "latents")
+    if key == "labels":
+        _check_info(tensors["labels"], [n], False, where, "labels")
+    else:
+        _check_info(tensors["cond"], [n, *index["cond_shape"]], True, where, "cond")
+    if TEXT_LEN in tensors:
+        _check_info(tensors[TEXT_LEN], [n], False, where, TEXT_LEN)
+    return tensors
+
+
+def check_values(t: torch.Tensor, rows: torch.Tensor, where: str, key: str, num_classes: Optional[int] = None):
+    """Values of rows just read from `where`: finite floats, or labels in [0, num_classes)."""
+    if t.is_floating_point():
+        finite = torch.isfinite(t.view(t.shape[0], -1)).all(dim=1)
+        if not bool(finite.all()):
+            first = int((~finite).nonzero()[0, 0])
+            bad = int((~torch.isfinite(t[first])).sum())
+            raise DataError(f"{where}: '{key}' has {bad} non-finite values (NaN/inf) in sample {int(rows[first])}")
+    elif num_classes is not None and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= num_classes:
+            raise DataError(f"{where}: 'labels' expected values in [0, {num_classes}), found min {lo}, max {hi}")
+
+
+def read_negative(path: str, cond_shape: Sequence[int]) -> torch.Tensor:
+    """<path>/negative.safetensors' tensor 'cond' [*cond_shape] (the negative-prompt embedding), checked."""
+    where = os.path.join(path, NEGATIVE)
+    tensors = header(where)
+    if "cond" not in tensors:
+        raise DataError(f"{where}: expected tensor 'cond', found keys {sorted(tensors)}")
+    _check_info(tensors["cond"], list(cond_shape), True, where, "cond")
+    f = RowFile(where, {"cond": TensorInfo(tensors["cond"].dtype, (1, *cond_shape), tensors["cond"].offset)})
+    try:
+        neg = f.read("cond", torch.zeros(1, dtype=torch.int64))[0]
+    finally:
+        f.close()
+    check_values(neg[None], torch.zeros(1, dtype=torch.int64), where, "cond")
+    return neg.float()
