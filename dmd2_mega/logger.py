@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Optional
 
+import numpy as np
+
 
 def print_rank0(msg: str, rank: int = 0) -> None:
     if rank == 0:
@@ -17,12 +19,15 @@ def print_rank0(msg: str, rank: int = 0) -> None:
 
 
 def report_eval(logger: "TrainLogger", result: dict, iteration: int, unit: str, rank: int) -> None:
-    """Print an eval result on one line (`> eval at cycle 300: ...`) and log its scalars as eval/*."""
+    """Print an eval result on one line (`> eval at cycle 300: ...`) and log its scalars as eval/*; its
+    `media` (an `eval.media.MediaFiles`, printed as its directory) go to TensorBoard (`TrainLogger.media`)."""
     if not result:
         return
     print_rank0(f"> eval at {unit} {iteration}: " + ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), rank)
     logger.scalars(iteration, {f"eval/{k}": v for k, v in result.items() if isinstance(v, float)})
+    if result.get("media") is not None:
+        logger.media(iteration, result["media"].shown)
 
 
 class TrainLogger:
@@ -78,6 +83,26 @@ class TrainLogger:
         if self.rank == 0 and self.writer:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, iteration)
+
+    def media(self, iteration: int, files: dict) -> None:
+        """{name: file} as TensorBoard images `eval/<name>`: a `.gif` (a video) goes in as is, the Summary.Image
+        that SummaryWriter.add_video builds (which needs moviepy to make the GIF); a `.png` through add_image."""
+        if self.rank != 0 or not self.writer:
+            return
+        from PIL import Image
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        for name, path in files.items():
+            tag = f"eval/{name}"
+            with Image.open(path) as im:
+                if path.endswith(".gif"):
+                    with open(path, "rb") as f:
+                        image = Summary.Image(height=im.height, width=im.width, colorspace=3,
+                                              encoded_image_string=f.read())
+                    self.writer._get_file_writer().add_summary(
+                        Summary(value=[Summary.Value(tag=tag, image=image)]), iteration)
+                else:
+                    pixels = np.asarray(im.convert("RGB"))
+                    self.writer.add_image(tag, pixels, iteration, dataformats="HWC")
 
     def close(self) -> None:
         if self.bar:

@@ -14,8 +14,19 @@ The checkpoint may have been saved at any TP degree; weights are resharded on lo
 (`launch/pretrain_dmd2.py --save`) samples on the grid saved in its checkpoint unless --steps N is
 given (then the N-point grid, shifted), and with the EMA weights saved beside it (--ema-decay)
 unless --no-ema; --guidance applies to teachers only.
-A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, ...)
-exits 1 with one line `<ErrorType>: <message>` on stderr.
+--prompts FILE (an eval-prompts file, `dmd2_mega.data.prompts`): the conditions are its P prompt embeddings
+(sample i gets prompt i % P; --num-samples defaults to P), its negative (when stored) is CFG's negative branch,
+`labels` is the prompt index and `prompts` the prompt text of each sample.
+--data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
+`digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores.
+Media (`dmd2_mega.eval.media`) in <out>/media/, named by prompt (`<i>_<slug>`) or by index (`000`, ...):
+--vae DIR (a diffusers VAE folder, `dmd2_mega.prep.vae.LatentVAE`) decodes the latents on the main rank: a video
+is written as <name>.mp4 (H.264) + <name>.gif, an image as <name>.png, and grid.png shows the decoded images.
+Pixel-space video data (--data moving-digits) needs no decoding and gets the MP4 + GIF too; latents without --vae
+get samples.npz + grid.png only. The VAE's config (latent channels, video or image) is checked against the model
+before any sampling, and its weights are loaded before sampling as well.
+A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, a --vae or
+--prompts that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
 import math
@@ -33,10 +44,14 @@ from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_model_weights,
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
+from dmd2_mega.data.prompts import read_prompts  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
+from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
+                                  write_samples)
 from dmd2_mega.flow import student_sigmas  # noqa: E402
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import eval_conditions, generate, generate_student  # noqa: E402
 
@@ -45,7 +60,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", help="checkpoint directory (Megatron layout); required")
     p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
-    p.add_argument("--num-samples", type=int, default=100)
+    p.add_argument("--num-samples", type=int, default=None, help="default 100, or one per prompt of --prompts")
     p.add_argument("--steps", type=int, default=None,
                    help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
     p.add_argument("--guidance", type=float, default=1.25)
@@ -56,13 +71,17 @@ def parse(argv=None):
     p.add_argument("--data", default=None, help="condition source for embedding-conditioned models")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-ema", action="store_true", help="DMD2 student: sample its raw weights, not its EMA")
+    p.add_argument("--prompts", metavar="FILE", default=None,
+                   help="eval-prompts file (prepare_data.py --prompts-only): the conditions, instead of --data's")
+    p.add_argument("--vae", metavar="DIR", default=None,
+                   help="diffusers VAE folder: decode the latents and write MP4 + GIF (video) / PNG (image) media")
     a = p.parse_args(argv)
     if a.load is None:
         raise ConfigError("--load is required (the checkpoint directory to sample)")
     if a.out is None:
         raise ConfigError("--out is required (the output directory for samples.npz and grid.png)")
     check_out_dir(a.out)
-    if a.num_samples < 1:
+    if a.num_samples is not None and a.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {a.num_samples}")
     if a.steps is not None and a.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {a.steps}")
@@ -107,30 +126,44 @@ def main(argv=None) -> int:
 
 def sample(a: argparse.Namespace) -> None:
     check_checkpoint(a.load, a.iteration)
+    vae_spec = VAESpec.from_folder(a.vae, "--vae") if a.vae else None  # its config: checked before any work
     ps = init_distributed(ParallelConfig(a.tensor_model_parallel_size), seed=a.seed)
     payload = load_payload(a.load, ps, a.iteration)
     args, info = payload["args"], payload["data_info"]
     data = a.data or (args.get("train") or {}).get("data")
     dataset = None
-    if info is None or info["num_classes"] is None:  # text conditions (and a converted teacher's data shape)
+    text = info is None or info["num_classes"] is None
+    if text and (info is None or a.prompts is None or a.data):  # text conditions (a converted teacher's shape)
         if data is None:
             raise ConfigError(f"--load {a.load} was converted from diffusers and records no data: give --data DIR "
                               f"(the text embeddings to sample, and the latent shape)")
         dataset = build_dataset(data)
         info = info or data_info(dataset)
-    model = build_model(ModelConfig(size=args["model"]["size"]), info, ps,
-                        negative=dataset.negative if dataset is not None else None)
+    prompts = None
+    if a.prompts:
+        if info["num_classes"] is not None:
+            raise ConfigError(f"--prompts {a.prompts}: --load {a.load} is class-conditional ({info['num_classes']} "
+                              f"classes); prompt embeddings need a text-conditioned model")
+        prompts = read_prompts(a.prompts, info["cond_shape"], flag="--prompts")
+    a.num_samples = a.num_samples or (len(prompts.texts) if prompts is not None else 100)
+    shape = DataShape.from_info(info).sample_shape
+    media = check_media(a, vae_spec, data, shape)
+    vae = LatentVAE.from_folder(a.vae, device=ps.device, flag="--vae") if a.vae and ps.is_main else None
+    negative = (prompts.negative.float() if prompts is not None and prompts.negative is not None else
+                dataset.negative if dataset is not None else None)
+    model = build_model(ModelConfig(size=args["model"]["size"]), info, ps, negative=negative)
     state, weights = payload["model"], "raw weights"
     if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
         state, weights = {**state, **payload["ema"]}, "EMA weights"
     load_model_weights(model, state, f"--load {a.load}")
     model = cast_model(model, a.bf16)
     shift = a.shift if a.shift is not None else (args.get("train") or {}).get("timestep_shift", 1.0)
-    if info["num_classes"] is not None:
+    if prompts is not None:  # sample i: prompt i % P
+        cond = prompts.cond.float()[torch.arange(a.num_samples) % len(prompts.texts)]
+    elif info["num_classes"] is not None:
         cond = torch.arange(a.num_samples) % info["num_classes"]
     else:
         cond = eval_conditions(dataset, a.num_samples)
-    shape = DataShape.from_info(info).sample_shape
     dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
     if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
         sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None
@@ -141,21 +174,48 @@ def sample(a: argparse.Namespace) -> None:
         a.steps = a.steps or 50
         images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
                           seed=a.seed, **dp)
+    del model  # the VAE decodes next
     if ps.is_main:
         try:
             os.makedirs(a.out, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {a.out!r}: cannot create the output directory: {e.strerror}") from e
-        labels = cond.long().numpy() if cond.dim() == 1 else np.arange(a.num_samples)
+        labels = (cond.long().numpy() if cond.dim() == 1 else  # text: the index of the prompt / data condition
+                  np.arange(a.num_samples) % (len(prompts.texts) if prompts is not None else a.num_samples))
+        texts = {"prompts": np.array([prompts.texts[i] for i in labels])} if prompts is not None else {}
+        if prompts is None and hasattr(dataset, "condition_labels"):  # moving digits: `digits`, `directions` [N]
+            texts.update(dataset.condition_labels(cond))
         atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
-            f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64)))
+            f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64), **texts))
         k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
         png = os.path.join(a.out, "grid.png")
-        grid = (save_grid(images[:k], cond[:k] if cond.dim() == 1 else None, png) if images.dim() == 4
-                else save_video_grid(images[:16], png))  # video: one row per sample, frames along it
+        shown = (write_samples(os.path.join(a.out, "media"), images,
+                               media_names(a.num_samples, prompts.names() if prompts is not None else None),
+                               vae, keep=k)[1] if media else [])
+        labels_k = cond[:k] if cond.dim() == 1 else None
+        if shown:  # images decoded by --vae: the grid shows their pixels
+            grid = save_grid(torch.stack(shown), labels_k, png, upscale=viewable_scale(*shown[0].shape[1:]))
+        elif images.dim() == 4:
+            grid = save_grid(images[:k], labels_k, png)
+        else:  # video: one row per sample, frames along it (latents: channel 0)
+            grid = save_video_grid(images[:16], png)
         print(f"> wrote {a.num_samples} samples {list(images.shape[1:])} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
-              + f" and {grid}", flush=True)
+              + f" and {grid}" + (f"; media in {a.out}/media" if media else ""), flush=True)
+
+
+def check_media(a: argparse.Namespace, vae_spec, data, shape: tuple) -> bool:
+    """Whether media are written (--vae, or pixel-space video data); ConfigError naming --vae for a VAE that cannot
+    decode the model's latents [C, ...] (or pixel data), or naming imageio-ffmpeg when video needs it."""
+    video = len(shape) == 4
+    if vae_spec is not None:
+        if holds_pixels(data):
+            raise ConfigError(f"--vae {a.vae}: --data {data} holds pixels, not latents; there is nothing to decode")
+        check_vae(vae_spec, shape, f"--vae {a.vae}")
+    media = vae_spec is not None or (video and holds_pixels(data))
+    if media and video:
+        require_ffmpeg(f"--vae {a.vae}" if a.vae else f"sampling --data {data} (video media)")
+    return media
 
 
 if __name__ == "__main__":
