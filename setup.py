@@ -21,12 +21,16 @@ setup(
         "tensorboard",
         "imageio>=2.30",  # decoded media: GIF / PNG, and MP4 through imageio-ffmpeg's pip-installed ffmpeg
         "imageio-ffmpeg",
+        # the ecosystem's formats: diffusers checkpoints in and out, VAEs and text encoders for prepare_data.py and
+        # decoded media; accelerate is what diffusers' from_pretrained needs to load a folder
+        "diffusers>=0.35",
+        "transformers",
+        "accelerate",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        # diffusers is the oracle of the Wan tests (tiny random models built in the test, nothing downloaded);
-        # accelerate is what WanTransformer3DModel.from_pretrained needs to load a folder
-        "test": ["pytest>=7", "pytest-timeout", "import-linter>=2.1", "diffusers>=0.35", "transformers",
-                 "accelerate"],
+        # diffusers / transformers (installed above) are also the oracles of the tests: tiny random models built
+        # in the test, nothing downloaded
+        "test": ["pytest>=7", "pytest-timeout", "import-linter>=2.1"],
     },
 )

@@ -6,9 +6,9 @@ then the data; a tensor's bytes are `8 + n + begin .. 8 + n + end`, row-major. R
 therefore starts at `8 + n + begin + i * row_bytes`.
 
 `read_header(path)` parses and checks the header (offsets inside the file, sizes consistent with dtype x
-shape, a truncated file caught here) without reading tensor data. `RowFile.read(name, rows)` reads the
-given rows into one preallocated tensor of the stored dtype with one `os.preadv` per run of consecutive
-rows: no memory map, so host memory holds exactly the rows read (a memory map would keep every page it
+shape, a truncated file caught here) without reading tensor data. `RowFile.read_into(name, rows, out, at)` reads
+the given rows straight into a preallocated tensor of the stored dtype with one `os.preadv` per run of
+consecutive rows: no intermediate copy, no memory map, so host memory holds exactly the rows read (a memory map would keep every page it
 touched resident until closed), and positional reads are safe in forked DataLoader workers.
 """
 from __future__ import annotations
@@ -92,17 +92,24 @@ class RowFile:
         """rows int64 [k] (any order) -> tensor [k, *shape[1:]] in the stored dtype."""
         info = self.tensors[name]
         out = torch.empty((rows.numel(), *info.shape[1:]), dtype=info.dtype)
+        self.read_into(name, rows, out, torch.arange(rows.numel()))
+        return out
+
+    def read_into(self, name: str, rows: torch.Tensor, out: torch.Tensor, at: torch.Tensor) -> None:
+        """Rows `rows` of tensor `name` into out[at] (out: contiguous, the stored dtype): one positional read per run
+        of rows that are consecutive in the file and in `out`, straight into out's memory."""
+        info = self.tensors[name]
         rb = info.row_bytes
         if rb == 0 or rows.numel() == 0:
-            return out
-        flat = out.view(-1).view(torch.uint8).numpy().reshape(rows.numel(), rb)
-        r = rows.tolist()
+            return
+        flat = out.view(-1).view(torch.uint8).numpy().reshape(out.shape[0], rb)
+        r, a = rows.tolist(), at.tolist()
         start = 0
-        for k in range(1, len(r) + 1):  # one read per run of consecutive rows
-            if k == len(r) or r[k] != r[k - 1] + 1:
-                self._read_into(memoryview(flat[start:k]).cast("B"), info.offset + r[start] * rb, name)
+        for k in range(1, len(r) + 1):
+            if k == len(r) or r[k] != r[k - 1] + 1 or a[k] != a[k - 1] + 1:
+                self._read_into(memoryview(flat[a[start]:a[start] + k - start]).cast("B"),
+                                info.offset + r[start] * rb, name)
                 start = k
-        return out
 
     def _read_into(self, buf: memoryview, offset: int, name: str) -> None:
         done = 0

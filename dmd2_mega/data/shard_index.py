@@ -2,13 +2,13 @@
 
 Start-up (`read_index`, `check_shard`) reads index.json and each shard's header only: the listed files
 exist and are whole (not truncated), hold the named tensors with the expected shapes and dtypes. The values
-(finite floats, labels in range) are checked on every batch as it is read (`check_values`), so a
+(finite floats, labels in range) are checked on every batch as it is read (`bad_values`), so a
 terabyte-sized set opens in the time it takes to read its headers. Every failure is one `DataError` line that
 names the file and what was expected vs found. The format itself is documented in `shards.py`.
 """
 import json
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -109,18 +109,21 @@ def check_shard(path: str, entry: dict, index: dict) -> Dict[str, TensorInfo]:
     return tensors
 
 
-def check_values(t: torch.Tensor, rows: torch.Tensor, where: str, key: str, num_classes: Optional[int] = None):
-    """Values of rows just read from `where`: finite floats, or labels in [0, num_classes)."""
-    if t.is_floating_point():
-        finite = torch.isfinite(t.view(t.shape[0], -1)).all(dim=1)
+def bad_values(t: torch.Tensor, key: str, num_classes: Optional[int] = None) -> Optional[Tuple[int, str]]:
+    """(the first bad row, what is wrong) of rows just read, or None: floats must be finite, labels in
+    [0, num_classes)."""
+    if t.is_floating_point() and t.numel():
+        rows_of = t.view(t.shape[0], -1)  # max and min propagate NaN and reach +-inf: ~10x cheaper than isfinite
+        finite = torch.isfinite(rows_of.amax(dim=1)) & torch.isfinite(rows_of.amin(dim=1))
         if not bool(finite.all()):
             first = int((~finite).nonzero()[0, 0])
-            bad = int((~torch.isfinite(t[first])).sum())
-            raise DataError(f"{where}: '{key}' has {bad} non-finite values (NaN/inf) in sample {int(rows[first])}")
+            return first, f"'{key}' has {int((~torch.isfinite(t[first])).sum())} non-finite values (NaN/inf)"
     elif num_classes is not None and t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= num_classes:
-            raise DataError(f"{where}: 'labels' expected values in [0, {num_classes}), found min {lo}, max {hi}")
+        bad = (t < 0) | (t >= num_classes)
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            return first, f"'labels' expected values in [0, {num_classes}), found {int(t[first])}"
+    return None
 
 
 def read_negative(path: str, cond_shape: Sequence[int]) -> torch.Tensor:
@@ -135,5 +138,7 @@ def read_negative(path: str, cond_shape: Sequence[int]) -> torch.Tensor:
         neg = f.read("cond", torch.zeros(1, dtype=torch.int64))[0]
     finally:
         f.close()
-    check_values(neg[None], torch.zeros(1, dtype=torch.int64), where, "cond")
+    bad = bad_values(neg[None], "cond")
+    if bad is not None:
+        raise DataError(f"{where}: {bad[1]}")
     return neg.float()

@@ -27,16 +27,28 @@ dtype (a bf16 set stays bf16 until it reaches the device: `loader.py` casts ther
 as they are read. Host memory is the batch, independent of the set's size. `load_shards(path)` is the
 in-memory reader (every shard read whole, float32), kept as the reference and baseline of the streaming one.
 """
+import math
 import os
 from collections import OrderedDict
 from typing import List, Tuple
 
 import torch
+from torch.utils.data import get_worker_info
 
 from dmd2_mega.errors import DataError
 from .dataset import ImageDataset, LatentDataset
 from .safetensors_rows import RowFile
-from .shard_index import INDEX, NEGATIVE, TEXT_LEN, check_shard, check_values, cond_key, read_index, read_negative
+from .shard_index import INDEX, NEGATIVE, TEXT_LEN, bad_values, check_shard, cond_key, read_index, read_negative
+
+
+def _empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised batch; in a DataLoader worker, in shared memory, so that handing it to the training
+    process costs no copy (what torch's default collate does for the tensors it stacks)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = math.prod(shape)
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 class ShardDataset(LatentDataset):
@@ -83,16 +95,20 @@ class ShardDataset(LatentDataset):
             raise DataError(f"{self.source}: sample index out of range [0, {len(self)})")
         shard = torch.searchsorted(self.ends, idx, right=True)
         local = idx - self.starts[shard]
-        outs = [torch.empty((idx.numel(), *self.headers[0][n].shape[1:]), dtype=self.dtypes.get(n, torch.int64))
-                for n in names]
+        outs = [_empty((idx.numel(), *self.headers[0][n].shape[1:]), self.dtypes.get(n, torch.int64)) for n in names]
         for s in torch.unique(shard).tolist():  # one pass per shard the batch touches
             pos = (shard == s).nonzero().squeeze(1)
-            rows = local[pos]
             f = self._file(s)
             for name, out in zip(names, outs):
-                t = f.read(name, rows)
-                check_values(t, rows, self.files[s], name, self.num_classes if name == "labels" else None)
-                out[pos] = t.to(out.dtype)
+                if f.tensors[name].dtype == out.dtype:  # straight into the batch
+                    f.read_into(name, local[pos], out, pos)
+                else:  # a shard stored in another dtype than the set's common one
+                    out[pos] = f.read(name, local[pos]).to(out.dtype)
+        for name, out in zip(names, outs):
+            bad = bad_values(out, name, self.num_classes if name == "labels" else None)
+            if bad is not None:
+                i, what = bad
+                raise DataError(f"{self.files[int(shard[i])]}: {what} in sample {int(local[i])}")
         return outs
 
     def get_batch(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
