@@ -76,12 +76,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     T = TrainConfig
     _flag(g, "--data", T, "data", help="'digits' or a directory of safetensors shards")
     for name, typ in (("micro_batch_size", int), ("global_batch_size", int), ("train_iters", int), ("seed", int),
-                      ("cond_dropout", float), ("timestep_shift", float), ("save_interval", int),
+                      ("num_workers", int), ("cond_dropout", float), ("timestep_shift", float), ("save_interval", int),
                       ("log_interval", int), ("eval_interval", int), ("eval_num_samples", int), ("eval_steps", int),
                       ("eval_guidance", float)):
         _flag(g, "--" + name.replace("_", "-"), T, name, type=typ)
     for name in ("save", "load", "tensorboard_dir"):
         _flag(g, "--" + name.replace("_", "-"), T, name)
+    _flag(g, "--eval-prompts", T, "eval_prompts", metavar="FILE",
+          help="validation prompt embeddings (prepare_data.py --prompts-only): the eval samples one per prompt")
+    _flag(g, "--vae", T, "vae", metavar="DIR",
+          help="diffusers VAE folder of latent --data: the eval decodes its samples to MP4 / GIF / PNG media")
     _flag(g, "--no-load-optim", T, "no_load_optim", action="store_true", help="load weights only; fresh optimizer")
     _flag(g, "--no-load-rng", T, "no_load_rng", action="store_true")
     _flag(g, "--loss-trace", T, "loss_trace", help="write every iteration's loss/grad-norm as JSON lines")

@@ -129,6 +129,8 @@ class TrainConfig:
     """--data: 'digits' (embedded scikit-learn digits) or a directory of safetensors shards."""
     micro_batch_size: int = 32
     """--micro-batch-size: samples per forward/backward per data-parallel rank."""
+    num_workers: int = 2
+    """--num-workers: DataLoader worker processes reading shard data (0 = read in the training process)."""
     global_batch_size: Optional[int] = None
     """--global-batch-size: samples per optimizer step over all DP ranks (default micro * DP)."""
     train_iters: int = 1000
@@ -148,6 +150,12 @@ class TrainConfig:
     """--eval-steps: Euler steps of the eval sampler."""
     eval_guidance: float = 1.25
     """--eval-guidance: CFG scale of the eval sampler (1 = no guidance)."""
+    eval_prompts: Optional[str] = None
+    """--eval-prompts FILE: validation prompt embeddings (`data.prompts`, from prepare_data.py --prompts-only); the
+    eval samples one per prompt, named by it, with the file's negative as the teacher's CFG negative."""
+    vae: Optional[str] = None
+    """--vae DIR: the diffusers VAE folder of latent data (`prep.vae.LatentVAE`); the eval decodes its samples
+    and writes them as media (`eval.media`); loaded on the main rank only."""
     tensorboard_dir: Optional[str] = None
     loss_trace: Optional[str] = None
     """--loss-trace: JSON-lines file of every iteration's loss and grad norm (rank 0)."""
@@ -165,6 +173,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _check(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _check(self.global_batch_size is None or self.global_batch_size >= 1,
                f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         _check(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
@@ -179,6 +188,9 @@ class TrainConfig:
                f"got {self.eval_num_samples}")
         _check(self.eval_steps >= 1, f"--eval-steps must be >= 1, got {self.eval_steps}")
         _check(self.eval_guidance >= 1.0, f"--eval-guidance must be >= 1, got {self.eval_guidance}")
+        for flag, v in (("--eval-prompts", self.eval_prompts), ("--vae", self.vae)):
+            _check(v is None or self.eval_interval is not None,
+                   f"{flag} {v} is used by the eval only; give --eval-interval N with it")
         _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}")
         _check(self.max_nan_iterations >= 0, f"--max-nan-iterations must be >= 0, got {self.max_nan_iterations}")

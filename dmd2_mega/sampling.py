@@ -19,11 +19,14 @@ from dmd2_mega import flow
 
 
 def eval_conditions(dataset, n: int) -> torch.Tensor:
-    """Class-balanced labels 0..K-1 repeated, or the first n condition embeddings of the data."""
+    """Class-balanced labels 0..K-1 repeated, the data's own balanced prompts (`balanced_conditions(n)`, e.g.
+    moving digits: all (digit, direction) pairs in turn), or the first n condition embeddings of the data."""
     if dataset.num_classes is not None:
         return torch.arange(n) % dataset.num_classes
+    if hasattr(dataset, "balanced_conditions"):
+        return dataset.balanced_conditions(n)
     idx = torch.arange(n) % len(dataset)
-    return dataset.get_batch(idx)[1]
+    return dataset.get_batch(idx)[1].float()  # shard sets keep their stored dtype (e.g. bf16)
 
 
 def _dp_map(fn, n: int, shape: tuple, device, dp_rank: int, dp_size: int, dp_group) -> torch.Tensor:

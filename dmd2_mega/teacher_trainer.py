@@ -29,15 +29,17 @@ from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, 
 from dmd2_mega.checkpoint_guard import RESUME_SETTINGS, check_family, check_resume, check_role
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
+from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
-from dmd2_mega.eval.digits import evaluate_digits
+from dmd2_mega.eval.data_metrics import metrics_for_data
 from dmd2_mega.eval.grid import save_grid, save_video_grid
+from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
-from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
 from dmd2_mega.sampling import eval_conditions, generate
@@ -70,6 +72,8 @@ class FlowTrainer(RunStateTrainer):
             lock_run_dirs([("--save", t.save)], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
+        self.media = (EvalMedia(t.data, self.dataset, t.eval_prompts, t.vae, ps.is_main, ps.device)
+                      if t.eval_interval else None)  # --eval-prompts / --vae checked before any training
         self.model = cast_model(build_model(cfg.model, self.info, ps, negative=self.dataset.negative), cfg.optim.bf16)
         nparams = count_parameters(self.model, ps.tp_group, ps.device)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
@@ -81,6 +85,7 @@ class FlowTrainer(RunStateTrainer):
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
+        self.batches = MicroBatchLoader(self.dataset, self.sampler, ps.device, t.num_workers)
         self.state = RunState()
         if t.load:
             self.load(t.load)
@@ -125,10 +130,8 @@ class FlowTrainer(RunStateTrainer):
         t, ps = self.cfg.train, self.ps
         lr = self.schedule.apply(self.optimizer, self.iteration)
         total = torch.zeros((), device=ps.device)
-        batches = self.sampler.next_iteration()
-        for k, (j, idx) in enumerate(batches):
-            x0, cond = self.dataset.get_batch(idx)
-            x0, cond = to_device(x0, ps.device), to_device(cond, ps.device)
+        batches = self.batches.next_iteration()
+        for k, (j, x0, cond) in enumerate(batches):
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
             last = k == len(batches) - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
@@ -144,11 +147,12 @@ class FlowTrainer(RunStateTrainer):
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
         t, ps = self.cfg.train, self.ps
-        cond = eval_conditions(self.dataset, t.eval_num_samples)
+        cond = (self.media.conditions(self.dataset, t.eval_num_samples) if self.media else
+                eval_conditions(self.dataset, t.eval_num_samples))
         images = generate(self.model, cond, shape=DataShape.from_info(self.info).sample_shape,
                           steps=t.eval_steps, guidance=t.eval_guidance, shift=t.timestep_shift,
                           seed=t.seed + 7, device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size,
-                          dp_group=ps.dp_group)
+                          dp_group=ps.dp_group, null_cond=self.media.negative(len(cond)) if self.media else None)
         if not ps.is_main:
             return None
         result = {}
@@ -158,8 +162,10 @@ class FlowTrainer(RunStateTrainer):
             path = (save_video_grid(images[:16], png) if images.dim() == 5 else
                     save_grid(images[:100], labels[:100] if labels is not None else None, png))
             result["grid"] = path
-        if t.data == "digits":
-            result.update(evaluate_digits(images, cond))
+            media = self.media.write(images, out_dir, self.iteration) if self.media else None
+            if media is not None:  # its GIFs / PNGs go to TensorBoard (logger.report_eval)
+                result["media"] = media
+        result.update(metrics_for_data(t.data, images, cond))
         return result
 
     # ---- the loop ----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, l
 from dmd2_mega.checkpoint_guard import check_family, check_role, check_save_dirs
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.data import build_dataset
+from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.dmd2.cycle import run_cycle
 from dmd2_mega.dmd2.ema import StudentEMA
@@ -42,14 +43,15 @@ from dmd2_mega.dmd2.pair_checkpoint import critic_dir, load_pair, save_pair
 from dmd2_mega.dmd2.records import ACTOR, CRITIC, ROLLOUT, STOPS, CycleSettings, MicroBatch
 from dmd2_mega.dmd2.roles import TRAINED_IN, Role, enter_phase
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.eval.digits import evaluate_digits
-from dmd2_mega.eval.grid import save_grid
+from dmd2_mega.eval.data_metrics import metrics_for_data
+from dmd2_mega.eval.grid import save_grid, save_video_grid
+from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule, build_optimizer
-from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator, to_device
+from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
 from dmd2_mega.sampling import eval_conditions, generate_student
@@ -76,6 +78,8 @@ class DMD2Trainer(RunStateTrainer):
             lock_run_dirs([("--save", t.save), ("--save (its critic directory)", critic_dir(t.save))], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
+        self.media = (EvalMedia(t.data, self.dataset, t.eval_prompts, t.vae, ps.is_main, ps.device)
+                      if t.eval_interval else None)  # --eval-prompts / --vae checked before any training
         teacher_payload = load_payload(d.teacher_load, ps, flag="--teacher-load")
         if teacher_payload is None:
             raise CheckpointError(f"--teacher-load {d.teacher_load} holds no checkpoint "
@@ -108,6 +112,8 @@ class DMD2Trainer(RunStateTrainer):
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
                                           ps.dp_rank, ps.dp_size, t.seed)
+        self.batches = MicroBatchLoader(self.dataset, self.sampler, ps.device, t.num_workers,
+                                        latents=self.settings.gan is not None)  # only the GAN head reads real samples
         self.state = RunState(pair_token=uuid.uuid4().hex)
         self.static = {"args": asdict(cfg), "data_info": self.info, "family": self.family,
                        "student_sigmas": self.settings.student_sigmas.tolist()}
@@ -199,14 +205,13 @@ class DMD2Trainer(RunStateTrainer):
         t, ps, it = self.cfg.train, self.ps, self.iteration
         n, gan = self.settings.critic_steps * self.settings.micro_batch_size, self.settings.gan is not None
         out = []
-        for j, idx in self.sampler.next_iteration():
-            images, cond = self.dataset.get_batch(idx)
+        for j, images, cond in self.batches.next_iteration():
             out.append(MicroBatch(
-                index=j, cond=to_device(cond, ps.device), sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
+                index=j, cond=cond, sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
                 rollout_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ROLLOUT),
                 critic_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=CRITIC),
                 actor_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ACTOR) if gan else None,
-                real=to_device(images, ps.device) if gan else None,  # the GAN's real samples: these images
+                real=images,  # the GAN's real samples: these images
                 stop_gen=micro_batch_generator(t.seed, it, j, torch.device("cpu"), stream=STOPS)))
         return out
 
@@ -229,7 +234,8 @@ class DMD2Trainer(RunStateTrainer):
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:
         t, ps = self.cfg.train, self.ps
         enter_phase("rollout", self.roles, self.settings.gan is not None)
-        cond = eval_conditions(self.dataset, t.eval_num_samples)
+        cond = (self.media.conditions(self.dataset, t.eval_num_samples) if self.media else
+                eval_conditions(self.dataset, t.eval_num_samples))
         student = self.roles["student"].model
         use_ema = self.ema is not None and not self.cfg.ema.no_ema
         with self.ema.swapped_in(student) if use_ema else contextlib.nullcontext():
@@ -240,10 +246,13 @@ class DMD2Trainer(RunStateTrainer):
         result = {"weights": "EMA" if use_ema else "raw"}
         if out_dir:
             labels = cond if cond.dim() == 1 else None
-            result["grid"] = save_grid(images[:100], labels[:100] if labels is not None else None,
-                                       os.path.join(out_dir, "samples", f"cycle_{self.iteration:07d}.png"))
-        if t.data == "digits":
-            result.update(evaluate_digits(images, cond))
+            png = os.path.join(out_dir, "samples", f"cycle_{self.iteration:07d}.png")
+            result["grid"] = (save_video_grid(images[:16], png) if images.dim() == 5 else
+                              save_grid(images[:100], labels[:100] if labels is not None else None, png))
+            media = self.media.write(images, out_dir, self.iteration) if self.media else None
+            if media is not None:  # its GIFs / PNGs go to TensorBoard (logger.report_eval)
+                result["media"] = media
+        result.update(metrics_for_data(t.data, images, cond))
         return result
 
     # ---- the loop ------------------------------------------------------------------------------

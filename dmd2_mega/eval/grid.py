@@ -9,7 +9,8 @@ the samples of class c in their input order along row c, columns = the largest c
 empty cells stay black. Without labels: a near-square grid, ceil(sqrt(N)) columns, row-major.
 The PNG is (rows * H * upscale) high and (cols * W * upscale) wide, written to a temporary
 file in the target directory and renamed, so a reader never sees a half-written image.
-`save_video_grid` lays videos [N, C, T, H, W] out one per row, frames along the row.
+`save_video_grid` lays videos [N, C, T, H, W] out one per row, frames along the row; `save_video_gif` writes
+them as one looping GIF whose frame t is the near-square (or `cols`-wide) grid of every video's frame t.
 """
 from __future__ import annotations
 
@@ -81,3 +82,30 @@ def save_video_grid(videos, path, upscale: int = 4) -> str:
     n, c, t, h, w = v.shape
     frames = v.transpose(1, 2).reshape(n * t, c, h, w)
     return save_grid(frames, torch.arange(n).repeat_interleave(t), path, num_classes=n, upscale=upscale)
+
+
+def save_video_gif(videos, path, cols: int | None = None, upscale: int = 4, fps: float = 4.0) -> str:
+    """Write videos [N, C, T, H, W] in [-1, 1] as a looping GIF at `path`: frame t is the grid of frame t of every
+    video, `cols` videos per row (default ceil(sqrt(N))), row-major, empty cells black (pixel and channel rules as
+    `save_grid`); returns the path."""
+    v = _to_numpy(videos).astype(np.float32)
+    if v.ndim != 5 or v.shape[0] < 1:
+        raise EvalInputError(f"save_video_gif: videos must be [N, C, T, H, W] with N >= 1, got shape {v.shape}")
+    if int(upscale) < 1 or (cols is not None and int(cols) < 1) or not fps > 0:
+        raise EvalInputError(f"save_video_gif: upscale and cols must be >= 1 and fps > 0, got upscale={upscale}, "
+                             f"cols={cols}, fps={fps}")
+    n, c, t, h, w = v.shape
+    v = v[:, :3] if c == 3 else v[:, :1]
+    pix = np.clip(np.round((np.nan_to_num(v, nan=-1.0) + 1.0) * 127.5), 0, 255).astype(np.uint8)
+    cols = int(cols) if cols is not None else max(1, math.ceil(math.sqrt(n)))
+    rows = -(-n // cols)
+    cells = np.zeros((rows * cols, *pix.shape[1:]), dtype=np.uint8)  # [R * K, C', T, H, W]
+    cells[:n] = pix
+    grid = cells.reshape(rows, cols, -1, t, h, w).transpose(3, 0, 4, 1, 5, 2).reshape(t, rows * h, cols * w, -1)
+    u = int(upscale)
+    grid = grid.repeat(u, axis=1).repeat(u, axis=2)
+    frames = [Image.fromarray(f[..., 0] if f.shape[2] == 1 else f) for f in grid]
+    path = os.fspath(path)
+    atomic_write(path, lambda f: frames[0].save(f, format="GIF", save_all=True, append_images=frames[1:],
+                                                duration=round(1000 / fps), loop=0))
+    return path

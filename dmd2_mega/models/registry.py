@@ -3,8 +3,10 @@
 DiT sizes: per block the DiT holds ~18 H^2 weights (attention 4 H^2, MLP 8 H^2 at ratio 4, adaLN
 6 H^2); the real sizes are chosen so the whole model lands near its name at patch 2 on 4x32x32
 latents. The exact count of the built model is printed at start-up (`family.count_parameters`).
-Wan sizes are the public diffusers configs (wan-debug is a tiny one for tests); `--model-size` also takes a
-path to a diffusers folder (or a checkpoint converted from one), whose config.json defines the spec.
+Wan sizes are the public diffusers configs (wan-debug is a tiny one for tests; wan-digits is wan-debug's
+sizes for the embedded `--data moving-digits` clips: 1 grey channel, 16-wide prompt embeddings);
+`--model-size` also takes a path to a diffusers folder (or a checkpoint converted from one), whose
+config.json defines the spec.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
     _dit("8b", hidden_size=4096, num_layers=26, num_heads=32, patch_size=2),
     # Wan: the sizes of the public diffusers configs (a folder's own config.json is used when given by path)
     _wan("wan-debug", num_heads=2, head_dim=12, num_layers=2, ffn_dim=48, in_channels=4, out_channels=4,
+         text_dim=16, freq_dim=16),
+    _wan("wan-digits", num_heads=2, head_dim=12, num_layers=2, ffn_dim=48, in_channels=1, out_channels=1,
          text_dim=16, freq_dim=16),
     _wan("wan2.1-1.3b", num_heads=12, head_dim=128, num_layers=30, ffn_dim=8960),
     _wan("wan2.1-14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824),

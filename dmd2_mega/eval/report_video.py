@@ -1,0 +1,86 @@
+"""One table of moving-digits sample quality for several sample sets (launch/quickstart_video.sh's summary).
+
+    python -m dmd2_mega.eval.report_video "teacher, 50 steps=runs/qv/samples/teacher_50step/samples.npz" \
+        "student, 1 step=..." [--json metrics.json] [--gif grid.gif]
+reads each samples.npz (`images` [N, 1, T, H, W], `digits`, `directions`: launch/sample.py on a --data
+moving-digits model) and prints a Markdown table, one row per NAME=PATH: the per-frame Frechet distance (and
+its ratio to the real-clips floor), digit accuracy, direction accuracy, mean speed, consistency (the digit
+kept from frame to frame) and warp error (`eval.moving_digits` defines each). --gif writes one looping GIF
+whose row r shows sample set r, column j a sample of digit j moving in direction j mod 4 (right, left, down,
+up; the first sample of digit j if that pair was not sampled; black if neither).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from dmd2_mega.data.digits import NUM_CLASSES
+from dmd2_mega.data.moving_digits import DIRECTIONS
+from dmd2_mega.errors import EvalInputError
+from dmd2_mega.eval.grid import save_video_gif
+from dmd2_mega.eval.moving_digits import evaluate_moving_digits, load_samples
+
+
+def parse_pairs(pairs: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for pair in pairs:
+        if "=" not in pair:
+            raise EvalInputError(f"expected NAME=PATH, got {pair!r}")
+        out.append(tuple(pair.split("=", 1)))
+    return out
+
+
+def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray) -> np.ndarray:
+    """[10, 1, T, H, W]: for digit j the first clip of (j, direction j mod 4), else the first of digit j, else
+    black (-1)."""
+    j = np.arange(NUM_CLASSES)[:, None]
+    exact = (digits[None] == j) & (directions[None] == j % len(DIRECTIONS))   # [10, N]
+    loose = digits[None] == j
+    pick = np.where(exact.any(1), exact.argmax(1), loose.argmax(1))
+    return np.where(loose.any(1)[:, None, None, None, None], images[pick], -1.0)
+
+
+def markdown(results: list[tuple[str, dict]]) -> str:
+    floor = results[0][1]["frechet_floor"] if results else float("nan")
+    lines = [f"| model | FD per frame (floor {floor:.3f}) | FD / floor | digit acc | direction acc | speed px/frame "
+             f"| consistency | warp error |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results:
+        lines.append(f"| {name} | {r['frechet_distance']:.3f} | {r['fd_ratio']:.2f} | {100 * r['digit_accuracy']:.1f}% "
+                     f"| {100 * r['direction_accuracy']:.1f}% | {r['mean_speed']:.2f} | "
+                     f"{100 * r['consistency']:.1f}% | {r['warp_error']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dmd2_mega.eval.report_video", description=__doc__.split("\n")[0])
+    p.add_argument("pairs", nargs="+", help="NAME=PATH to a samples.npz of a --data moving-digits model")
+    p.add_argument("--json", default=None, help="also write all metrics to this JSON file")
+    p.add_argument("--gif", default=None, help="also write a GIF grid: one row per NAME, one column per digit")
+    a = p.parse_args(argv)
+    try:
+        results, rows = [], []
+        for name, path in parse_pairs(a.pairs):
+            images, digits, directions = load_samples(path)
+            try:
+                results.append((name, evaluate_moving_digits(images, digits, directions)))
+            except EvalInputError as e:
+                raise EvalInputError(f"{path}: {e}") from None
+            rows.append(showcase(images, digits, directions))
+    except EvalInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({name: r for name, r in results}, f, indent=1)
+    if a.gif:
+        save_video_gif(np.concatenate(rows), a.gif, cols=NUM_CLASSES)
+        print(f"GIF grid (rows: {', '.join(n for n, _ in results)}; columns: digits 0-9): {a.gif}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
