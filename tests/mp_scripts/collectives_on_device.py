@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Every torch.distributed collective of a teacher step and a DMD2 cycle gets device tensors.
 
-    torchrun --standalone --nproc-per-node 4 tests/mp_scripts/collectives_on_device.py --out DIR [--plant]
+    torchrun --standalone --nproc-per-node 4 tests/mp_scripts/collectives_on_device.py --out DIR
 
 On a GPU a collective on a host tensor fails under NCCL (`count_parameters` once all-reduced a CPU float64
 tensor); on a CPU run everything is on the host, so "on the compute device" is checked by provenance: a
@@ -13,8 +13,8 @@ collectives (all_reduce, all_gather, all_gather_into_tensor, broadcast, reduce_s
 all_to_all_single) are wrapped to record each call whose tensors carry the mark.
 Run (TP=2 x DP=2 on 4 ranks, debug DiT, digits): the teacher trainer's 2 steps with a save, then the DMD2
 trainer's 2 cycles with the GAN head and EMA on that teacher, an eval (DP all-gather of samples) and a
-save; each rank writes {rank}.json: {"checked": n collectives, "violations": [...]}. --plant adds one
-all_reduce of a host-made tensor (the checker's own test).
+save; then one planted all_reduce of a host-made tensor (the checker's own test). Each rank writes {rank}.json:
+{"checked": n collectives, "violations": [...] of the run, "planted": [...] of the planted call}.
 """
 import argparse
 import json
@@ -99,7 +99,6 @@ def wrap_collectives(log: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--plant", action="store_true")
     a = p.parse_args()
     log = {"checked": 0, "violations": []}
     wrap_collectives(log)
@@ -114,8 +113,10 @@ def main() -> int:
                 "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "2", "--dmd2-gan", "--ema-decay", "0.5",
                 "--dmd2-teacher-guidance-scale", "2", "--eval-interval", "2", "--eval-num-samples", "12",
                 "--save", student])).train()
-            if a.plant:
-                dist.all_reduce(torch.tensor([1.0]))
+            clean = list(log["violations"])
+            dist.all_reduce(torch.tensor([1.0]))  # planted: the check must catch this one
+        log["planted"] = log["violations"][len(clean):]
+        log["violations"] = clean
         with open(os.path.join(a.out, f"{dist.get_rank()}.json"), "w") as f:
             json.dump(log, f)
     finally:
