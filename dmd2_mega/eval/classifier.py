@@ -18,6 +18,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -128,34 +129,39 @@ def _fingerprint(images: torch.Tensor, labels: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _try_load(path: Path, fingerprint: str) -> DigitsClassifier | None:
+def _try_load(path: Path, fingerprint: str, make: Callable[[], nn.Module], what: str) -> nn.Module | None:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
         if blob.get("fingerprint") != fingerprint:
             print(f"[eval] {path} was trained on other data; retraining", file=sys.stderr)
             return None
-        model = DigitsClassifier()
+        model = make()
         model.load_state_dict(blob["state_dict"], strict=True)
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise ValueError("non-finite weights")
         return model.eval()
     except Exception as e:  # corrupt, truncated, or from another architecture
-        print(f"[eval] cannot use cached classifier {path} ({type(e).__name__}: {e}); retraining",
-              file=sys.stderr)
+        print(f"[eval] cannot use cached {what} {path} ({type(e).__name__}: {e}); retraining", file=sys.stderr)
         return None
+
+
+def cached(file: Path, fingerprint: str, make: Callable[[], nn.Module], train: Callable[[], nn.Module],
+           what: str) -> nn.Module:
+    """The model cached at `file` when it was trained on the data `fingerprint` names and loads whole into
+    `make()`; else `train()`'s model, written there first (atomically)."""
+    if file.exists():
+        model = _try_load(file, fingerprint, make, what)
+        if model is not None:
+            return model
+    print(f"[eval] training the {what} -> {file}", file=sys.stderr)
+    model = train()
+    state = {"state_dict": model.state_dict(), "fingerprint": fingerprint, "version": 1}
+    atomic_write(file, lambda f: torch.save(state, f))
+    return model
 
 
 def load_or_train_classifier(path: str | os.PathLike | None = None) -> DigitsClassifier:
     """The cached classifier in `cache_dir(path)`, trained and written there first if missing/bad."""
     images, labels = load_split("train")
-    fp = _fingerprint(images, labels)
-    file = cache_dir(path) / CACHE_NAME
-    if file.exists():
-        model = _try_load(file, fp)
-        if model is not None:
-            return model
-    print(f"[eval] training the digits feature classifier -> {file}", file=sys.stderr)
-    model = train_classifier(images, labels)
-    state = {"state_dict": model.state_dict(), "fingerprint": fp, "version": 1}
-    atomic_write(file, lambda f: torch.save(state, f))
-    return model
+    return cached(cache_dir(path) / CACHE_NAME, _fingerprint(images, labels), DigitsClassifier,
+                  lambda: train_classifier(images, labels), "digits feature classifier")

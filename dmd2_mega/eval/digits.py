@@ -41,20 +41,22 @@ def _reference(cache: str):
     return clf, clf.features(held_x), clf.accuracy(held_x, held_y), train_x
 
 
-def _check_images(images) -> torch.Tensor:
+def check_pixels(images, shape: tuple, what: str) -> torch.Tensor:
+    """Samples [N, *shape] in [-1, 1] (tensor or array) -> float32 CPU tensor, or an EvalInputError naming `what`
+    (e.g. "images" / "clips") and the problem: dtype, shape, N < 2, NaN/inf, a range that is not [-1, 1]."""
     x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images)
     if not x.is_floating_point():
-        raise EvalInputError(f"images must be floating point in [-1, 1], got dtype {x.dtype}")
+        raise EvalInputError(f"{what} must be floating point in [-1, 1], got dtype {x.dtype}")
     x = x.detach().to("cpu", torch.float32)
-    if x.ndim != 4 or tuple(x.shape[1:]) != (1, 8, 8):
-        raise EvalInputError(f"images must have shape [N, 1, 8, 8] (digits), got {tuple(x.shape)}")
+    if x.ndim != 1 + len(shape) or tuple(x.shape[1:]) != tuple(shape):
+        raise EvalInputError(f"{what} must have shape [N, {', '.join(map(str, shape))}], got {tuple(x.shape)}")
     if x.shape[0] < 2:
-        raise EvalInputError(f"need at least 2 images to fit a covariance, got N={x.shape[0]}")
+        raise EvalInputError(f"need at least 2 {what} to fit a covariance, got N={x.shape[0]}")
     if not torch.isfinite(x).all():
-        raise EvalInputError(f"images contain {int((~torch.isfinite(x)).sum())} NaN/inf values")
+        raise EvalInputError(f"{what} contain {int((~torch.isfinite(x)).sum())} NaN/inf values")
     lo, hi = x.min().item(), x.max().item()
     if lo < -1 - RANGE_TOL or hi > 1 + RANGE_TOL:
-        raise EvalInputError(f"images must lie in [-1, 1], got min {lo:.4g}, max {hi:.4g} "
+        raise EvalInputError(f"{what} must lie in [-1, 1], got min {lo:.4g}, max {hi:.4g} "
                              f"(clamp samples to [-1, 1]; are they in [0, 1] or [0, 255]?)")
     return x
 
@@ -83,7 +85,7 @@ def pixel_diversity(x: torch.Tensor, y: torch.Tensor | None) -> float:
 
 def evaluate_digits(images, labels=None, cache: str | None = None) -> dict:
     """Metrics of samples images [N, 1, 8, 8] in [-1, 1] with conditioning labels int64 [N] or None."""
-    x = _check_images(images)
+    x = check_pixels(images, (1, 8, 8), "images")
     y = None if labels is None else _check_labels(labels, len(x))
     clf, held_feats, held_acc, train_x = _reference(str(cache_dir(cache).resolve()))
 

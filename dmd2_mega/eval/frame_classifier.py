@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dmd2_mega.atomic import atomic_write
 from dmd2_mega.data.digits import NUM_CLASSES, _load, split_indices
 from dmd2_mega.data.moving_digits import GLYPH, HEIGHT, WIDTH, render
-from dmd2_mega.eval.classifier import cache_dir
+from dmd2_mega.eval.classifier import cache_dir, cached
 
 CACHE_NAME = "moving_digits_classifier_v1.pt"
 FEATURE_DIM = 64
@@ -121,34 +119,8 @@ def _fingerprint(glyphs: torch.Tensor, labels: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _try_load(path, fingerprint: str) -> FrameClassifier | None:
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if blob.get("fingerprint") != fingerprint:
-            print(f"[eval] {path} was trained on other data; retraining", file=sys.stderr)
-            return None
-        model = FrameClassifier()
-        model.load_state_dict(blob["state_dict"], strict=True)
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise ValueError("non-finite weights")
-        return model.eval()
-    except Exception as e:  # corrupt, truncated, or from another architecture
-        print(f"[eval] cannot use cached frame classifier {path} ({type(e).__name__}: {e}); retraining",
-              file=sys.stderr)
-        return None
-
-
 def load_or_train_frame_classifier(path: str | os.PathLike | None = None) -> FrameClassifier:
     """The cached classifier in `classifier.cache_dir(path)`, trained and written there first if missing/bad."""
     glyphs, labels = train_glyphs()
-    fp = _fingerprint(glyphs, labels)
-    file = cache_dir(path) / CACHE_NAME
-    if file.exists():
-        model = _try_load(file, fp)
-        if model is not None:
-            return model
-    print(f"[eval] training the moving-digits frame classifier -> {file}", file=sys.stderr)
-    model = train_classifier(glyphs, labels)
-    state = {"state_dict": model.state_dict(), "fingerprint": fp, "version": 1}
-    atomic_write(file, lambda f: torch.save(state, f))
-    return model
+    return cached(cache_dir(path) / CACHE_NAME, _fingerprint(glyphs, labels), FrameClassifier,
+                  lambda: train_classifier(glyphs, labels), "moving-digits frame classifier")

@@ -41,13 +41,13 @@ from dmd2_mega.data.digits import NUM_CLASSES
 from dmd2_mega.data.moving_digits import DIRECTIONS, FRAMES, HEIGHT, STEPS, WIDTH, MovingDigitsDataset
 from dmd2_mega.errors import EvalInputError
 from dmd2_mega.eval.classifier import cache_dir
+from dmd2_mega.eval.digits import check_pixels
 from dmd2_mega.eval.frame_classifier import load_or_train_frame_classifier
 from dmd2_mega.eval.frechet import frechet_distance
 
 FLOOR_SEED = 0
 MIN_SPEED = 0.5
 MAX_SHIFT = 2
-RANGE_TOL = 1e-3  # allowed overshoot of [-1, 1] (float rounding of a clamp / rescale)
 
 
 def frames_of(clips: torch.Tensor) -> torch.Tensor:
@@ -96,25 +96,6 @@ def warp_error(clips: torch.Tensor) -> torch.Tensor:
     return best.mean(1)
 
 
-def _check_clips(images) -> torch.Tensor:
-    x = torch.as_tensor(np.asarray(images) if not isinstance(images, torch.Tensor) else images)
-    if not x.is_floating_point():
-        raise EvalInputError(f"clips must be floating point in [-1, 1], got dtype {x.dtype}")
-    x = x.detach().to("cpu", torch.float32)
-    if x.ndim != 5 or tuple(x.shape[1:]) != (1, FRAMES, HEIGHT, WIDTH):
-        raise EvalInputError(f"clips must have shape [N, 1, {FRAMES}, {HEIGHT}, {WIDTH}] (moving digits), "
-                             f"got {tuple(x.shape)}")
-    if x.shape[0] < 2:
-        raise EvalInputError(f"need at least 2 clips to fit a covariance, got N={x.shape[0]}")
-    if not torch.isfinite(x).all():
-        raise EvalInputError(f"clips contain {int((~torch.isfinite(x)).sum())} NaN/inf values")
-    lo, hi = x.min().item(), x.max().item()
-    if lo < -1 - RANGE_TOL or hi > 1 + RANGE_TOL:
-        raise EvalInputError(f"clips must lie in [-1, 1], got min {lo:.4g}, max {hi:.4g} "
-                             f"(clamp samples to [-1, 1]; are they in [0, 1] or [0, 255]?)")
-    return x
-
-
 def _check_ids(values, n: int, name: str, k: int) -> torch.Tensor:
     y = torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values)
     if y.is_floating_point() or y.dtype == torch.bool:
@@ -144,7 +125,7 @@ def _per_frame_fd(clf, clips: torch.Tensor, held_feats: torch.Tensor) -> float:
 
 def evaluate_moving_digits(images, digits, directions, cache: str | None = None) -> dict:
     """Metrics (module docstring) of clips [N, 1, T, H, W] in [-1, 1] conditioned on digits, directions int [N]."""
-    x = _check_clips(images)
+    x = check_pixels(images, (1, FRAMES, HEIGHT, WIDTH), "clips")
     k = _check_ids(digits, len(x), "digits", NUM_CLASSES)
     d = _check_ids(directions, len(x), "directions", len(DIRECTIONS))
     clf, held_feats, held_acc, train_x = _reference(str(cache_dir(cache).resolve()))
