@@ -19,7 +19,8 @@ unless --no-ema; --guidance applies to teachers only.
 `labels` is the prompt index and `prompts` the prompt text of each sample.
 --data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
 `digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores.
-Media (`dmd2_mega.eval.media`) in <out>/media/, named by prompt (`<i>_<slug>`) or by index (`000`, ...):
+Media (`dmd2_mega.eval.media`) in <out>/media/ for the first --num-media samples (default: one per prompt of
+--prompts, else 40), named by prompt (`<i>_<slug>`), by moving-digits prompt (`007_7_right`) or by index (`000`):
 --vae DIR (a diffusers VAE folder, `dmd2_mega.prep.vae.LatentVAE`) decodes the latents on the main rank: a video
 is written as <name>.mp4 (H.264) + <name>.gif, an image as <name>.png, and grid.png shows the decoded images.
 Pixel-space video data (--data moving-digits) needs no decoding and gets the MP4 + GIF too; latents without --vae
@@ -45,6 +46,7 @@ from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
 from dmd2_mega.data.prompts import read_prompts  # noqa: E402
+from dmd2_mega.data.moving_digits import DIRECTIONS  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
 from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
                                   write_samples)
@@ -75,6 +77,8 @@ def parse(argv=None):
                    help="eval-prompts file (prepare_data.py --prompts-only): the conditions, instead of --data's")
     p.add_argument("--vae", metavar="DIR", default=None,
                    help="diffusers VAE folder: decode the latents and write MP4 + GIF (video) / PNG (image) media")
+    p.add_argument("--num-media", type=int, default=None, metavar="N",
+                   help="media for the first N samples only (default: one per prompt of --prompts, else 40; 0: none)")
     a = p.parse_args(argv)
     if a.load is None:
         raise ConfigError("--load is required (the checkpoint directory to sample)")
@@ -91,6 +95,8 @@ def parse(argv=None):
         raise ConfigError(f"--shift must be a finite number > 0, got {a.shift}")
     if a.iteration is not None and a.iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
+    if a.num_media is not None and a.num_media < 0:
+        raise ConfigError(f"--num-media must be >= 0, got {a.num_media}")
     return a
 
 
@@ -189,8 +195,12 @@ def sample(a: argparse.Namespace) -> None:
             f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64), **texts))
         k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
         png = os.path.join(a.out, "grid.png")
-        shown = (write_samples(os.path.join(a.out, "media"), images,
-                               media_names(a.num_samples, prompts.names() if prompts is not None else None),
+        n_media = min(a.num_samples, a.num_media if a.num_media is not None else
+                      len(prompts.texts) if prompts is not None else DEFAULT_MEDIA)
+        media = media and n_media > 0
+        names = (prompts.names() if prompts is not None else
+                 media_labels(texts["digits"], texts["directions"]) if "directions" in texts else None)
+        shown = (write_samples(os.path.join(a.out, "media"), images[:n_media], media_names(n_media, names),
                                vae, keep=k)[1] if media else [])
         labels_k = cond[:k] if cond.dim() == 1 else None
         if shown:  # images decoded by --vae: the grid shows their pixels
@@ -202,6 +212,15 @@ def sample(a: argparse.Namespace) -> None:
         print(f"> wrote {a.num_samples} samples {list(images.shape[1:])} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
               + f" and {grid}" + (f"; media in {a.out}/media" if media else ""), flush=True)
+
+
+DEFAULT_MEDIA = 40
+"""Media files written without --prompts (one clip per moving-digits prompt; each video spawns an ffmpeg)."""
+
+
+def media_labels(digits: np.ndarray, directions: np.ndarray) -> list:
+    """Moving digits: a media name per sample, `<i>_<digit>_<direction>` (e.g. `007_7_right`)."""
+    return [f"{i:03d}_{d}_{DIRECTIONS[r]}" for i, (d, r) in enumerate(zip(digits.tolist(), directions.tolist()))]
 
 
 def check_media(a: argparse.Namespace, vae_spec, data, shape: tuple) -> bool:

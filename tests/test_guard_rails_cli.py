@@ -177,6 +177,9 @@ def _sample_case(case: str, ckpt: str, d) -> tuple:
                 ["--num-samples must be >= 1, got 0"])
     if case == "steps-0":
         return ["--load", ckpt, "--out", out, "--steps", "0"], "ConfigError", ["--steps must be >= 1, got 0"]
+    if case == "num-media-negative":
+        return (["--load", ckpt, "--out", out, "--num-media", "-1"], "ConfigError",
+                ["--num-media must be >= 0, got -1"])
     if case == "guidance":
         return ["--load", ckpt, "--out", out, "--guidance", "0.5"], "ConfigError", ["--guidance must be a finite"]
     if case == "out-file":
@@ -198,8 +201,8 @@ def _sample_case(case: str, ckpt: str, d) -> tuple:
 
 
 @pytest.mark.parametrize("case", ["no-load", "load-absent", "load-file", "load-empty", "iteration-missing",
-                                  "iteration-negative", "num-samples-0", "steps-0", "guidance", "out-file",
-                                  "out-under-file", "corrupt"])
+                                  "iteration-negative", "num-samples-0", "steps-0", "num-media-negative", "guidance",
+                                  "out-file", "out-under-file", "corrupt"])
 def test_sample_mistake_is_one_line(case, ckpt, tmp_path, capsys):
     argv, error, needles = _sample_case(case, ckpt, tmp_path)
     with world_of_one():

@@ -257,20 +257,23 @@ def test_sample_prompts_negative_is_cfg_negative(wan_run, tmp_path):
 
 
 def test_sample_pixel_video_gets_media_without_vae(tmp_path):
-    """--data moving-digits (1-channel pixel clips [1, 4, 16, 16]): sample.py writes an MP4 + GIF per sample with no
-    VAE; the grey GIF's frames are exactly the samples' pixels upscaled x8 (ceil(128 / 16))."""
+    """--data moving-digits (1-channel pixel clips [1, 4, 16, 16]): sample.py writes an MP4 + GIF for each of the
+    first --num-media samples with no VAE, named by the (digit, direction) prompt; the grey GIF's frames are exactly
+    the samples' pixels upscaled x8 (ceil(128 / 16))."""
     d = str(tmp_path)
     with world_of_one():
         assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "2",
                                    "--train-iters", "1", "--log-interval", "1", "--save", f"{d}/t"]) == 0
     with world_of_one():
-        assert sample_script.main(["--load", f"{d}/t", "--num-samples", "2", "--steps", "1", "--out", f"{d}/s"]) == 0
+        assert sample_script.main(["--load", f"{d}/t", "--num-samples", "3", "--num-media", "2", "--steps", "1",
+                                   "--out", f"{d}/s"]) == 0
     images = torch.from_numpy(np.load(f"{d}/s/samples.npz")["images"])
-    assert sorted(os.listdir(f"{d}/s/media")) == ["000.gif", "000.mp4", "001.gif", "001.mp4"]
-    for i in range(2):
+    names = ["000_0_right", "001_1_right"]  # samples cycle through digit k % 10, direction k // 10
+    assert sorted(os.listdir(f"{d}/s/media")) == sorted(f"{n}.{e}" for n in names for e in ("gif", "mp4"))
+    for i, n in enumerate(names):
         want = upscaled(images[i].transpose(0, 1), 8).repeat(3, axis=3)  # [4, 128, 128, 3]
-        assert np.array_equal(frames(f"{d}/s/media/{i:03d}.gif"), want)
-        assert frames(f"{d}/s/media/{i:03d}.mp4").shape == want.shape
+        assert np.array_equal(frames(f"{d}/s/media/{n}.gif"), want)
+        assert frames(f"{d}/s/media/{n}.mp4").shape == want.shape
 
 
 def test_sample_vae_decodes_images_to_pngs_and_grid(tmp_path):

@@ -12,7 +12,6 @@
      the periodic eval, and launch/sample.py on it (balanced conditions, digits / directions in samples.npz).
 """
 import json
-import os
 
 import numpy as np
 import pytest

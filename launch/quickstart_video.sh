@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# End to end on the embedded moving digits (--data moving-digits: an 8x8 digit crossing a 16x16 canvas over
+# 4 frames, conditioned on the prompt embedding of "digit <k> moves <direction>"), on a fresh machine:
+# install into .venv, train the wan-digits teacher (a small Wan transformer; reused if already trained),
+# distill a 4-step and a 1-step student with DMD2, sample the teacher at 50 / 4 / 1 Euler steps and both
+# students, print one quality table (python -m dmd2_mega.eval.report_video) and write a GIF grid
+# ($RUN_DIR/grid.gif: one row per model, one column per digit, frame t of every clip at time t).
+# Re-running resumes from the checkpoints.
+# Env: RUN_DIR (default runs/quickstart_video), NPROC (torchrun ranks, default 1), TEACHER_ITERS, DMD2_ITERS_4STEP,
+# DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
+# default 400 = 10 per (digit, direction) prompt).
+# Measured on 2 otherwise idle CPU cores (launch/quickstart_video.sh, install excluded): teacher 1,500 steps ~6.5 min,
+# each student ~2.5 min, samples + table ~3 min; the table and the settings' reasons are in docs/data_format.md
+# ("Moving digits").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/setup_env.sh
+export TORCH_COMPILE_DISABLE=1
+
+RUN_DIR="${RUN_DIR:-runs/quickstart_video}"
+NPROC="${NPROC:-1}"
+TEACHER_ITERS="${TEACHER_ITERS:-1200}"
+DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-120}"
+DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-120}"
+GUIDANCE="${GUIDANCE:-2}"
+NUM_SAMPLES="${NUM_SAMPLES:-400}"
+SHIFT=3  # timestep shift: more training at high noise, where the direction is decided (docs/data_format.md)
+mkdir -p "$RUN_DIR"
+if [ "$NPROC" -gt 1 ]; then
+    LAUNCH=(torchrun --standalone --nproc-per-node "$NPROC")
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+else
+    LAUNCH=(python)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+fi
+echo "> set-up (.venv, install) took ${SECONDS}s"
+SECONDS=0
+
+echo "== 1/4 teacher: flow-matching Wan (--model-size wan-digits) on the moving digits"
+"${LAUNCH[@]}" launch/pretrain_flow.py --model-size wan-digits --data moving-digits \
+    --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$TEACHER_ITERS" \
+    --lr 3e-3 --min-lr 1e-5 --lr-warmup-iters 50 --clip-grad 1.0 --cond-dropout 0.1 --timestep-shift "$SHIFT" \
+    --save "$RUN_DIR/teacher" --load "$RUN_DIR/teacher" --save-interval 500 --log-interval 100 \
+    --tensorboard-dir "$RUN_DIR/tensorboard/teacher"
+echo "   teacher ready after ${SECONDS}s"
+
+for steps in 4 1; do
+    iters_var="DMD2_ITERS_${steps}STEP"
+    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
+    start=$SECONDS
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits --data moving-digits \
+        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" --timestep-shift "$SHIFT" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
+        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "${!iters_var}" \
+        --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 50 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step"
+    echo "   ${steps}-step student distilled in $((SECONDS - start))s"
+done
+
+echo "== 3/4 samples ($NUM_SAMPLES each, every (digit, direction) prompt in turn)"
+start=$SECONDS
+for steps in 50 4 1; do
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
+        --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
+done
+for steps in 4 1; do
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples "$NUM_SAMPLES" \
+        --out "$RUN_DIR/samples/student_${steps}step"
+done
+echo "   sampled in $((SECONDS - start))s"
+
+echo "== 4/4 quality: per-frame Frechet distance vs held-out clips, digit / direction accuracy, consistency"
+S="$RUN_DIR/samples"
+python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics.json" --gif "$RUN_DIR/grid.gif" \
+    "teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz" \
+    "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz" \
+    "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz" \
+    "DMD2 student, 4 steps=$S/student_4step/samples.npz" \
+    "DMD2 student, 1 step=$S/student_1step/samples.npz" | tee "$RUN_DIR/metrics.md"
+echo "GIF grid: $RUN_DIR/grid.gif; clips: $S/*/media/; metrics: $RUN_DIR/metrics.json; total ${SECONDS}s"
