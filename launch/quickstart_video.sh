@@ -19,9 +19,9 @@ export TORCH_COMPILE_DISABLE=1
 
 RUN_DIR="${RUN_DIR:-runs/quickstart_video}"
 NPROC="${NPROC:-1}"
-TEACHER_ITERS="${TEACHER_ITERS:-1200}"
-DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-120}"
-DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-120}"
+TEACHER_ITERS="${TEACHER_ITERS:-1500}"
+DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-80}"
+DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-80}"
 GUIDANCE="${GUIDANCE:-2}"
 NUM_SAMPLES="${NUM_SAMPLES:-400}"
 SHIFT=3  # timestep shift: more training at high noise, where the direction is decided (docs/data_format.md)
@@ -53,7 +53,7 @@ for steps in 4 1; do
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
         --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "${!iters_var}" \
         --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 50 \
+        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 40 \
         --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step"
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
 done
