@@ -69,6 +69,8 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
           action="store_true", help="on --load, keep the checkpoint's LR schedule where it differs from the flags")
     _flag(g, "--bf16", OptimConfig, "bf16", action="store_true",
           help="bf16 parameters and compute; the optimizer keeps fp32 master weights and Adam state")
+    _flag(g, "--use-distributed-optimizer", OptimConfig, "use_distributed_optimizer", action="store_true",
+          help="shard fp32 master weights, reduced gradients and Adam state over the DP group (ZeRO-1/2)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

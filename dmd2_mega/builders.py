@@ -12,9 +12,12 @@ import os
 
 import torch
 
-from dmd2_mega.config import ModelConfig
+from dmd2_mega.config import ModelConfig, OptimConfig
+from dmd2_mega.dist_optim import DistributedOptimizer
+from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.models import DataShape, FamilyModel
 from dmd2_mega.models import build_model as build_registered
+from dmd2_mega.optim import Optimizer
 from dmd2_mega.parallel import ParallelState
 
 
@@ -49,3 +52,11 @@ def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState, negative=
 def cast_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
     """--bf16: bf16 parameters and compute (fp32 masters live in the optimizer)."""
     return model.to(torch.bfloat16) if bf16 else model
+
+
+def build_grads_and_optimizer(model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState):
+    """A trained role's fp32 gradient buffer (DP-reduced) and its optimizer: `optim.Optimizer`, or with
+    --use-distributed-optimizer `dist_optim.DistributedOptimizer` over a buffer whose buckets are sharded."""
+    grads = GradBuffer(model, ps.dp_group, shard=cfg.use_distributed_optimizer)
+    kind = DistributedOptimizer if cfg.use_distributed_optimizer else Optimizer
+    return grads, kind(model, cfg, ps.tp_group, ps.dp_group, grads)

@@ -91,6 +91,9 @@ class OptimConfig:
     bf16: bool = False
     """--bf16: the model's parameters are cast to bf16 (bf16 weights and compute); the optimizer keeps fp32
     master weights and Adam state (not autocast)."""
+    use_distributed_optimizer: bool = False
+    """--use-distributed-optimizer: fp32 master weights, reduced gradients and Adam state sharded over the DP group
+    (`dist_optim.DistributedOptimizer`); checkpoints stay independent of DP."""
     override_opt_param_scheduler: bool = False
     """--override-opt-param-scheduler: on --load, an LR schedule that differs from the checkpoint's is the flags'."""
     use_checkpoint_opt_param_scheduler: bool = False
@@ -106,6 +109,9 @@ class OptimConfig:
         _check(self.adam_eps > 0, f"--adam-eps must be > 0, got {self.adam_eps}")
         _check(math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr,
                f"--min-lr must be a finite number in [0, --lr={self.lr}], got {self.min_lr}")
+        _check(not (self.use_distributed_optimizer and self.optimizer_impl != "torch"),
+               f"--use-distributed-optimizer steps with torch's fused AdamW; --optimizer-impl {self.optimizer_impl} "
+               f"is not supported with it")
         _check(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
         _check(self.lr_decay_iters is None or self.lr_decay_iters >= 1,
                f"--lr-decay-iters must be >= 1 when given, got {self.lr_decay_iters}")
@@ -393,7 +399,8 @@ class DistillConfig:
                            lr_decay_iters=o.lr_decay_iters, weight_decay=pick(d.critic_weight_decay, o.weight_decay),
                            adam_beta1=pick(d.critic_adam_beta1, o.adam_beta1),
                            adam_beta2=pick(d.critic_adam_beta2, o.adam_beta2), adam_eps=o.adam_eps,
-                           clip_grad=o.clip_grad, optimizer_impl=o.optimizer_impl, bf16=o.bf16)
+                           clip_grad=o.clip_grad, optimizer_impl=o.optimizer_impl, bf16=o.bf16,
+                           use_distributed_optimizer=o.use_distributed_optimizer)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,6 +18,11 @@ SUM all-reduce of it over the DP group, in fp32, so the reduction overlaps the r
 main_grad, as DDP would) and waits; `optim.Optimizer.step` calls it. No host sync anywhere: the counts
 are Python integers on the host.
 
+Sharded (`shard=True`, the distributed optimizer `dist_optim.DistributedOptimizer`): each bucket is padded
+with zeros to a multiple of DP and cut into DP equal shards; the bucket's reduction is a reduce-scatter in
+place (Megatron's), after which rank r's shard `shard_range(b)` holds the DP mean of its elements and the
+rest of the bucket holds this rank's own, unreduced values. Only the shard's owner reads it.
+
 Memory: one fp32 copy of the trainable parameters (4 bytes each), in place of DDP's grads + buckets in
 the model dtype; `p.grad` lives only between autograd's accumulation and the hook.
 """
@@ -40,40 +45,60 @@ class GradBuffer:
     bucket_elements: the size of one all-reduce (whole parameters; a larger parameter is its own bucket).
     """
 
-    def __init__(self, model: torch.nn.Module, dp_group=None, bucket_elements: int = BUCKET_ELEMENTS):
+    def __init__(self, model: torch.nn.Module, dp_group=None, bucket_elements: int = BUCKET_ELEMENTS,
+                 shard: bool = False):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("GradBuffer: the model has no trainable parameters")
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None and dist.is_initialized() else 1
         self.dp_group = dp_group if self.dp_size > 1 else None
+        self.dp_rank = dist.get_rank(dp_group) if self.dp_group is not None else 0
+        self.shard = shard
         device = self.params[0].device
-        total = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
         self.buckets: list[list[int]] = [[]]  # parameter indices per bucket
         self._bucket_of: list[int] = [0] * len(self.params)
-        offset, filled = total, 0
+        filled = 0
         for i in reversed(range(len(self.params))):  # the last registered parameter is first in the buffer's tail
-            p = self.params[i]
-            offset -= p.numel()
-            p.main_grad = self.buffer[offset:offset + p.numel()].view(p.shape)
-            if filled and filled + p.numel() > bucket_elements:
+            n = self.params[i].numel()
+            if filled and filled + n > bucket_elements:
                 self.buckets.append([])
                 filled = 0
             self.buckets[-1].append(i)
             self._bucket_of[i] = len(self.buckets) - 1
-            filled += p.numel()
-        self._views = [self._bucket_view(b) for b in self.buckets]
+            filled += n
+        pad = self.dp_size if shard else 1  # sharded: each bucket's size is a multiple of DP (zero padding at its end)
+        sizes = [-(-sum(self.params[i].numel() for i in b) // pad) * pad for b in self.buckets]
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.regions: list[tuple[int, int]] = []
+        """(start, size) in `buffer` of each bucket, padding included."""
+        self.offsets: list[int] = [0] * len(self.params)
+        """Element offset of each parameter's main_grad in `buffer`."""
+        end = self.buffer.numel()
+        for b, size in zip(self.buckets, sizes):
+            start = end - size
+            self.regions.append((start, size))
+            offset = start
+            for i in reversed(b):  # ascending registration order within the bucket
+                p = self.params[i]
+                p.main_grad = self.buffer[offset:offset + p.numel()].view(p.shape)
+                self.offsets[i] = offset
+                offset += p.numel()
+            end = start
+        self._views = [self.buffer.narrow(0, start, size) for start, size in self.regions]
         self._syncing = True
         self._ready = [0] * len(self.buckets)
         self._seen = [False] * len(self.params)
         self._work: list = [None] * len(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
-    def _bucket_view(self, bucket: list[int]) -> torch.Tensor:
-        """The contiguous slice of the buffer that a bucket's parameters' main_grads cover."""
-        start = min(self.params[i].main_grad.data_ptr() for i in bucket) - self.buffer.data_ptr()
-        n = sum(self.params[i].numel() for i in bucket)
-        return self.buffer.narrow(0, start // self.buffer.element_size(), n)
+    def shard_range(self, b: int) -> tuple[int, int]:
+        """(start, end) in `buffer` of this DP rank's shard of bucket b (`shard`: the elements whose reduced
+        gradient this rank receives and whose optimizer state it owns); the whole bucket without sharding."""
+        start, size = self.regions[b]
+        if not self.shard:
+            return start, start + size
+        n = size // self.dp_size
+        return start + self.dp_rank * n, start + (self.dp_rank + 1) * n
 
     def _hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
@@ -93,7 +118,12 @@ class GradBuffer:
     def _launch(self, b: int) -> None:
         view = self._views[b]
         view.div_(self.dp_size)
-        self._work[b] = dist.all_reduce(view, group=self.dp_group, async_op=True)
+        if self.shard:  # in place: this rank's shard of the bucket receives the reduced sum; the rest is stale
+            start, end = self.shard_range(b)
+            self._work[b] = dist.reduce_scatter_tensor(self.buffer[start:end], view, group=self.dp_group,
+                                                       async_op=True)
+        else:
+            self._work[b] = dist.all_reduce(view, group=self.dp_group, async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -129,6 +159,6 @@ class GradBuffer:
         self._handles, self.dp_group, self.dp_size = [], None, 1
 
 
-def attach(model: torch.nn.Module, dp_group=None) -> Optional[GradBuffer]:
+def attach(model: torch.nn.Module, dp_group=None, shard: bool = False) -> Optional[GradBuffer]:
     """A GradBuffer over `model`'s trainable parameters, or None if it has none (a frozen role)."""
-    return GradBuffer(model, dp_group) if any(p.requires_grad for p in model.parameters()) else None
+    return GradBuffer(model, dp_group, shard=shard) if any(p.requires_grad for p in model.parameters()) else None

@@ -21,7 +21,8 @@ Role bytes per rank, every family (P = parameters per rank, n = parameter tensor
     weights (P + buffer) w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
     accumulation and DP reduction in place; under --bf16 it is also the masters' grad; the model-dtype
     `.grad` of one parameter lives only until its hook);  under --bf16 fp32 masters 4P;  Adam exp_avg +
-    exp_avg_sq 8P and one fp32 `step` per tensor 4n. Everything of a role sleeps with it.
+    exp_avg_sq 8P and one fp32 `step` per tensor 4n. --use-distributed-optimizer: masters (fp32 even for an
+    fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it.
 Activations of a training forward of n samples, kept for backward (no S^2 term: SDPA/flash keep
     the log-sum-exp only), per layer:  n S (8h + (5h + 2m) / t) w + n (a / t) S 4
     (layer-norm inputs/outputs, modulated inputs, attention projection and fc2 outputs at full width;
@@ -225,14 +226,18 @@ def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
     return FAMILY_MATHS[ms.family].forward_flops(ms, n, tp)
 
 
-def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool) -> dict:
-    """Per-rank bytes of one role by kind: weights, grads (fp32 main_grad buffer), optimizer. `dp` does not
-    change them (the DP reduction runs in the grad buffer)."""
+def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist_opt: bool = False) -> dict:
+    """Per-rank bytes of one role by kind: weights, grads (fp32 main_grad buffer), optimizer. `dp` changes only
+    the optimizer's part, and only with `dist_opt` (--use-distributed-optimizer: fp32 masters, which it keeps for
+    an fp32 model too, and Adam moments are sharded over DP; each rank holds a step count per owned fragment)."""
     P, w = params_per_rank(ms, tp), 2 if bf16 else 4
     n = param_counts(ms)
     out = {"weights": P * w + n["buffer"] * w, "grads": 0, "optimizer": 0}
     if trained:
-        out.update(grads=4 * P, optimizer=(4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"])
+        optimizer = (4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"]
+        if dist_opt:
+            optimizer = math.ceil(12 * P / dp) + 4 * n["tensors"]
+        out.update(grads=4 * P, optimizer=optimizer)
     return out
 
 
@@ -277,9 +282,10 @@ class CyclePlan:
 
 
 def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
-               recompute: bool = False, guidance: float = 1.0) -> CyclePlan:
+               recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False) -> CyclePlan:
     """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident."""
-    roles = {r: role_bytes(ms, tp, dp, bf16, trained=r != "teacher") for r in ("student", "critic", "teacher")}
+    roles = {r: role_bytes(ms, tp, dp, bf16, trained=r != "teacher", dist_opt=dist_opt)
+             for r in ("student", "critic", "teacher")}
     x = ms.sample_numel * 4                                # one fp32 sample
     cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
     held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond

@@ -171,6 +171,13 @@ class Optimizer:
                 torch._foreach_copy_(self.model_params, self.master_params)
         return norm
 
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Copy the model's weights into the fp32 masters (after weights were loaded into the model behind the
+        optimizer's back, e.g. --load with --no-load-optim; else the first step would restore the old weights)."""
+        if self.mixed:
+            torch._foreach_copy_(self.master_params, self.model_params)
+
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None

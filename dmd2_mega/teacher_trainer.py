@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dmd2_mega import flow
-from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
+from dmd2_mega.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import (RunState, check_writable, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, save_checkpoint, set_rng_state, training_payload)
 from dmd2_mega.checkpoint_guard import RESUME_SETTINGS, check_family, check_resume, check_role
@@ -34,11 +34,10 @@ from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.eval.data_metrics import metrics_for_data
 from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
-from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
-from dmd2_mega.optim import LRSchedule, build_optimizer
+from dmd2_mega.optim import LRSchedule
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
@@ -80,8 +79,7 @@ class FlowTrainer(RunStateTrainer):
                     f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
-        self.grads = GradBuffer(self.model, ps.dp_group)
-        self.optimizer = build_optimizer(self.model, cfg.optim, ps.tp_group, ps.dp_group, self.grads)
+        self.grads, self.optimizer = build_grads_and_optimizer(self.model, cfg.optim, ps)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -113,6 +111,7 @@ class FlowTrainer(RunStateTrainer):
             check_resume(payload, asdict(self.cfg), RESUME_SETTINGS, root)
         load_model_weights(self.model, payload["model"], f"--load {root}",
                            model_size_hint(payload, self.cfg.model.size))
+        self.optimizer.sync_masters()  # the fp32 masters follow the loaded weights (a fresh optimizer keeps them)
         if self.cfg.train.no_load_optim:
             print_rank0(f"> loaded weights of iteration {payload['iteration']} from {root} (fresh optimizer)",
                         self.ps.rank)

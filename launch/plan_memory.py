@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=4, help="B per DP rank")
     p.add_argument("--bf16", action="store_true", help="bf16 weights/compute, fp32 masters and Adam state")
     p.add_argument("--recompute-granularity", default=None, choices=["full"])
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="fp32 masters and Adam state sharded over DP (dmd2_mega/dist_optim.py)")
     p.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5, help="K")
     p.add_argument("--dmd2-denoising-steps", type=int, default=4, help="N")
     p.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0, help="> 1 doubles the teacher batch")
@@ -141,12 +143,13 @@ def plan(a: argparse.Namespace) -> None:
     k, n, b = a.dmd2_critic_steps_per_rollout, a.dmd2_denoising_steps, a.micro_batch_size
     recompute = a.recompute_granularity == "full"
     plan = mp.plan_cycle(ms, tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=a.bf16, recompute=recompute,
-                         guidance=a.dmd2_teacher_guidance_scale)
+                         guidance=a.dmd2_teacher_guidance_scale, dist_opt=a.use_distributed_optimizer)
     print(describe_model(a.model_size, ms))
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
           f"({fmt_count(counts['replicated'])} replicated); DP={dp} ({tp * dp} GPUs); B={b} per rank, K={k}, "
-          f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}; recompute {a.recompute_granularity or 'none'}; "
-          f"teacher guidance {a.dmd2_teacher_guidance_scale}")
+          f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}"
+          f"{'; optimizer state sharded over DP' if a.use_distributed_optimizer else ''}; "
+          f"recompute {a.recompute_granularity or 'none'}; teacher guidance {a.dmd2_teacher_guidance_scale}")
     print(f"forward {mp.forward_flops(ms, 1, tp) / 1e12:.4g} TFLOP per sample per rank (matmuls, attention included)")
     print("\nper-rank bytes of each role (AdamW):")
     kinds = ["weights", "grads", "optimizer"]

@@ -80,3 +80,21 @@ def test_bf16_master_weights_step_like_fp32_adamw():
     assert opt2.inner.state_dict()["state"][0]["step"] == 3
     with pytest.raises(ValueError, match="--bf16"):
         ref_opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed"])
+def test_masters_follow_weights_loaded_after_the_optimizer(distributed):
+    """--load with --no-load-optim loads weights into a model whose optimizer already holds fp32 masters: after
+    sync_masters a step with zero gradients keeps the loaded weights (without it, the step restores the init)."""
+    from dmd2_mega.dist_optim import DistributedOptimizer
+    from dmd2_mega.grad_buffer import GradBuffer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).to(torch.bfloat16)
+    grads = GradBuffer(model, shard=distributed)
+    opt = (DistributedOptimizer if distributed else Optimizer)(model, OptimConfig(lr=1e-2, bf16=True), grads=grads)
+    loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    opt.sync_masters()
+    opt.step()  # zero gradients: Adam's update is 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded[k]), k

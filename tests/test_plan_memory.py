@@ -31,6 +31,7 @@ from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.dmd2.rollout import rollout
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.offload import Sleeper, resident_bytes
+from dmd2_mega.dist_optim import DistributedOptimizer
 from dmd2_mega.optim import build_optimizer
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.registry import get_spec
@@ -118,17 +119,21 @@ def test_parameter_split_matches_partition_dims(ps, size, ch, img, cond_shape):
         mp.params_per_rank(ms, 3)
 
 
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adamw", "distributed"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3] + WAN_SHAPES[:1])
-def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
+def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16, dist_opt):
+    """Measured resident bytes of a trained role = the planner's, with the plain and the distributed optimizer
+    (at DP=1 its shard is everything: fp32 masters even for an fp32 model, one step count per parameter)."""
     model, ms = make(ps, size, ch, img, cond_shape, bf16)
-    grads = GradBuffer(model)
-    opt = build_optimizer(model, OptimConfig(lr=1e-3, bf16=bf16), grads=grads)
+    grads = GradBuffer(model, shard=dist_opt)
+    cfg = OptimConfig(lr=1e-3, bf16=bf16)
+    opt = DistributedOptimizer(model, cfg, grads=grads) if dist_opt else build_optimizer(model, cfg, grads=grads)
     sleeper = Sleeper("critic", [model], [opt])
     seen = []
 
     def measure(*_):
-        masters = opt.master_params if opt.mixed else []
+        masters = opt.master_params if opt.mixed or dist_opt else []
         state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
         seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
                      "grads": resident_bytes(p.main_grad for p in model.parameters()),
@@ -139,7 +144,7 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
         model(x, sigma, cond).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    plan = mp.role_bytes(ms, tp=1, dp=1, bf16=bf16, trained=True)
+    plan = mp.role_bytes(ms, tp=1, dp=1, bf16=bf16, trained=True, dist_opt=dist_opt)
     got = seen[-1]  # the second step: Adam state exists, grads (and master grads) are alive
     assert all(p.grad is None for p in model.parameters())  # the bf16 / fp32 .grad lives only until its hook
     for kind in ("weights", "grads", "optimizer"):
@@ -148,7 +153,11 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16):
     # between phases (after zero_grad) a role still holds its grad buffer: it is persistent
     assert sleeper.resident_bytes() == sum(plan.values())
     assert mp.role_bytes(ms, 1, 1, bf16, trained=False) == {**dict.fromkeys(plan, 0), "weights": plan["weights"]}
-    assert mp.role_bytes(ms, 1, 2, bf16, trained=True) == plan  # DP reduces in place: no buckets
+    if dist_opt:  # DP shards the masters and moments only
+        half = mp.role_bytes(ms, 1, 2, bf16, trained=True, dist_opt=True)
+        assert half["optimizer"] - 4 * len(opt.masters) == -(-(plan["optimizer"] - 4 * len(opt.masters)) // 2)
+    else:
+        assert mp.role_bytes(ms, 1, 2, bf16, trained=True) == plan  # DP reduces in place: no buckets
     sleeper.close()
 
 

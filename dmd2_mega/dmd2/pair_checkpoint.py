@@ -106,6 +106,7 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
             hint = (f" (the critic was saved {'without' if gan else 'with'} the GAN head; this run "
                     f"{'has' if gan else 'has no'} --dmd2-gan)")
         load_model_weights(role.model, payload["model"], f"--load {root} ({name})", hint)
+        role.optimizer.sync_masters()  # the fp32 masters follow the loaded weights (a fresh optimizer keeps them)
         if t.no_load_optim:
             continue
         load_optimizer_state(role.optimizer, role.schedule, payload, f"--load {root} ({name})", ps.tp_size,

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from dmd2_mega import memory_plan as mp
-from dmd2_mega.builders import build_model, cast_model, data_info, enable_determinism
+from dmd2_mega.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.checkpoint_guard import check_family, check_role, check_save_dirs
 from dmd2_mega.config import DistillConfig
@@ -46,11 +46,10 @@ from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.data_metrics import metrics_for_data
 from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
-from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
-from dmd2_mega.optim import LRSchedule, build_optimizer
+from dmd2_mega.optim import LRSchedule
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
@@ -156,9 +155,9 @@ class DMD2Trainer(RunStateTrainer):
             role = Role(name, model)
         else:
             optim_cfg = cfg.optim if name == "student" else cfg.critic_optim()
-            grads = GradBuffer(model, ps.dp_group)
+            grads, optimizer = build_grads_and_optimizer(model, optim_cfg, ps)
             save = cfg.train.save if name == "student" else (critic_dir(cfg.train.save) if cfg.train.save else None)
-            role = Role(name, model, build_optimizer(model, optim_cfg, ps.tp_group, ps.dp_group, grads),
+            role = Role(name, model, optimizer,
                         LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra)
         return role.with_offload(ps.device) if name in self.offload else role
 
@@ -176,7 +175,7 @@ class DMD2Trainer(RunStateTrainer):
         plan = mp.plan_cycle(ms, tp=ps.tp_size, dp=ps.dp_size, micro=t.micro_batch_size,
                              steps=d.critic_steps_per_rollout, denoise=len(self.settings.student_sigmas),
                              bf16=self.cfg.optim.bf16, recompute=self.cfg.model.recompute_granularity == "full",
-                             guidance=d.teacher_guidance_scale)
+                             guidance=d.teacher_guidance_scale, dist_opt=self.cfg.optim.use_distributed_optimizer)
         roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
         note = f"memory plan: phase peak {max(totals.values()) / 2**30:.1f} GiB of {gib:g} GiB"
         return roles, note + ("" if fits else "; OVER the budget even with every role offloaded")
