@@ -9,9 +9,10 @@
 # Env: RUN_DIR (default runs/quickstart_video), NPROC (torchrun ranks, default 1), TEACHER_ITERS, DMD2_ITERS_4STEP,
 # DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
 # default 400 = 10 per (digit, direction) prompt).
-# Measured on 2 otherwise idle CPU cores (launch/quickstart_video.sh, install excluded): teacher 1,500 steps ~6.5 min,
-# each student ~2.5 min, samples + table ~3 min; the table and the settings' reasons are in docs/data_format.md
-# ("Moving digits").
+# Measured 2026-12-01 from a fresh clone on 2 CPU cores (no GPU): 16.4 min in all: set-up 145 s (.venv and the pip
+# installs), teacher 391 s (1,500 steps), 4-step student 148 s, 1-step student 123 s (80
+# cycles each), samples and table ~3 min. The table is in README.md ("Video quickstart"); the settings' reasons in
+# benchmarks/RESULTS.md ("Video quickstart").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
