@@ -43,6 +43,8 @@ class GradBuffer:
 
     dp_group: the data-parallel group, or None (or a group of one) for no reduction.
     bucket_elements: the size of one all-reduce (whole parameters; a larger parameter is its own bucket).
+    shard: reduce-scatter each bucket (padded to a multiple of DP) instead of all-reducing it, for the
+    distributed optimizer; `shard_range(b)` is this rank's part of bucket b, `offsets` / `regions` the layout.
     """
 
     def __init__(self, model: torch.nn.Module, dp_group=None, bucket_elements: int = BUCKET_ELEMENTS,
@@ -159,6 +161,6 @@ class GradBuffer:
         self._handles, self.dp_group, self.dp_size = [], None, 1
 
 
-def attach(model: torch.nn.Module, dp_group=None, shard: bool = False) -> Optional[GradBuffer]:
+def attach(model: torch.nn.Module, dp_group=None) -> Optional[GradBuffer]:
     """A GradBuffer over `model`'s trainable parameters, or None if it has none (a frozen role)."""
-    return GradBuffer(model, dp_group, shard=shard) if any(p.requires_grad for p in model.parameters()) else None
+    return GradBuffer(model, dp_group) if any(p.requires_grad for p in model.parameters()) else None

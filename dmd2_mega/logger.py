@@ -1,7 +1,9 @@
 """Rank-0 logging in Megatron's shape, optional TensorBoard, a progress bar on a terminal.
 
 Log line:  iteration  100/ 1000 | consumed samples: 6400 | elapsed time per iteration (ms): 85.1 |
-           learning rate: 1.000E-03 | loss: 4.123E-01 | grad norm: 0.532 | samples per second: 752.1
+           learning rate: 1.000E-03 | loss: 4.123E-01 | grad norm: 0.532 | samples per second: 752.1 |
+           model TFLOP/s per GPU: 0.012
+(a DMD2 cycle also logs its phases' times, `rollout-ms`, `critic-ms`, `actor-ms`; `throughput.py`).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class TrainLogger:
         n = max(iteration - self.last_iter, 1)
         ms = (now - self.last_time) * 1000 / n
         samples = metrics.pop("_samples_per_iter", 0)
+        flops = metrics.pop("_flops_per_iter", None)  # model FLOPs per GPU of one iteration (throughput.py)
         parts = [f" iteration {iteration:8d}/{self.train_iters:8d}", f"consumed samples: {consumed:12d}",
                  f"elapsed time per iteration (ms): {ms:.1f}"]
         for k, v in metrics.items():
@@ -65,6 +68,9 @@ class TrainLogger:
             else:
                 parts.append(f"{k}: {v:.3f}")
         parts.append(f"samples per second: {samples * 1000 / max(ms, 1e-9):.1f}")
+        if flops:
+            metrics["model TFLOP/s per GPU"] = flops / max(ms, 1e-9) / 1e9
+            parts.append(f"model TFLOP/s per GPU: {metrics['model TFLOP/s per GPU']:.4g}")
         line = " | ".join(parts) + " |"
         (self.bar.write if self.bar else print)(line)
         sys.stdout.flush()

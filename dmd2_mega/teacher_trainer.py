@@ -38,6 +38,7 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
+from dmd2_mega.throughput import flow_step_flops, sample_flops
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
@@ -80,6 +81,9 @@ class FlowTrainer(RunStateTrainer):
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
         self.grads, self.optimizer = build_grads_and_optimizer(self.model, cfg.optim, ps)
+        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.rank)
+        self.flops_per_iter = (flow_step_flops(per_sample, t.micro_batch_size, self.num_micro_batches)
+                               if per_sample else None)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.micro_batch_size,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -189,4 +193,5 @@ class FlowTrainer(RunStateTrainer):
                    {"learning rate": pending[-1][3], "loss": sum(v[0] for v in ok) / len(ok),
                     "grad norm": sum(v[1] for v in ok) / len(ok),
                     "number of nan iterations": int(sum(v[2] for v in vals)),
-                    "_samples_per_iter": t.global_batch_size}, per_iter)
+                    "_samples_per_iter": t.global_batch_size,
+                    "_flops_per_iter": self.flops_per_iter}, per_iter)

@@ -14,7 +14,8 @@
      with the plain optimizer (1e-5 relative).
   c. launch/pretrain_dmd2.py at TP = 2 x DP = 2 (4 ranks) with the distributed optimizer for both trained roles
      equals the same cycles at world size 1 (every trace key within 1e-5 relative); its cycle-2 checkpoint
-     resumes at TP = 2 x DP = 1 with the plain optimizer and continues the same trace.
+     resumes at TP = 2 x DP = 1 with the plain optimizer and continues the same trace. Its log lines carry
+     the phases' times and the model TFLOP/s per GPU (throughput.py), consistent with the cycle's time.
 """
 import json
 import os
@@ -22,6 +23,9 @@ import shutil
 
 import pytest
 
+from dmd2_mega import memory_plan as mp
+from dmd2_mega.builders import data_info
+from dmd2_mega.data import build_dataset
 from tests.test_dmd2_cycle import common
 from tests.test_parallel import TRAIN
 from tests.utils import (DMD2_TRACE_KEYS, MP_SCRIPTS, PRETRAIN, PRETRAIN_DMD2, assert_traces_close, launch,
@@ -68,6 +72,22 @@ def test_teacher_dp2_distributed_optimizer_equals_dp1(tmp_path):
     assert_traces_close(traces["zero"], traces["ref"], 1e-5, "flow DP=2 distributed optimizer vs DP=1")
 
 
+def check_throughput_line(stdout: str, teacher: str) -> None:
+    """The DMD2 log line (throughput.py): the phases' times fit in the cycle's, and the model TFLOP/s per GPU is
+    the cycle's FLOPs at TP=2 (B=4, M=1, K=2, N=4, CFG 2, shared scoring) over the cycle's time."""
+    info = data_info(build_dataset("digits"))
+    per_sample = mp.forward_flops(mp.model_shape_from_info("debug", info), 1, 2)
+    flops = (2 * 5 / 2 + 3 * 2 + 2 + 3) * per_sample * 4
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(" iteration")]
+    assert lines, stdout[-2000:]
+    for ln in lines:
+        field = {k.strip(): v.strip() for k, v in (p.split(": ") for p in ln.split("|")[1:-1])}
+        ms = float(field["elapsed time per iteration (ms)"])
+        phases = [float(field[f"{p}-ms"]) for p in ("rollout", "critic", "actor")]
+        assert 0 < sum(phases) <= ms * 1.01, (phases, ms)
+        assert float(field["model TFLOP/s per GPU"]) == pytest.approx(flops / ms / 1e9, rel=0.05 / ms + 5e-4)
+
+
 def test_dmd2_tp2_dp2_distributed_optimizer_equals_world_of_one(debug_teacher, tmp_path):
     base = common(debug_teacher) + ["--global-batch-size", "8", "--train-iters", "4", "--lr-decay-iters", "10",
                                     "--no-offload-inactive", "--save-interval", "2"]
@@ -81,6 +101,7 @@ def test_dmd2_tp2_dp2_distributed_optimizer_equals_world_of_one(debug_teacher, t
     _, ref = run("ref", 1, [])
     res, zero = run("zero", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])
     assert "TP=2 DP=2" in res.stdout, res.stdout[-2000:]
+    check_throughput_line(res.stdout, debug_teacher)
     assert_traces_close(zero, ref, 1e-5, "DMD2 TP=2 DP=2 distributed optimizer vs world of one", keys=DMD2_TRACE_KEYS)
     # cycle 2's checkpoint of the 4-rank run, resumed at DP=1 with the plain optimizer
     for suffix in ("", "_critic"):  # the student's and the critic's directories, as of cycle 2

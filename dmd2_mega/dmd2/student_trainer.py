@@ -50,6 +50,7 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
+from dmd2_mega.throughput import PhaseClock, dmd2_cycle_flops, sample_flops
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
@@ -109,6 +110,11 @@ class DMD2Trainer(RunStateTrainer):
                     f"({offload_note}); {self._extras()}",
                     ps.rank)
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
+        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.rank)
+        self.flops_per_iter = (dmd2_cycle_flops(per_sample, b, self.num_micro_batches, k,
+                                                len(self.settings.student_sigmas), d.teacher_guidance_scale,
+                                                d.critic_scoring) if per_sample else None)
+        self.clock = PhaseClock(ps.device)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * k, b * k,
                                           ps.dp_rank, ps.dp_size, t.seed)
         self.batches = MicroBatchLoader(self.dataset, self.sampler, ps.device, t.num_workers,
@@ -222,7 +228,8 @@ class DMD2Trainer(RunStateTrainer):
         lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
                for phase, name in TRAINED_IN.items()}
         skipped = {name: r.optimizer.skip_counters[0] for name, r in trained.items()}  # device tensors: no sync
-        result = run_cycle(self.roles, self.micro_batches(), self.settings)
+        result = run_cycle(self.roles, self.micro_batches(), self.settings, hook=self.clock)
+        self.clock.end_cycle()
         self.state = replace(self.state, iteration=self.iteration + 1)
         if self.ema is not None:
             self.ema.update(self.iteration)
@@ -278,5 +285,7 @@ class DMD2Trainer(RunStateTrainer):
         metrics.update({f"resident-MB-{p}": r / 2**20 for p, r in last["resident"].items()})
         metrics.update({f"{phase} nan iterations": int(round(sum(v[len(keys) + i] for v in vals)))
                         for i, phase in enumerate(TRAINED_IN)})
+        metrics.update({f"{phase}-ms": 1000 * sec for phase, sec in self.clock.take().items()})
         metrics["_samples_per_iter"] = self.cfg.train.global_batch_size
+        metrics["_flops_per_iter"] = self.flops_per_iter
         logger.log(self.iteration, self.sampler.consumed_samples, metrics, per_iter)
