@@ -20,7 +20,7 @@ unless --no-ema; --guidance applies to teachers only.
 --data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
 `digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores.
 Media (`dmd2_mega.eval.media`) in <out>/media/ for the first --num-media samples (default: one per prompt of
---prompts, else 40), named by prompt (`<i>_<slug>`), by moving-digits prompt (`007_7_right`) or by index (`000`):
+--prompts, else 40 videos or the grid's images), named by prompt (`<i>_<slug>`), by moving-digits prompt (`007_7_right`) or by index (`000`):
 --vae DIR (a diffusers VAE folder, `dmd2_mega.prep.vae.LatentVAE`) decodes the latents on the main rank: a video
 is written as <name>.mp4 (H.264) + <name>.gif, an image as <name>.png, and grid.png shows the decoded images.
 Pixel-space video data (--data moving-digits) needs no decoding and gets the MP4 + GIF too; latents without --vae
@@ -78,7 +78,8 @@ def parse(argv=None):
     p.add_argument("--vae", metavar="DIR", default=None,
                    help="diffusers VAE folder: decode the latents and write MP4 + GIF (video) / PNG (image) media")
     p.add_argument("--num-media", type=int, default=None, metavar="N",
-                   help="media for the first N samples only (default: one per prompt of --prompts, else 40; 0: none)")
+                   help="media for the first N samples only (default: one per prompt of --prompts, else 40 videos "
+                        "or the grid's 10 images per class; 0: none)")
     a = p.parse_args(argv)
     if a.load is None:
         raise ConfigError("--load is required (the checkpoint directory to sample)")
@@ -196,7 +197,7 @@ def sample(a: argparse.Namespace) -> None:
         k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
         png = os.path.join(a.out, "grid.png")
         n_media = min(a.num_samples, a.num_media if a.num_media is not None else
-                      len(prompts.texts) if prompts is not None else DEFAULT_MEDIA)
+                      len(prompts.texts) if prompts is not None else DEFAULT_MEDIA if len(shape) == 4 else k)
         media = media and n_media > 0
         names = (prompts.names() if prompts is not None else
                  media_labels(texts["digits"], texts["directions"]) if "directions" in texts else None)
@@ -215,7 +216,8 @@ def sample(a: argparse.Namespace) -> None:
 
 
 DEFAULT_MEDIA = 40
-"""Media files written without --prompts (one clip per moving-digits prompt; each video spawns an ffmpeg)."""
+"""Videos written without --prompts (one clip per moving-digits prompt; each MP4 spawns an ffmpeg). Images
+default to the grid's count, whose decoded pixels grid.png shows."""
 
 
 def media_labels(digits: np.ndarray, directions: np.ndarray) -> list:
