@@ -80,7 +80,8 @@ class DistributedOptimizer(Optimizer):
         if missing:
             raise ValueError(f"DistributedOptimizer: parameters {missing} are not in the GradBuffer")
         self.fragments: list[Fragment] = []
-        self.masters: list[torch.nn.Parameter] = []
+        self.master_params: list[torch.nn.Parameter] = []
+        """This rank's fp32 master fragments, one per `fragments` entry (the inner AdamW's parameters)."""
         inner_groups = []
         for g in groups:
             params = []
@@ -92,10 +93,9 @@ class DistributedOptimizer(Optimizer):
                 master.grad = grads.buffer[frag.buffer_offset:frag.buffer_offset + frag.size]
                 master.sharded = tp_partition_dim(p) is not None  # for the norm: TP-sharded or replicated
                 self.fragments.append(frag)
-                self.masters.append(master)
+                self.master_params.append(master)
                 params.append(master)
             inner_groups.append({**g, "params": params})
-        self.master_params = self.masters
         self.inner = torch.optim.AdamW(inner_groups, fused=True, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_eps)
         self.device_skips = True
@@ -106,7 +106,7 @@ class DistributedOptimizer(Optimizer):
     def _own_fragment(self, p: torch.nn.Parameter, i: int) -> Optional[Fragment]:
         """This rank's fragment of GradBuffer parameter i, or None (a parameter lies in one bucket, so a rank
         owns at most one contiguous piece of it)."""
-        b = self.grads._bucket_of[i]
+        b = self.grads.bucket_of[i]
         lo, hi = self.grads.shard_range(b)
         off = self.grads.offsets[i]
         start, end = max(off, lo), min(off + p.numel(), hi)
@@ -121,10 +121,10 @@ class DistributedOptimizer(Optimizer):
         bad = self._non_finite(norm, loss)
         self._skipped += bad
         self._consecutive = (self._consecutive + 1) * bad
-        grads = [m.grad for m in self.masters]
+        grads = [m.grad for m in self.master_params]
         if self.cfg.clip_grad > 0 and grads:
             torch._foreach_mul_(grads, torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0))
-        if self.masters:
+        if self.master_params:
             self.inner.found_inf = bad.float()  # 1: the fused kernel leaves masters, moments and steps as they are
             self.inner.step()
         self._all_gather_params()
@@ -135,7 +135,7 @@ class DistributedOptimizer(Optimizer):
         fragments, all-reduced over DP, the sharded part then over TP (no host sync)."""
         parts = []
         for sharded in (True, False):
-            gs = [m.grad for m in self.masters if m.sharded == sharded]
+            gs = [m.grad for m in self.master_params if m.sharded == sharded]
             parts.append(torch.stack(torch._foreach_norm(gs)).square().sum() if gs else
                          torch.zeros((), dtype=torch.float32, device=self._dev))
         sq = torch.stack(parts)
@@ -153,7 +153,7 @@ class DistributedOptimizer(Optimizer):
         start, size = self.grads.regions[b]
         lo, hi = self.grads.shard_range(b)
         flat = torch.zeros(size, dtype=dtype, device=self._dev)
-        for f, m in zip(self.fragments, self.masters):
+        for f, m in zip(self.fragments, self.master_params):
             if f.bucket == b:
                 flat[f.buffer_offset - start:f.buffer_offset - start + f.size].copy_(value(m))
         if self.grads.dp_group is not None:
@@ -177,7 +177,7 @@ class DistributedOptimizer(Optimizer):
     @torch.no_grad()
     def sync_masters(self) -> None:
         """Copy the model's weights into this rank's fp32 master fragments (see `Optimizer.sync_masters`)."""
-        for f, m in zip(self.fragments, self.masters):
+        for f, m in zip(self.fragments, self.master_params):
             m.copy_(self.model_params[f.index].detach().reshape(-1)[f.start:f.start + f.size])
 
     def zero_grad(self) -> None:
@@ -197,7 +197,7 @@ class DistributedOptimizer(Optimizer):
     def state_dict(self) -> dict:
         """Collective over DP: the full state in `optim.Optimizer.state_dict()`'s format, on the CPU."""
         state = self.inner.state
-        stepped = self._any(any(m in state for m in self.masters))
+        stepped = self._any(any(m in state for m in self.master_params))
         kinds = ("master", *MOMENTS) if stepped else ("master",)
         full = {k: [None] * len(self.model_params) for k in kinds}
         for b in range(len(self.grads.buckets)):
@@ -208,8 +208,8 @@ class DistributedOptimizer(Optimizer):
         inner_state = {}
         if stepped:
             step = torch.zeros((), dtype=torch.float32, device=self._dev)
-            if self.masters:
-                step = state[self.masters[0]]["step"].detach().reshape(()).float().clone()
+            if self.master_params:
+                step = state[self.master_params[0]]["step"].detach().reshape(()).float().clone()
             if self.grads.dp_group is not None:  # a rank whose shards are all padding holds no step
                 dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.grads.dp_group)
             inner_state = {j: {"step": step.cpu().clone(), "exp_avg": full["exp_avg"][j],
@@ -240,7 +240,7 @@ class DistributedOptimizer(Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
         self.inner.state.clear()
         self.sync_masters()
-        for f, m in zip(self.fragments, self.masters):
+        for f, m in zip(self.fragments, self.master_params):
             sl = slice(f.start, f.start + f.size)
             if self.mixed:
                 m.copy_(state["master"][f.index].reshape(-1)[sl])

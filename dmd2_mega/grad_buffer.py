@@ -58,7 +58,7 @@ class GradBuffer:
         self.shard = shard
         device = self.params[0].device
         self.buckets: list[list[int]] = [[]]  # parameter indices per bucket
-        self._bucket_of: list[int] = [0] * len(self.params)
+        self.bucket_of: list[int] = [0] * len(self.params)
         filled = 0
         for i in reversed(range(len(self.params))):  # the last registered parameter is first in the buffer's tail
             n = self.params[i].numel()
@@ -66,7 +66,7 @@ class GradBuffer:
                 self.buckets.append([])
                 filled = 0
             self.buckets[-1].append(i)
-            self._bucket_of[i] = len(self.buckets) - 1
+            self.bucket_of[i] = len(self.buckets) - 1
             filled += n
         pad = self.dp_size if shard else 1  # sharded: each bucket's size is a multiple of DP (zero padding at its end)
         sizes = [-(-sum(self.params[i].numel() for i in b) // pad) * pad for b in self.buckets]
@@ -111,7 +111,7 @@ class GradBuffer:
                     raise RuntimeError(f"GradBuffer: parameter {i} {tuple(p.shape)} got two gradients in one "
                                        f"synchronising backward; run the earlier ones under no_sync()")
                 self._seen[i] = True
-                b = self._bucket_of[i]
+                b = self.bucket_of[i]
                 self._ready[b] += 1
                 if self._ready[b] == len(self.buckets[b]):
                     self._launch(b)

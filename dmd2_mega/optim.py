@@ -205,11 +205,6 @@ class Optimizer:
                 torch._foreach_copy_(self.model_params, self.master_params)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, tp_group=None, dp_group=None,
-                    grads: Optional[GradBuffer] = None) -> Optimizer:
-    return Optimizer(model, cfg, tp_group, dp_group, grads)
-
-
 def step_optimizer(optimizer, loss: torch.Tensor) -> torch.Tensor:
     """`optimizer.step(loss)` for an `Optimizer` (the loss joins the non-finite check); any other
     object with a plain `.step()` (e.g. the phase tests' recording wrappers) is stepped without it."""

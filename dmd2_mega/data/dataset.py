@@ -1,5 +1,6 @@
 """`LatentDataset`: the (x, cond) interface every dataset of `dmd2_mega.data` exposes (see the package
 docstring), and `ImageDataset`, the in-memory one."""
+from abc import ABC, abstractmethod
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -7,9 +8,9 @@ import torch
 from dmd2_mega.errors import DataError
 
 
-class LatentDataset:
+class LatentDataset(ABC):
     """The shared interface: `len`, `get_batch`, shapes, the null condition. Subclasses set the shape
-    attributes with `_set_shapes` and implement `__len__` / `get_batch`."""
+    attributes with `_set_shapes` and implement `__len__` / `get_batch` (abstract: the base is not a dataset)."""
 
     def _set_shapes(self, channels: int, spatial: Sequence[int], num_classes: Optional[int],
                     cond_shape: Optional[Sequence[int]], source: str) -> None:
@@ -30,11 +31,13 @@ class LatentDataset:
         sp = self.spatial
         return sp[0] if len(sp) == 2 and sp[0] == sp[1] else None
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """The number of samples."""
 
+    @abstractmethod
     def get_batch(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """(x [n, C, *spatial], cond [n] int64 or [n, *cond_shape]) for the int64 `indices` [n]."""
 
     def null_cond(self, n: int) -> torch.Tensor:
         """The null (unconditional) condition for n samples: class id num_classes, the negative-prompt
