@@ -52,6 +52,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel")
     _flag(g, "--tensor-model-parallel-size", ParallelConfig, "tensor_model_parallel_size", type=int)
+    _flag(g, "--context-parallel-size", ParallelConfig, "context_parallel_size", type=int,
+          help="ranks that split each sample's tokens (Ulysses; TP x CP must divide the heads)")
+    _flag(g, "--sequence-parallel", ParallelConfig, "sequence_parallel", action="store_true",
+          help="shard LayerNorm / modulation / residual regions along the sequence inside the TP group")
     _flag(g, "--distributed-backend", ParallelConfig, "distributed_backend", help="nccl | gloo (default: nccl on CUDA)")
 
 

@@ -9,6 +9,7 @@ the optimizer); `enable_determinism()`: `--deterministic`.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -43,7 +44,8 @@ def data_info(dataset) -> dict:
 
 def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState, negative=None) -> FamilyModel:
     """`negative`: the data's negative-prompt embedding, CFG's negative condition (families that take one)."""
-    model = build_registered(model_cfg.size, DataShape.from_info(info), ps.tp_size, model_cfg.options())
+    options = replace(model_cfg.options(), context_parallel=ps.cp_size, sequence_parallel=ps.sequence_parallel)
+    model = build_registered(model_cfg.size, DataShape.from_info(info), ps.tp_size, options)
     if negative is not None:
         model.set_negative(negative)
     return model.to(ps.device)
@@ -56,7 +58,9 @@ def cast_model(model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
 
 def build_grads_and_optimizer(model: torch.nn.Module, cfg: OptimConfig, ps: ParallelState):
     """A trained role's fp32 gradient buffer (DP-reduced) and its optimizer: `optim.Optimizer`, or with
-    --use-distributed-optimizer `dist_optim.DistributedOptimizer` over a buffer whose buckets are sharded."""
-    grads = GradBuffer(model, ps.dp_group, shard=cfg.use_distributed_optimizer)
+    --use-distributed-optimizer `dist_optim.DistributedOptimizer` over a buffer whose buckets are sharded. The
+    weights are replicated over DP x CP, so both reduce (and shard) over that group; the mean is over DP."""
+    grads = GradBuffer(model, ps.dp_cp_group, shard=cfg.use_distributed_optimizer, average_over=ps.dp_size,
+                       tp_group=ps.tp_group)
     kind = DistributedOptimizer if cfg.use_distributed_optimizer else Optimizer
-    return grads, kind(model, cfg, ps.tp_group, ps.dp_group, grads)
+    return grads, kind(model, cfg, ps.tp_group, ps.dp_cp_group, grads)

@@ -160,7 +160,7 @@ def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     error = None
-    if ps.dp_rank == 0:
+    if ps.writes_shards:  # one writer per TP shard (DP x CP ranks hold the same weights)
         try:
             atomic_write(rank_file(tmp, ps.tp_rank), lambda f: torch.save(payload, f),
                          before_replace=lambda: kill_point("rank-file-tmp", iteration))

@@ -51,16 +51,24 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallel size; data parallel size is world_size / TP."""
+    """Tensor and context parallel sizes; data parallel size is world_size / (TP x CP)."""
 
     tensor_model_parallel_size: int = 1
     """--tensor-model-parallel-size: ranks that split each layer's heads and MLP."""
+    context_parallel_size: int = 1
+    """--context-parallel-size: ranks that split the token sequence (Ulysses all-to-all in self-attention)."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: shard the token sequence inside the TP group outside attention and MLP matmuls."""
     distributed_backend: Optional[str] = None
     """None picks nccl on CUDA, gloo on CPU."""
 
     def __post_init__(self):
         _check(self.tensor_model_parallel_size >= 1,
                f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
+        _check(self.context_parallel_size >= 1,
+               f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
+        _check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+               "--sequence-parallel shards the sequence inside the TP group; it needs --tensor-model-parallel-size > 1")
         _check(self.distributed_backend in (None, "nccl", "gloo"),
                f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}")
 

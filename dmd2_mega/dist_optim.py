@@ -12,7 +12,7 @@ other type), so it cannot run on a CPU build at all. This is the same scheme, sm
         (the only fp32 weights; the model's own fp32 parameters are not stepped in place) and AdamW state;
         torch's fused AdamW steps the fragments, whose `.grad` are views of the reduced shard.
     After the step, each bucket's updated masters are written into a transient flat buffer of the model's
-        dtype and all-gathered over DP (`all_gather_into_tensor` in place), then copied into the parameters.
+        dtype and all-gathered over DP (`all_gather_single` in place), then copied into the parameters.
 
 Per rank this keeps 1/DP of the master weights and Adam state (12 bytes per parameter / DP instead of 12,
 or 8 / DP instead of 8 for an fp32 model). The full fp32 gradient buffer stays (gradient accumulation over
@@ -25,7 +25,7 @@ bit-identical to `optim.Optimizer` on the same reduced gradients (AdamW is eleme
 norm's summation order differs, so the result agrees to fp32 rounding.
 
 Checkpoints: `state_dict()` is collective over DP. It gathers each bucket's master and moment shards
-(`all_gather_into_tensor`, one bucket at a time) and returns exactly `optim.Optimizer`'s format (torch
+(`all_gather_single`, one bucket at a time) and returns exactly `optim.Optimizer`'s format (torch
 AdamW's per-parameter state, plus the fp32 masters under --bf16), on the CPU. The state therefore does not
 depend on DP: it resumes at any DP size, with or without the distributed optimizer; `load_state_dict` takes
 this rank's fragments of it.
@@ -157,7 +157,7 @@ class DistributedOptimizer(Optimizer):
             if f.bucket == b:
                 flat[f.buffer_offset - start:f.buffer_offset - start + f.size].copy_(value(m))
         if self.grads.dp_group is not None:
-            dist.all_gather_into_tensor(flat, flat[lo - start:hi - start], group=self.grads.dp_group)
+            dist.all_gather_single(flat, flat[lo - start:hi - start], group=self.grads.dp_group)
         return flat
 
     def _unflatten(self, b: int, flat: torch.Tensor) -> list:

@@ -23,6 +23,14 @@ with zeros to a multiple of DP and cut into DP equal shards; the bucket's reduct
 place (Megatron's), after which rank r's shard `shard_range(b)` holds the DP mean of its elements and the
 rest of the bucket holds this rank's own, unreduced values. Only the shard's owner reads it.
 
+Context parallelism: the weights are replicated over DP x CP, and each CP rank's gradient is the part from its
+own tokens, so the group is DP x CP and the SUM is divided by DP only (`average_over`); a parameter tagged
+`whole_over_cp` (`parallel.mark_whole_over_cp`: the GAN head) has the whole gradient on each CP rank and is
+divided by CP first. Sequence parallelism:
+a parameter tagged `sequence_parallel` (`models/token_parallel.py`) holds the part from this TP rank's tokens;
+the synchronising backward all-reduces its main_grad over the TP group as it arrives, before its bucket's DP
+reduction (TP sum and DP mean commute, and earlier no_sync micro-batches are in main_grad already).
+
 Memory: one fp32 copy of the trainable parameters (4 bytes each), in place of DDP's grads + buckets in
 the model dtype; `p.grad` lives only between autograd's accumulation and the hook.
 """
@@ -33,6 +41,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from dmd2_mega.parallel import is_sequence_parallel
 
 # elements per DP bucket (fp32): Megatron's default size, 40 M
 BUCKET_ELEMENTS = 40_000_000
@@ -45,17 +55,26 @@ class GradBuffer:
     bucket_elements: the size of one all-reduce (whole parameters; a larger parameter is its own bucket).
     shard: reduce-scatter each bucket (padded to a multiple of DP) instead of all-reducing it, for the
     distributed optimizer; `shard_range(b)` is this rank's part of bucket b, `offsets` / `regions` the layout.
+    average_over: the reduced sum is divided by this (default: the group's size; DP when the group is DP x CP).
+    tp_group: the TP group, over which `sequence_parallel` parameters' gradients are summed.
     """
 
     def __init__(self, model: torch.nn.Module, dp_group=None, bucket_elements: int = BUCKET_ELEMENTS,
-                 shard: bool = False):
+                 shard: bool = False, average_over: Optional[int] = None, tp_group=None):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("GradBuffer: the model has no trainable parameters")
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None and dist.is_initialized() else 1
         self.dp_group = dp_group if self.dp_size > 1 else None
         self.dp_rank = dist.get_rank(dp_group) if self.dp_group is not None else 0
+        self.average_over = average_over if average_over is not None else self.dp_size
         self.shard = shard
+        tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+        self.tp_group = tp_group if tp > 1 else None
+        self._sp = {i for i, p in enumerate(self.params) if is_sequence_parallel(p)} if self.tp_group else set()
+        cp = self.dp_size // self.average_over  # the group is DP x CP
+        self._whole = {i for i, p in enumerate(self.params) if getattr(p, "whole_over_cp", False)} if cp > 1 else set()
+        self._cp = cp
         device = self.params[0].device
         self.buckets: list[list[int]] = [[]]  # parameter indices per bucket
         self.bucket_of: list[int] = [0] * len(self.params)
@@ -106,6 +125,10 @@ class GradBuffer:
         def hook(p: torch.Tensor) -> None:
             p.main_grad.add_(p.grad)
             p.grad = None
+            if self._syncing and i in self._sp:  # the part from this TP rank's tokens (module docstring)
+                dist.all_reduce(p.main_grad, group=self.tp_group)
+            if self._syncing and i in self._whole:  # whole on every CP rank: the DP x CP sum counts it CP times
+                p.main_grad.div_(self._cp)
             if self._syncing and self.dp_size > 1:
                 if self._seen[i]:
                     raise RuntimeError(f"GradBuffer: parameter {i} {tuple(p.shape)} got two gradients in one "
@@ -119,10 +142,10 @@ class GradBuffer:
 
     def _launch(self, b: int) -> None:
         view = self._views[b]
-        view.div_(self.dp_size)
+        view.div_(self.average_over)
         if self.shard:  # in place: this rank's shard of the bucket receives the reduced sum; the rest is stale
             start, end = self.shard_range(b)
-            self._work[b] = dist.reduce_scatter_tensor(self.buffer[start:end], view, group=self.dp_group,
+            self._work[b] = dist.reduce_scatter_single(self.buffer[start:end], view, group=self.dp_group,
                                                        async_op=True)
         else:
             self._work[b] = dist.all_reduce(view, group=self.dp_group, async_op=True)

@@ -1,8 +1,10 @@
-"""Distributed setup: torchrun environment, TP/DP groups from megatron-core, and RNG streams.
+"""Distributed setup: torchrun environment, TP/CP/DP groups from megatron-core, and RNG streams.
 
-World = TP x DP (no pipeline parallel). Ranks of one TP group hold shards of the same layers and
-must see identical data and noise; DP ranks see different data. Rank layout is megatron-core's:
-TP ranks are adjacent (ranks 0,1 form TP group 0 when TP=2).
+World = TP x CP x DP (no pipeline parallel). Ranks of one TP group hold shards of the same layers, ranks of
+one CP group hold chunks of the same token sequence (`models/token_parallel.py`); both must see identical data
+and noise. DP ranks see different data. Rank layout is megatron-core's: TP ranks are adjacent, then CP (ranks
+0,1 form TP group 0 and ranks 0,2 CP group 0 when TP=2, CP=2). Weights are replicated over DP x CP, so
+gradients are reduced (and a distributed optimizer shards) over that group: `dp_cp_group`.
 
 Noise and per-sample randomness come from `micro_batch_generator(seed, iteration, j)`, keyed by
 the iteration and the GLOBAL micro-batch index j (not by the rank): the same global batch gets the
@@ -29,6 +31,8 @@ class ParallelSettings(Protocol):
     """What `init_distributed` reads (`config.ParallelConfig` is one; this module sits below config)."""
 
     tensor_model_parallel_size: int
+    context_parallel_size: int
+    sequence_parallel: bool
     distributed_backend: Optional[str]
 
 
@@ -43,6 +47,9 @@ class ParallelState:
     dp_size: int
     device: torch.device
     backend: str
+    cp_rank: int = 0
+    cp_size: int = 1
+    sequence_parallel: bool = False
 
     @property
     def tp_group(self):
@@ -50,7 +57,24 @@ class ParallelState:
 
     @property
     def dp_group(self):
+        """The data-parallel group: ranks that see different data (CP excluded)."""
         return mpu.get_data_parallel_group()
+
+    @property
+    def dp_cp_group(self):
+        """The ranks that hold the same weights: DP x CP. Gradients are summed over it and divided by DP."""
+        return mpu.get_data_parallel_group(with_context_parallel=True)
+
+    @property
+    def writes_shards(self) -> bool:
+        """This rank writes its TP shard of a checkpoint: the first of its DP x CP replicas."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def layout(self) -> str:
+        """'TP=2 CP=2 DP=2 SP' (CP and SP named only when on): the log's description of this run's layout."""
+        cp = f" CP={self.cp_size}" if self.cp_size > 1 else ""
+        return f"TP={self.tp_size}{cp} DP={self.dp_size}" + (" SP" if self.sequence_parallel else "")
 
     @property
     def is_main(self) -> bool:
@@ -68,10 +92,13 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    tp = cfg.tensor_model_parallel_size
-    if world % tp != 0:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the world size {world} "
-                          f"(torchrun --nproc-per-node x --nnodes)")
+    tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    if world % (tp * cp) != 0:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} does not divide the "
+                          f"world size {world} (torchrun --nproc-per-node x --nnodes)")
+    if cfg.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel shards the sequence inside the TP group; it needs "
+                          "--tensor-model-parallel-size > 1")
     cuda = torch.cuda.is_available()
     backend = cfg.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -91,11 +118,12 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=10), **kwargs)
     if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     state = ParallelState(rank=rank, world_size=world, local_rank=local_rank,
                           tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp,
                           dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
-                          device=device, backend=backend)
+                          device=device, backend=backend, cp_rank=mpu.get_context_parallel_rank(), cp_size=cp,
+                          sequence_parallel=cfg.sequence_parallel)
     seed_everything(seed, state.tp_rank)
     return state
 
@@ -128,6 +156,27 @@ def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
     """The dim a parameter is split along across TP ranks (megatron-core's `partition_dim`
     attribute), or None if it is replicated."""
     return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+
+
+def mark_sequence_parallel(params, on: bool = True) -> None:
+    """Tag replicated parameters used only on the sequence-parallel tokens of a TP rank (megatron-core's
+    `sequence_parallel` attribute): each TP rank's gradient is a part, summed over TP (`grad_buffer.GradBuffer`)."""
+    if on:
+        for p in params:
+            p.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
+
+
+def mark_whole_over_cp(params, on: bool = True) -> None:
+    """Tag parameters applied only to values every CP rank holds whole (the GAN head on the CP-reduced token mean):
+    each CP rank's gradient is the whole one, where the rest of a CP model's is the part from its tokens, so the
+    gradient buffer divides it by CP before summing over DP x CP (`grad_buffer.GradBuffer`)."""
+    if on:
+        for p in params:
+            p.whole_over_cp = True
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

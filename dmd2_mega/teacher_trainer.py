@@ -77,11 +77,11 @@ class FlowTrainer(RunStateTrainer):
         self.model = cast_model(build_model(cfg.model, self.info, ps, negative=self.dataset.negative), cfg.optim.bf16)
         nparams = count_parameters(self.model, ps.tp_group, ps.device)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
-                    f"TP={ps.tp_size} DP={ps.dp_size} backend={ps.backend} device={ps.device}; "
+                    f"{ps.layout} backend={ps.backend} device={ps.device}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
         self.grads, self.optimizer = build_grads_and_optimizer(self.model, cfg.optim, ps)
-        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.rank)
+        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.cp_size, ps.rank)
         self.flops_per_iter = (flow_step_flops(per_sample, t.micro_batch_size, self.num_micro_batches)
                                if per_sample else None)
         self.schedule = LRSchedule(cfg.optim, t.train_iters)

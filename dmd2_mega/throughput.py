@@ -63,10 +63,11 @@ class PhaseClock:
         return {phase: s / n for phase, s in totals.items()}
 
 
-def sample_flops(size: str, info: dict, tp: int, rank: int = 0) -> Optional[int]:
-    """Forward FLOPs of one sample per TP rank, or None (printed once) where the planner cannot shape the model."""
+def sample_flops(size: str, info: dict, tp: int, cp: int = 1, rank: int = 0) -> Optional[int]:
+    """Forward FLOPs of one sample per GPU (TP splits the heads and MLP, CP the tokens), or None (printed once)
+    where the planner cannot shape the model."""
     try:
-        return mp.forward_flops(mp.model_shape_from_info(size, info), 1, tp)
+        return mp.forward_flops(mp.model_shape_from_info(size, info), 1, tp) // cp
     except (ValueError, KeyError, TypeError) as e:
         print_rank0(f"> WARNING: no model FLOPs for --model-size {size} ({e}); the log shows no TFLOP/s", rank)
         return None

@@ -34,6 +34,7 @@ from torch import Tensor
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import FamilyModel
+from dmd2_mega.parallel import mark_whole_over_cp
 
 HEAD_SEED_OFFSET = 9173  # the head's init generator is seeded with --seed + this
 
@@ -64,6 +65,9 @@ class GANCritic(FamilyModel):
         self.spec, self.num_feature_layers, self.feature_dim = trunk.spec, trunk.num_feature_layers, trunk.feature_dim
         gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
         self.head = GANHead(trunk.feature_dim, generator=gen).to(next(trunk.parameters()).device)
+        # the head reads token-mean features that every CP rank holds whole, so each CP rank's head gradient is the
+        # whole gradient, not a part of it as for the trunk (models/token_parallel.py)
+        mark_whole_over_cp(self.head.parameters(), trunk.options.context_parallel > 1)
 
     def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, gan_inputs: Optional[tuple] = None):
         """v [B, *shape]; with gan_inputs = (x', sigma', cond'): (v, logits [B'] on x')."""

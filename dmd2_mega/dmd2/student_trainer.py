@@ -102,15 +102,14 @@ class DMD2Trainer(RunStateTrainer):
                       "critic": self._role("critic", self._build_model("critic", teacher_payload)),
                       "teacher": self._role("teacher", self._build_model("teacher", teacher_payload))}
         nparams = count_parameters(student, ps.tp_group, ps.device)
-        print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); TP={ps.tp_size} "
-                    f"DP={ps.dp_size}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} "
+        print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); {ps.layout}; B={t.micro_batch_size} K={d.critic_steps_per_rollout} "
                     f"M={self.num_micro_batches}; student sigmas "
                     f"{[round(s, 4) for s in self.settings.student_sigmas.tolist()]}; scoring {d.critic_scoring}; "
                     f"teacher guidance {d.teacher_guidance_scale}; offload {'+'.join(sorted(self.offload)) or 'none'} "
                     f"({offload_note}); {self._extras()}",
                     ps.rank)
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
-        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.rank)
+        per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.cp_size, ps.rank)
         self.flops_per_iter = (dmd2_cycle_flops(per_sample, b, self.num_micro_batches, k,
                                                 len(self.settings.student_sigmas), d.teacher_guidance_scale,
                                                 d.critic_scoring) if per_sample else None)

@@ -82,6 +82,9 @@ class DiT(FamilyModel):
     def __init__(self, spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
         check_build(spec.name, spec.num_heads, tp_size, options)
+        if options.context_parallel > 1 or options.sequence_parallel:
+            raise ConfigError(f"--context-parallel-size / --sequence-parallel split long token sequences and are built "
+                              f"for the Wan family; --model-size {spec.name} (DiT) runs with TP and DP only")
         if len(shape.spatial) != 2 or shape.spatial[0] != shape.spatial[1]:
             raise ConfigError(f"--model-size {spec.name} (DiT) takes square images [C, H, H]; the data's samples "
                               f"are {list(shape.sample_shape)}")

@@ -73,11 +73,18 @@ def check_build(name: str, num_heads: int, tp_size: int, options: "BuildOptions"
     """What every family's constructor checks first: the attention backend and linear implementation asked for
     are installed (a clear error, never a silent fallback) and TP divides the heads of --model-size `name`."""
     check_backend(options.attention_backend)
+    if options.sequence_parallel and options.transformer_impl != "local":
+        raise ConfigError("--sequence-parallel runs with --transformer-impl local (transformer-engine's "
+                          "sequence-first layout [s, b, h] is not the token layout [b, s, h] of our models)")
     if options.transformer_impl == "transformer_engine":
         linears.require_transformer_engine()
     if num_heads % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the number of attention heads "
                           f"({num_heads}) of --model-size {name}")
+    if num_heads % (tp_size * options.context_parallel):
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} x --context-parallel-size "
+                          f"{options.context_parallel} must divide the number of attention heads ({num_heads}) of "
+                          f"--model-size {name} (Ulysses gives each CP rank a share of TP's heads)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,10 @@ class BuildOptions:
     transformer_impl: str = "local"
     recompute: bool = False
     """Recompute each block in backward (activation checkpointing) while training."""
+    context_parallel: int = 1
+    """CP ranks that split the token sequence (`models/token_parallel.py`); the run's --context-parallel-size."""
+    sequence_parallel: bool = False
+    """Shard the token sequence over the TP group between the matmuls (--sequence-parallel)."""
 
 
 class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
@@ -95,6 +106,8 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     the abstract methods cannot be instantiated."""
 
     spec: object
+    options: "BuildOptions"
+    """How it was built: a wrapper of the model (the GAN critic) reads the context-parallel size here."""
     num_feature_layers: int
     feature_dim: int
 

@@ -50,6 +50,15 @@ class _Unwrap(torch.nn.Module):
     def weight(self):
         return self.inner.weight
 
+    @property
+    def bias(self):
+        return self.inner.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of x @ W^T with no TP communication and no bias: sequence parallelism
+        (`models/token_parallel.py`) gathers the input / reduce-scatters the output itself."""
+        return torch.nn.functional.linear(x, self.inner.weight)
+
     def forward(self, x):
         out, bias = self.inner(x)
         out = out if bias is None else out + bias

@@ -47,6 +47,8 @@ from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
 from dmd2_mega.models.rope import rope_tables
+from dmd2_mega.models.token_parallel import TokenSplit
+from dmd2_mega.parallel import mark_sequence_parallel
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 
@@ -157,7 +159,8 @@ class QKNorm(nn.Module):
 
 
 class WanAttention(nn.Module):
-    """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads."""
+    """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads.
+    Under CP / SP the tokens are this rank's share (`models/token_parallel.py`)."""
 
     def __init__(self, spec: WanSpec, mcfg, tp_size: int, impl: str, backend: str):
         super().__init__()
@@ -173,13 +176,24 @@ class WanAttention(nn.Module):
         self.norm_k = QKNorm(width, spec.head_dim, spec.eps, tp_size)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # [B, heads_local, S, d]
+        return t.unflatten(-1, (self.local_heads, self.head_dim))  # [B, S, heads_local, d]
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, rope=None) -> torch.Tensor:
-        q = self.norm_q(self.to_q(x), rope)
-        k = self.norm_k(self.to_k(kv), rope)
-        a = attention(self._heads(q), self._heads(k), self._heads(self.to_v(kv)), self.backend)
-        return self.to_out(a.transpose(1, 2).flatten(2))
+    def forward(self, x: torch.Tensor, ctx: Optional[torch.Tensor], split: TokenSplit, rope=None) -> torch.Tensor:
+        """x [B, local tokens, D]; ctx None for self-attention, else the text [B, L, D] (whole on every rank)."""
+        sp = split.sp > 1
+        xs = split.sp_gather(x)  # [B, CP chunk, D]
+        column = (lambda lin, t: lin.matmul(t) + lin.bias) if sp else (lambda lin, t: lin(t))
+        q = self._heads(self.norm_q(column(self.to_q, xs), rope))
+        if ctx is None:  # every token for this rank's heads (Ulysses under CP), the padding dropped
+            k = self._heads(self.norm_k(column(self.to_k, xs), rope))
+            q, k, v = (split.attention_heads(t) for t in (q, k, self._heads(column(self.to_v, xs))))
+        else:  # megatron's column linears on the text (their backward all-reduces its gradient over TP)
+            k, v = self._heads(self.norm_k(self.to_k(ctx))), self._heads(self.to_v(ctx))
+        a = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend).transpose(1, 2)
+        a = (split.attention_tokens(a) if ctx is None else a).flatten(2)
+        if sp:
+            return split.sp_reduce_scatter(self.to_out.matmul(a)) + self.to_out.bias
+        return self.to_out(a)
 
 
 class WanBlock(nn.Module):
@@ -195,15 +209,24 @@ class WanBlock(nn.Module):
         self.fc2 = linears.row(spec.ffn_dim, d, mcfg, xavier, impl)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d ** 0.5)
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope) -> torch.Tensor:
+    def sequence_parallel_params(self) -> list:
+        """Replicated parameters used only on this rank's tokens (`parallel.mark_sequence_parallel`)."""
+        norm = list(self.norm2.parameters()) if self.norm2 is not None else []
+        return [self.scale_shift_table, self.attn1.to_out.bias, self.attn2.to_out.bias, self.fc2.bias, *norm]
+
+    def forward(self, h: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope, split: TokenSplit) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + mod.float()).unbind(1)
         n = kernels.adaln_modulate(h, shift1, scale1, eps=self.eps)
-        h = (h.float() + self.attn1(n, n, rope) * gate1[:, None]).type_as(h)
+        h = (h.float() + self.attn1(n, None, split, rope) * gate1[:, None]).type_as(h)
         n = h if self.norm2 is None else F.layer_norm(h.float(), h.shape[-1:], self.norm2.weight.float(),
                                                       self.norm2.bias.float(), self.eps).type_as(h)
-        h = h + self.attn2(n, ctx)
+        h = h + self.attn2(n, ctx, split)
         n = kernels.adaln_modulate(h, shift2, scale2, eps=self.eps)
-        m = self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
+        if split.sp > 1:  # MLP on the whole CP chunk of this rank's FFN columns; each rank keeps its tokens
+            f = F.gelu(self.fc1.matmul(split.sp_gather(n)) + self.fc1.bias, approximate="tanh")
+            m = split.sp_reduce_scatter(self.fc2.matmul(f)) + self.fc2.bias
+        else:
+            m = self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
         return (h.float() + m.float() * gate2[:, None]).type_as(h)
 
 
@@ -251,6 +274,9 @@ class Wan(FamilyModel):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d ** 0.5)
         # CFG's negative branch: the negative-prompt embedding stored with the data (`set_negative`), else zeros
         self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
+        mark_sequence_parallel([*self.patch_embedding.parameters(), *self.proj_out.parameters(), self.scale_shift_table,
+                                *(p for blk in self.blocks for p in blk.sequence_parallel_params())],
+                               options.sequence_parallel)
 
     def null_cond(self, n: int, device) -> torch.Tensor:
         return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
@@ -261,38 +287,41 @@ class Wan(FamilyModel):
         return tuple(n // p for n, p in zip(x.shape[2:], self.spec.patch_size))
 
     def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
-        """(tokens [B, S, D], ctx [B, L, D], temb [B, D], mod [B, 6, D], rope (cos, sin) [S, d/2])."""
+        """(this rank's tokens [B, local, D], ctx [B, L, D], temb [B, D], mod [B, 6, D], rope (cos, sin) of this
+        CP chunk [chunk, d/2], split): the tokens are split over CP (and TP under SP) before the patch embedding."""
         b, c = x.shape[:2]
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
+        split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)
         x = x.to(self.patch_embedding.weight.dtype)
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
-        rope = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device)
+        cos, sin = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device)
         temb, mod, ctx = self.condition_embedder(sigma, cond)
-        return self.patch_embedding(patches), ctx, temb, mod, rope
+        tokens = self.patch_embedding(split.shard(patches))
+        return tokens, ctx, split.enter_sp(temb), split.enter_sp(mod), (split.cp_rows(cos), split.cp_rows(sin)), split
 
-    def _block(self, i: int, h, ctx, mod, rope):
+    def _block(self, i: int, h, ctx, mod, rope, split):
         blk = self.blocks[i]
         if self.options.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, use_reentrant=False)
-        return blk(h, ctx, mod, rope)
+            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, split, use_reentrant=False)
+        return blk(h, ctx, mod, rope, split)
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         if not 0 <= layer < len(self.blocks):
             raise IndexError(f"feature layer {layer} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
-        h, ctx, _, mod, rope = self._embed(x, sigma, cond)
+        h, ctx, _, mod, rope, split = self._embed(x, sigma, cond)
         for i in range(layer + 1):
-            h = self._block(i, h, ctx, mod, rope)
-        return h.mean(dim=1)
+            h = self._block(i, h, ctx, mod, rope, split)
+        return split.token_mean(h)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W]."""
         b, c = x.shape[:2]
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
-        h, ctx, temb, mod, rope = self._embed(x, sigma, cond)
+        h, ctx, temb, mod, rope, split = self._embed(x, sigma, cond)
         for i in range(len(self.blocks)):
-            h = self._block(i, h, ctx, mod, rope)
+            h = self._block(i, h, ctx, mod, rope, split)
         shift, scale = (self.scale_shift_table + temb.float()[:, None]).unbind(1)
-        out = self.proj_out(kernels.adaln_modulate(h, shift, scale, eps=self.spec.eps))
+        out = split.gather(self.proj_out(kernels.adaln_modulate(h, shift, scale, eps=self.spec.eps)))
         out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return out.reshape(b, c, f * pt, hh * ph, ww * pw)
 

@@ -26,7 +26,7 @@ class WanExperts(FamilyModel):
         super().__init__()
         if spec.boundary_ratio is None:
             raise ValueError("a two-expert Wan needs spec.boundary_ratio")
-        self.spec, self.shape = spec, shape
+        self.spec, self.shape, self.options = spec, shape, options
         self.high = Wan(spec, shape, tp_size, options)
         self.low = Wan(spec, shape, tp_size, options)
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size

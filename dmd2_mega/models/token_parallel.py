@@ -1,0 +1,269 @@
+"""Context and sequence parallelism: how one forward splits a sample's S tokens over ranks.
+
+Context parallelism (CP, `--context-parallel-size C`, megatron-core's CP group): each CP rank holds one
+contiguous chunk of the token sequence from the patch embedding to the output projection. Self-attention
+needs every token, so it exchanges heads for sequence with an all-to-all (Ulysses): the local q / k / v
+[B, S/C, H, d] become [B, S, H/C, d], attention runs over the full sequence for H/C heads, and the inverse
+all-to-all brings [B, S/C, H, d] back. Under TP the H heads are already TP's share, so TP x CP must divide
+the heads. Cross-attention needs no exchange: the text is replicated on every rank. Rotary tables are sliced
+at each chunk's global offset.
+
+Sequence parallelism (SP, `--sequence-parallel`, Megatron's, inside the TP group): between the matmuls the
+chunk is split again over the TP ranks, so LayerNorm, modulation, gates and residual adds hold S / (C x TP)
+tokens. A column-parallel linear all-gathers its input along the sequence (backward: reduce-scatter) and a
+row-parallel one reduce-scatters its output (backward: all-gather), in place of the all-reduces TP makes.
+
+Padding: any S works. The sequence is padded with zero tokens to a multiple of C (x TP under SP). The pad
+sits at the end of the last chunk, so after the all-to-all it is the tail of the full sequence and attention
+drops it by slicing keys, values and queries to the S real tokens (no mask, so flash kernels still apply).
+The output gather strips it, and the token mean of `features` counts real tokens only; no loss ever sees it.
+
+Gradients: every CP rank computes the same loss on the same gathered output, so the gather's backward keeps
+this rank's slice, and each weight's gradient on a CP rank is the part from its own tokens; the gradient
+buffer sums them over DP x CP (and divides by DP). Under SP, per-sample tensors entering the sharded region
+(the timestep embedding and modulation) go through `enter_sp` (identity; backward all-reduce over TP), and
+the replicated parameters used only inside it (modulation tables, row-parallel biases, the cross-attention
+LayerNorm, the patch embedding and output projection) carry `sequence_parallel = True` (megatron-core's
+attribute), whose gradients the buffer all-reduces over TP (`grad_buffer.GradBuffer`).
+
+With C = 1 and no SP every function here is the identity and nothing is communicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+
+
+def _gather_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """All-gather [B, s, ...] along dim 1 over `group` -> [B, size * s, ...] (rank order)."""
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.unflatten(0, (size, x.shape[0])).transpose(0, 1).flatten(1, 2)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Sum [B, size * s, ...] over `group` and keep this rank's chunk [B, s, ...] of dim 1."""
+    parts = x.unflatten(1, (size, -1)).transpose(0, 1).contiguous()  # [size, B, s, ...]
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """[B, s, H, d] (this rank's tokens, all heads) -> [B, size * s, H / size, d] (all tokens, head group rank)."""
+    b, s, h, d = x.shape
+    send = x.reshape(b, s, size, h // size, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk j -> rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: rank i's tokens, my head group
+    return recv.transpose(0, 1).reshape(b, size * s, h // size, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: [B, size * s, H / size, d] -> [B, s, H, d]."""
+    b, n, hc, d = y.shape
+    send = y.reshape(b, size, n // size, hc, d).transpose(0, 1).contiguous()  # token chunk j -> rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: my tokens, head group i
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, n // size, size * hc, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _seq_to_heads(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g, ctx.group, ctx.size), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, size):
+        ctx.group, ctx.size = group, size
+        return _heads_to_seq(y, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g, ctx.group, ctx.size), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """SP entry of a column-parallel linear: all-gather along the sequence; backward reduce-scatter (each TP
+    rank's input gradient is the part from its heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _gather_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.group, ctx.size), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """SP exit of a row-parallel linear: sum the partial outputs and keep this rank's tokens; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g, ctx.group, ctx.size), None, None
+
+
+class _GatherOutput(torch.autograd.Function):
+    """The output gather: every rank of the group goes on with the same full tensor (and the same loss), so the
+    backward keeps this rank's slice of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.rank, ctx.n = rank, x.shape[1]
+        return _gather_seq(x, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].contiguous(), None, None, None
+
+
+class _SumIdentity(torch.autograd.Function):
+    """All-reduce sum of per-rank partial sums that every rank then uses alike; backward the identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _IdentitySum(torch.autograd.Function):
+    """A replicated tensor entering the sequence-sharded region: identity; backward all-reduce sum (each TP rank's
+    gradient is the part from its tokens). megatron-core's `copy_to_tensor_model_parallel_region`."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """The split of one forward's `tokens` real tokens: `cp` CP ranks x `sp` SP (TP) ranks; see the module
+    docstring. `TokenSplit(tokens)` is the unsplit identity."""
+
+    tokens: int
+    cp: int = 1
+    cp_rank: int = 0
+    sp: int = 1
+    sp_rank: int = 0
+
+    @classmethod
+    def current(cls, tokens: int, context_parallel: int, sequence_parallel: bool) -> "TokenSplit":
+        """This rank's split under megatron-core's groups (`context_parallel` must be the CP group's size)."""
+        cp_rank = mpu.get_context_parallel_rank() if context_parallel > 1 else 0
+        sp = mpu.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+        sp_rank = mpu.get_tensor_model_parallel_rank() if sp > 1 else 0
+        return cls(tokens, context_parallel, cp_rank, sp, sp_rank)
+
+    @property
+    def padded(self) -> int:
+        parts = self.cp * self.sp
+        return -(-self.tokens // parts) * parts
+
+    @property
+    def cp_tokens(self) -> int:
+        """Tokens of one CP chunk (padding included): what the matmuls and attention's queries see."""
+        return self.padded // self.cp
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens this rank holds between the matmuls (a CP chunk, split again over TP under SP)."""
+        return self.cp_tokens // self.sp
+
+    @property
+    def _cp_group(self):
+        return mpu.get_context_parallel_group()
+
+    @property
+    def _sp_group(self):
+        return mpu.get_tensor_model_parallel_group()
+
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        extra = self.padded - self.tokens
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, extra)) if extra else t
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a full [B, S, ...] tensor that no gradient flows back into (the patches)."""
+        if self.cp == self.sp == 1:
+            return t
+        start = (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
+        return self._pad(t)[:, start:start + self.local_tokens]
+
+    def cp_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This CP chunk's rows of a per-token table [S, ...] (rotary cos / sin), padded with the last row."""
+        if self.padded == self.tokens and self.cp == 1:
+            return t
+        extra = self.padded - self.tokens
+        t = torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]) if extra else t
+        return t[self.cp_rank * self.cp_tokens:(self.cp_rank + 1) * self.cp_tokens]
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, local, ...] -> the full [B, S, ...] on every rank (SP, then CP), padding stripped."""
+        if self.sp > 1:
+            t = _GatherOutput.apply(t, self._sp_group, self.sp, self.sp_rank)
+        if self.cp > 1:
+            t = _GatherOutput.apply(t, self._cp_group, self.cp, self.cp_rank)
+        return t[:, :self.tokens] if self.padded != self.tokens else t
+
+    def token_mean(self, h: torch.Tensor) -> torch.Tensor:
+        """Mean over the real tokens of [B, local, D] -> [B, D], the same on every rank."""
+        if self.cp == self.sp == 1:
+            return h.mean(dim=1)
+        start = (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
+        real = max(0, min(self.local_tokens, self.tokens - start))
+        total = h[:, :real].float().sum(dim=1)
+        if self.sp > 1:
+            total = _SumIdentity.apply(total, self._sp_group)
+        if self.cp > 1:
+            total = _SumIdentity.apply(total, self._cp_group)
+        return (total / self.tokens).to(h.dtype)
+
+    def enter_sp(self, t: torch.Tensor) -> torch.Tensor:
+        """A replicated tensor used by the SP-sharded tokens (module docstring); the identity without SP."""
+        return _IdentitySum.apply(t, self._sp_group) if self.sp > 1 else t
+
+    def sp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, local, D] -> [B, cp_tokens, D]: a column-parallel linear's input under SP."""
+        return _GatherSeq.apply(x, self._sp_group, self.sp) if self.sp > 1 else x
+
+    def sp_reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, cp_tokens, D] partial sums -> [B, local, D] reduced: a row-parallel linear's output under SP."""
+        return _ReduceScatterSeq.apply(y, self._sp_group, self.sp) if self.sp > 1 else y
+
+    def attention_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Self-attention's q / k / v [B, cp_tokens, H, d] -> [B, S, H / C, d]: all real tokens, this rank's heads."""
+        if self.cp == 1:
+            return t[:, :self.tokens] if self.padded != self.tokens else t
+        return _SeqToHeads.apply(t, self._cp_group, self.cp)[:, :self.tokens]
+
+    def attention_tokens(self, o: torch.Tensor) -> torch.Tensor:
+        """The inverse of `attention_heads` for the attention output: [B, S, H / C, d] -> [B, cp_tokens, H, d]."""
+        o = self._pad(o)
+        return _HeadsToSeq.apply(o, self._cp_group, self.cp) if self.cp > 1 else o

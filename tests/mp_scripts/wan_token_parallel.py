@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""One forward + backward of a small Wan under TP / CP / SP; rank 0 saves the output and full gradients.
+
+    torchrun --standalone --nproc-per-node N tests/mp_scripts/wan_token_parallel.py --tp T --cp C [--sp]
+        [--recompute] --out out.pt          (N = T x C x DP; plain python for the world of one)
+
+The model (4 heads, so TP x CP up to 4) and the inputs are built from fixed seeds; the latent grid is 3 x 3 x 5
+= 45 tokens (odd, and 3 frames: neither a multiple of CP=2). The loss takes the output and the GAN head's
+token-mean features: mean((v - target)^2) + mean(features(layer 0)^2). Gradients go through the run's
+`GradBuffer` (summed over DP x CP, divided by DP; sequence-parallel parameters summed over TP), then each is
+gathered to its TP=1 tensor. Every rank checks that its output equals rank 0's (the output gather gives all
+ranks the same full tensor).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dmd2_mega.config import ParallelConfig  # noqa: E402
+from dmd2_mega.grad_buffer import GradBuffer  # noqa: E402
+from dmd2_mega.models import BuildOptions, DataShape  # noqa: E402
+from dmd2_mega.models.wan import Wan, WanSpec  # noqa: E402
+from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
+
+SPEC = WanSpec("wan-cp-test", num_heads=4, head_dim=8, num_layers=2, ffn_dim=32, in_channels=4, out_channels=4,
+               text_dim=16, freq_dim=16)
+SHAPE = DataShape(4, (3, 6, 10), cond_shape=(5, 16))
+
+
+def inputs():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, *SHAPE.sample_shape, generator=g)
+    return (x, torch.tensor([0.3, 0.85]), torch.randn(2, *SHAPE.cond_shape, generator=g),
+            torch.randn(x.shape, generator=g))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    ps = init_distributed(ParallelConfig(a.tp, a.cp, a.sp), seed=11)
+    try:
+        model = Wan(SPEC, SHAPE, ps.tp_size, BuildOptions(recompute=a.recompute, context_parallel=a.cp,
+                                                          sequence_parallel=a.sp))
+        with torch.no_grad():  # Wan zero-inits its output projection; a random one lets the gradients flow
+            w = model.proj_out.weight
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) / w.shape[1] ** 0.5)
+        grads = GradBuffer(model, ps.dp_cp_group, average_over=ps.dp_size, tp_group=ps.tp_group)
+        x, sigma, cond, target = inputs()
+        out = model(x, sigma, cond)
+        feats = model.features(x, sigma, cond, 0)
+        loss = ((out - target) ** 2).mean() + (feats ** 2).mean()
+        loss.backward()
+        grads.finish()
+        ref = out.detach().clone()
+        dist.broadcast(ref, 0)
+        assert torch.equal(ref, out.detach()), f"rank {ps.rank}: the gathered output differs from rank 0's"
+        full = {n: gather_full(q.main_grad, tp_partition_dim(q), ps) for n, q in model.named_parameters()}
+        if ps.rank == 0:
+            torch.save({"out": out.detach(), "feats": feats.detach(), "loss": loss.detach(), "grads": full}, a.out)
+        grads.close()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
