@@ -35,6 +35,9 @@ Activations of a training forward of n samples, kept for backward (no S^2 term: 
 Forward FLOPs per sample (matmuls, 2 per multiply-add, per TP rank), attention included:
     2 S (Cp^2 h + h p^2 C) + 2 (f h + h^2 + [text: D h + h^2]) + 2 h 2h / t
     + L [2 h 6h / t + 2 S (3h^2 + h^2 + 2 h m) / t + 4 S^2 h / t]
+Layouts (`search_layouts`): every TP (inside a node) x CP x DP of a world, with and without recompute, each with
+its cheapest time-slicing (`choose_offload`); the best fits and has the smallest TP x CP (launch/plan_memory.py
+--search). The distributed optimizer shards over DP x CP, the ranks that hold the same weights.
 The cycle's cost model (`cycle_passes`, in forwards of B samples) and its comparison with measured
 times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `format_table` prints both.
 """
@@ -241,23 +244,47 @@ def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist
     return out
 
 
-def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False) -> int:
-    """Estimated bytes a training forward of n samples keeps for its backward (module docstring)."""
-    f = FAMILY_MATHS[ms.family]
-    per_layer = f.block_input(ms, n, bf16) if recompute else f.layer(ms, n, tp, bf16)
-    return f.outside(ms, n, tp, bf16, recompute) + ms.spec.num_layers * per_layer
+def _check_split(ms: ModelShape, cp: int, sp: bool) -> None:
+    if ms.family != "wan" and (cp > 1 or sp):
+        raise ConfigError(f"--context-parallel-size / --sequence-parallel are built for the Wan family, not "
+                          f"--model-size {ms.spec.name} ({ms.family})")
 
 
-def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
-    return FAMILY_MATHS[ms.family].layer(ms, n, tp, bf16)
+def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False, cp: int = 1,
+                           sp: bool = False, scores: bool = False) -> int:
+    """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `cp` and `sp`
+    (Wan only) split its tokens, `scores` (Wan only) adds what SDPA's math path keeps (memory_plan_wan.py)."""
+    _check_split(ms, cp, sp)
+    if ms.family != "wan":
+        if scores:
+            raise ConfigError("--attention-kernel math is modelled for the Wan family only")
+        f = FAMILY_MATHS["dit"]
+        per_layer = f.block_input(ms, n, bf16) if recompute else f.layer(ms, n, tp, bf16)
+        return f.outside(ms, n, tp, bf16, recompute) + ms.spec.num_layers * per_layer
+    per_layer = (wan.block_input_bytes(ms, n, bf16, tp, cp, sp) if recompute
+                 else layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores))
+    return wan.outside_activation_bytes(ms, n, tp, bf16, recompute, cp, sp) + ms.spec.num_layers * per_layer
 
 
-def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False) -> int:
+def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False,
+                           scores: bool = False) -> int:
+    _check_split(ms, cp, sp)
+    if ms.family != "wan":
+        return FAMILY_MATHS["dit"].layer(ms, n, tp, bf16)
+    extra = wan.score_bytes(ms, n, tp, bf16, cp, sp) if scores else 0
+    return wan.layer_activation_bytes(ms, n, tp, bf16, cp, sp) + extra
+
+
+def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False, cp: int = 1,
+                     sp: bool = False, scores: bool = False) -> int:
     """Estimated peak activation bytes of one forward (+ backward when `grad`) of n samples."""
+    _check_split(ms, cp, sp)
     if not grad:
-        return FAMILY_MATHS[ms.family].nograd(ms, n, tp, bf16)
-    extra = layer_activation_bytes(ms, n, tp, bf16) if recompute else 0  # the block being recomputed
-    return saved_activation_bytes(ms, n, tp, bf16, recompute) + extra
+        if ms.family != "wan":
+            return FAMILY_MATHS["dit"].nograd(ms, n, tp, bf16)
+        return wan.nograd_activation_bytes(ms, n, tp, bf16, cp, sp)
+    extra = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores) if recompute else 0  # the block recomputed
+    return saved_activation_bytes(ms, n, tp, bf16, recompute, cp, sp, scores) + extra
 
 
 @dataclass
@@ -282,19 +309,23 @@ class CyclePlan:
 
 
 def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
-               recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False) -> CyclePlan:
-    """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident."""
-    roles = {r: role_bytes(ms, tp, dp, bf16, trained=r != "teacher", dist_opt=dist_opt)
+               recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
+               scores: bool = False) -> CyclePlan:
+    """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident. The distributed optimizer
+    shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens."""
+    roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r != "teacher", dist_opt=dist_opt)
              for r in ("student", "critic", "teacher")}
     x = ms.sample_numel * 4                                # one fp32 sample
     cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
     held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond
     held_scores = micro * 4 * x                            # x, x0_fake, x0_real, x_s
     teacher_n = micro * (2 if guidance != 1.0 else 1)
-    act = {"rollout": activation_bytes(ms, steps * micro, tp, bf16, grad=False) + held_rollout + steps * micro * 4 * x,
-           "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute),
-                         activation_bytes(ms, teacher_n, tp, bf16, grad=False)) + held_rollout + held_scores,
-           "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute) + held_scores}
+    kw = dict(cp=cp, sp=sp, scores=scores)
+    act = {"rollout": activation_bytes(ms, steps * micro, tp, bf16, grad=False, **kw) + held_rollout
+           + steps * micro * 4 * x,
+           "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw),
+                         activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw)) + held_rollout + held_scores,
+           "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores}
     experts = len(getattr(ms.spec, "experts", ()))
     plan = CyclePlan(roles, act, teacher_share=1.0 / experts if experts else 1.0)
     for phase in PHASES:
@@ -339,6 +370,66 @@ def choose_offload(plan: CyclePlan, budget: float, gan: bool = False) -> tuple[f
         if max(totals.values()) <= budget:
             return roles, totals, True
     return frozenset(names), phase_bytes(plan, names, gan), False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout of a DMD2 job and the choices that trade memory for time."""
+
+    tp: int
+    cp: int
+    dp: int
+    recompute: bool
+    offload: frozenset
+    """The roles time-sliced (`choose_offload`)."""
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism rides along whenever TP > 1 (it only removes activation memory)."""
+        return self.tp > 1
+
+    @property
+    def dist_opt(self) -> bool:
+        """The distributed optimizer whenever the weights have replicas to shard over (DP x CP > 1)."""
+        return self.dp * self.cp > 1
+
+    def flags(self) -> list:
+        """The trainer flags of this layout (pretrain_dmd2.py)."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--context-parallel-size", str(self.cp)]
+        out += ["--sequence-parallel"] if self.sp else []
+        out += ["--use-distributed-optimizer"] if self.dist_opt else []
+        out += ["--recompute-granularity", "full"] if self.recompute else []
+        return out + (["--offload-inactive"] if self.offload else ["--no-offload-inactive"])
+
+    def describe(self) -> str:
+        return (f"TP={self.tp} CP={self.cp} DP={self.dp}{' SP' if self.sp else ''}"
+                f"{' dist-opt' if self.dist_opt else ''}, recompute {'full' if self.recompute else 'none'}, "
+                f"time-sliced {'+'.join(sorted(self.offload)) or 'none'}")
+
+
+def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
+                   denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False, gan: bool = False) -> list:
+    """Every layout of `world` GPUs the model takes, with its plan: [(Layout, CyclePlan, phase bytes, fits)],
+    best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
+    world (DP = world / (TP x CP)); Wan only splits tokens (CP > 1). Best: fits `budget` (bytes per GPU); then the
+    smallest model-parallel group TP x CP (the most DP, the least communication); then no recompute; then the
+    fewest bytes time-sliced per cycle; then the smaller TP."""
+    heads, found = ms.spec.num_heads, []
+    for tp in (t for t in range(1, min(gpus_per_node, heads) + 1) if heads % t == 0 and ms.mlp % t == 0
+               and gpus_per_node % t == 0):
+        cps = range(1, heads // tp + 1) if ms.family == "wan" else (1,)
+        for cp in (c for c in cps if (heads // tp) % c == 0 and world % (tp * c) == 0):
+            for recompute in (False, True):
+                plan = plan_cycle(ms, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
+                                  bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
+                                  cp=cp, sp=tp > 1, scores=scores)
+                roles, totals, fits = choose_offload(plan, budget, gan)
+                moved = sum(sum(plan.roles[r].values()) for r in roles)
+                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles), plan, totals, fits, moved))
+    if not found:
+        raise ConfigError(f"no layout of {world} GPUs ({gpus_per_node} per node) divides the {heads} heads")
+    found.sort(key=lambda f: (not f[3], f[0].tp * f[0].cp, f[0].recompute, f[4], f[0].tp))
+    return [f[:4] for f in found]
 
 
 def peak(plan: CyclePlan, sliced: bool) -> tuple[str, int]:

@@ -37,6 +37,15 @@ Activations a training forward of n samples keeps for backward, per block (c = 1
     recompute, TP 1 and 2; a config without cross_attn_norm) the estimate equals the kept bytes: factor 1.00
     (the DiT's ACT_FACTOR of 1.25 is not needed). It assumes SDPA / flash attention (log-sum-exp only, no S^2
     term) and counts the torch path of the fused kernels, which saves what the Triton path saves.
+Context / sequence parallelism (`models/token_parallel.py`): with S padded to a multiple of C (x t under SP),
+    a CP chunk holds S_c = S / C tokens and a rank S_r = S_c / t under SP (else S_c). The per-token terms above
+    count S_r (full width) or S_c (per TP shard: the matmuls see the whole chunk); under SP the three
+    column-parallel inputs (attn1's, cross-attention's q, the FFN's) are kept gathered, 3 n (S_c - S_r) D w more;
+    under CP the padded attention output before its all-to-all, n S_c D w / t more. Measured (torchrun, CP=2 and
+    TP=2 + SP, 18 and 75 tokens): within 5%, and exact with recompute (block inputs n S_r D w).
+SDPA's math path (`score_bytes`, --attention-kernel math in the planner) keeps the softmax probabilities in place
+    of the log-sum-exps: n (a/(tC) S^2 + a/t S_c L) scores per block at 4 bytes (6 under --bf16: an fp32 softmax
+    and its bf16 copy); measured on CPU: exact in fp32, within 10% in bf16.
 A no-grad forward of n samples holds about n L (E + D + 2D/t) w (text embeddings, ctx, cross k / v) plus, per
     token, the largest of: the fp32 residual update (h, its modulated input and the attention / FFN output at
     w, with its fp32 product and sum and, under --bf16, the fp32 copy of h: 3Dw + 4D(2 + [bf16])) and the
@@ -77,30 +86,54 @@ def forward_flops(ms, n: int = 1, tp: int = 1) -> int:
     return n * (out + s.num_layers * block // tp)
 
 
-def layer_activation_bytes(ms, n: int, tp: int, bf16: bool) -> int:
-    s, D, F, _, S, L = _dims(ms)
+def tokens_per_rank(ms, tp: int, cp: int, sp: bool) -> tuple[int, int]:
+    """(tokens of one CP chunk, tokens of one rank between the matmuls), padding included
+    (`models/token_parallel.py`: S padded to a multiple of CP, x TP under SP)."""
+    parts = cp * (tp if sp else 1)
+    padded = -(-ms.tokens // parts) * parts
+    return padded // cp, padded // parts
+
+
+def score_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
+    """Per block, what SDPA's math path keeps beyond the fused kernels' log-sum-exps: the softmax probabilities of
+    self-attention (its a / (t c) heads over all S tokens) and cross-attention (a / t heads, the CP chunk x L),
+    at 4 bytes per score, 6 under --bf16 (an fp32 softmax and its bf16 copy)."""
+    s, _, _, _, S, L = _dims(ms)
+    Sc, _ = tokens_per_rank(ms, tp, cp, sp)
+    heads = s.num_heads // tp
+    probs = n * (heads // cp * S * S + heads * Sc * L) * (6 if bf16 else 4)
+    return probs - 4 * n * Sc * 2 * heads
+
+
+def layer_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
+    s, D, F, _, _, L = _dims(ms)
+    Sc, Ss = tokens_per_rank(ms, tp, cp, sp)
     w = 2 if bf16 else 4
     c = 1 if s.cross_attn_norm else 0
-    return (n * S * D * (6 * w + 4 + 4 * c) + n * S * (9 * D + 2 * F) // tp * w + n * L * 3 * D // tp * w
-            + 4 * n * S * (7 + 2 * c + 2 * s.num_heads // tp) + 4 * n * L + 4 * n * 8 * D
-            + (8 * D * c if bf16 else 0))  # norm2's weight and bias upcast to fp32
+    gathered = 3 * n * (Sc - Ss) * D * w  # SP: the three column-parallel inputs are kept gathered
+    exchanged = n * Sc * D // tp * w if cp > 1 else 0  # CP: the padded attention output before its all-to-all
+    return (n * Ss * D * (6 * w + 4 + 4 * c) + gathered + n * Sc * (9 * D + 2 * F) // tp * w + exchanged
+            + n * L * 3 * D // tp * w + 4 * n * Ss * (7 + 2 * c) + 4 * n * Sc * 2 * s.num_heads // tp
+            + 4 * n * L + 4 * n * 8 * D + (8 * D * c if bf16 else 0))  # norm2's weight and bias upcast to fp32
 
 
-def outside_activation_bytes(ms, n: int, tp: int, bf16: bool, recompute: bool) -> int:
+def outside_activation_bytes(ms, n: int, tp: int, bf16: bool, recompute: bool, cp: int = 1, sp: bool = False) -> int:
     s, D, _, CP, S, L = _dims(ms)
+    Sc, Ss = tokens_per_rank(ms, tp, cp, sp)
     w = 2 if bf16 else 4
-    out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * S * (CP + 2 * D) * w
-           + 8 * n * S + 4 * n * D)
-    return out + (n * 6 * D * w if recompute else 4 * S * s.head_dim)
+    out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * Ss * (CP + 2 * D) * w
+           + 8 * n * Ss + 4 * n * D)
+    return out + (n * 6 * D * w if recompute else 4 * Sc * s.head_dim)
 
 
-def block_input_bytes(ms, n: int, bf16: bool) -> int:
-    return n * ms.tokens * ms.spec.hidden_size * (2 if bf16 else 4)
+def block_input_bytes(ms, n: int, bf16: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> int:
+    return n * tokens_per_rank(ms, tp, cp, sp)[1] * ms.spec.hidden_size * (2 if bf16 else 4)
 
 
-def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool) -> int:
-    _, D, F, _, S, L = _dims(ms)
+def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
+    _, D, F, _, _, L = _dims(ms)
+    Sc, Ss = tokens_per_rank(ms, tp, cp, sp)
     w = 2 if bf16 else 4
-    residual = 3 * D * w + 4 * D * (2 + (1 if bf16 else 0))
-    inner = 2 * D * w + max(5 * D, 2 * F) * w // tp
-    return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * S * max(residual, inner)
+    residual = 3 * D * w + 4 * D * (2 + (1 if bf16 else 0))  # on this rank's tokens
+    inner = 2 * D * w + max(5 * D, 2 * F) * w // tp  # on the CP chunk (gathered under SP)
+    return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * max(Ss * residual, Sc * inner)

@@ -6,7 +6,10 @@
         --image-size 32 --in-channels 4 --patch 2 --num-classes 1000 --recompute-granularity full
     # Wan (a registered size, or a diffusers config.json / model folder): video latents [C, T, H, W], text
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
-        --tensor-model-parallel-size 8 --micro-batch-size 1 --bf16 --recompute-granularity full
+        --tensor-model-parallel-size 4 --context-parallel-size 2 --sequence-parallel --micro-batch-size 1 --bf16
+    # pick the layout: the smallest TP x CP (then no recompute, then the least offload) that fits 80 GB GPUs
+    python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
+        --micro-batch-size 1 --bf16 --world-size 64 --gpus-per-node 8 --search [--emit-flags]
 
 Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradients (--bf16, alive
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
@@ -14,8 +17,11 @@ counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic /
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
 plus an activation estimate; and the peak against --gpu-memory-gib. The maths is in
 dmd2_mega/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
-built models in tests/test_plan_memory.py); activations are an estimate (see that module).
-DP does not shard anything here (no ZeRO): it only adds the DDP buckets.
+built models in tests/test_plan_memory.py); activations are an estimate (see that module), divided
+by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
+--search tries every layout of --world-size GPUs (TP inside a node, CP, DP, recompute, offload), prints
+them best first and the chosen one's phases; --emit-flags prints only the chosen layout's trainer flags
+(what the SLURM recipes read).
 """
 from __future__ import annotations
 
@@ -58,7 +64,16 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 weights/compute, fp32 masters and Adam state")
     p.add_argument("--recompute-granularity", default=None, choices=["full"])
     p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="fp32 masters and Adam state sharded over DP (dmd2_mega/dist_optim.py)")
+                   help="fp32 masters and Adam state sharded over DP x CP (dmd2_mega/dist_optim.py)")
+    p.add_argument("--context-parallel-size", type=int, default=1, help="CP: ranks splitting each sample's tokens")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard the non-matmul regions over TP too")
+    p.add_argument("--attention-kernel", default="fused", choices=["fused", "math"],
+                   help="fused: flash-attn or SDPA's flash / memory-efficient kernels (log-sum-exp only); math: "
+                        "SDPA's fallback, which keeps the S x S probabilities (Wan)")
+    p.add_argument("--world-size", type=int, default=None, help="GPUs of the job, for --search")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="TP stays inside a node (--search)")
+    p.add_argument("--search", action="store_true", help="try every layout of --world-size GPUs; print the best")
+    p.add_argument("--emit-flags", action="store_true", help="with --search: print only the chosen trainer flags")
     p.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5, help="K")
     p.add_argument("--dmd2-denoising-steps", type=int, default=4, help="N")
     p.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0, help="> 1 doubles the teacher batch")
@@ -80,7 +95,7 @@ def check_args(a: argparse.Namespace) -> None:
     """ConfigError naming the first flag out of range (counts and sizes >= 1, guidance >= 1, memory > 0)."""
     for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
                  "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels",
-                 "num_classes", "patch", "text_len"):
+                 "num_classes", "patch", "text_len", "context_parallel_size", "world_size", "gpus_per_node"):
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
@@ -94,11 +109,21 @@ def check_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"--dmd2-teacher-guidance-scale must be a finite number >= 1, got {g}")
     if not (math.isfinite(a.gpu_memory_gib) and a.gpu_memory_gib > 0):
         raise ConfigError(f"--gpu-memory-gib must be a finite number > 0, got {a.gpu_memory_gib}")
+    if a.search and a.world_size is None:
+        raise ConfigError("--search needs --world-size (the job's GPUs)")
+    if a.emit_flags and not a.search:
+        raise ConfigError("--emit-flags prints the layout --search chose; add --search")
+    if a.sequence_parallel and a.tensor_model_parallel_size == 1 and not a.search:
+        raise ConfigError("--sequence-parallel shards inside the TP group; it needs --tensor-model-parallel-size > 1")
 
 
 def main(argv=None) -> int:
-    """0 after printing the plan; 1 with a one-line `ConfigError: ...` for a bad flag."""
-    return run_main(lambda: plan(parse_args(argv)))
+    """0 after printing the plan; 1 with a one-line `ConfigError: ...` for a bad flag or, with --search, when no
+    layout fits."""
+    def go():
+        a = parse_args(argv)
+        (search if a.search else plan)(a)
+    return run_main(go)
 
 
 def shape_from_args(a: argparse.Namespace) -> mp.ModelShape:
@@ -134,23 +159,60 @@ def describe_model(name: str, ms: mp.ModelShape) -> str:
             f"{sp.patch_size}; latents {lat} -> {ms.tokens} tokens")
 
 
+def search(a: argparse.Namespace) -> None:
+    """--search: every layout of --world-size GPUs, best first, then the chosen one's plan (or, with --emit-flags,
+    only its trainer flags). ConfigError when none fits."""
+    ms = shape_from_args(a)
+    budget = mp.PLAN_HEADROOM * a.gpu_memory_gib * 2 ** 30
+    found = mp.search_layouts(ms, world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
+                              micro=a.micro_batch_size, steps=a.dmd2_critic_steps_per_rollout,
+                              denoise=a.dmd2_denoising_steps, bf16=a.bf16, guidance=a.dmd2_teacher_guidance_scale,
+                              scores=a.attention_kernel == "math")
+    best, plan_, _, fits = found[0]
+    if not fits:
+        raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gib:g} GiB per GPU for "
+                          f"--model-size {a.model_size} at --micro-batch-size {a.micro_batch_size}: the smallest "
+                          f"peak is {fmt_bytes(min(max(f[2].values()) for f in found))} ({found[0][0].describe()})")
+    if a.emit_flags:
+        print(" ".join(best.flags()))
+        return
+    print(describe_model(a.model_size, ms))
+    print(f"layouts of {a.world_size} GPUs ({a.gpus_per_node} per node), best first; peak per GPU against "
+          f"{mp.PLAN_HEADROOM:g} x {a.gpu_memory_gib:g} GiB:")
+    rows = [[f[0].describe(), fmt_bytes(max(f[2].values())), "fits" if f[3] else "no"] for f in found[:12]]
+    print(mp.format_table(["layout", "peak", "fits"], rows, left=3))
+    if len(found) > 12:
+        print(f"... and {len(found) - 12} more")
+    print(f"\nchosen: {best.describe()}\n  flags: {' '.join(best.flags())}\n")
+    a.tensor_model_parallel_size, a.context_parallel_size, a.data_parallel_size = best.tp, best.cp, best.dp
+    a.sequence_parallel, a.use_distributed_optimizer = best.sp, best.dist_opt
+    a.recompute_granularity = "full" if best.recompute else None
+    plan(a)
+
+
 def plan(a: argparse.Namespace) -> None:
     ms = shape_from_args(a)
-    tp, dp = a.tensor_model_parallel_size, a.data_parallel_size
+    tp, dp, cp, sp = a.tensor_model_parallel_size, a.data_parallel_size, a.context_parallel_size, a.sequence_parallel
     per_rank = mp.params_per_rank(ms, tp)  # ConfigError unless TP divides the heads
+    if cp > 1 and ms.spec.num_heads % (tp * cp):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} must divide the "
+                          f"{ms.spec.num_heads} heads")
     counts = mp.param_counts(ms)
     total = counts["sharded"] + counts["replicated"]
     k, n, b = a.dmd2_critic_steps_per_rollout, a.dmd2_denoising_steps, a.micro_batch_size
     recompute = a.recompute_granularity == "full"
     plan = mp.plan_cycle(ms, tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=a.bf16, recompute=recompute,
-                         guidance=a.dmd2_teacher_guidance_scale, dist_opt=a.use_distributed_optimizer)
+                         guidance=a.dmd2_teacher_guidance_scale, dist_opt=a.use_distributed_optimizer, cp=cp, sp=sp,
+                         scores=a.attention_kernel == "math")
     print(describe_model(a.model_size, ms))
+    layout = (f"CP={cp} " if cp > 1 else "") + f"DP={dp}" + (" SP" if sp else "")
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
-          f"({fmt_count(counts['replicated'])} replicated); DP={dp} ({tp * dp} GPUs); B={b} per rank, K={k}, "
-          f"N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}"
-          f"{'; optimizer state sharded over DP' if a.use_distributed_optimizer else ''}; "
+          f"({fmt_count(counts['replicated'])} replicated); {layout} ({tp * cp * dp} GPUs); B={b} per DP rank, "
+          f"K={k}, N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}"
+          f"{'; optimizer state sharded over DP x CP' if a.use_distributed_optimizer else ''}; "
           f"recompute {a.recompute_granularity or 'none'}; teacher guidance {a.dmd2_teacher_guidance_scale}")
-    print(f"forward {mp.forward_flops(ms, 1, tp) / 1e12:.4g} TFLOP per sample per rank (matmuls, attention included)")
+    print(f"forward {mp.forward_flops(ms, 1, tp) / cp / 1e12:.4g} TFLOP per sample per rank (matmuls, attention "
+          f"included)")
     print("\nper-rank bytes of each role (AdamW):")
     kinds = ["weights", "grads", "optimizer"]
     head = ["role", "parameters", "fp32 gradients", "optimizer state", "total"]

@@ -10,7 +10,10 @@ References, all independent of the planner's formulas:
     TP=2 too, per rank);
   * activations kept for backward: saved-tensor hooks (unique non-parameter storages) - the estimate
     is within ACT_FACTOR either way, with and without full recompute, fp32 and bf16 (Wan: equal at TP 1
-    and 2 but for the bf16 temporaries the hooks see);
+    and 2; at CP=2 and at TP=2 with --sequence-parallel, torchrun, within 5% and equal with recompute;
+    SDPA's math path, --attention-kernel math: equal in fp32, within 10% in bf16);
+  * the layout search: every layout valid, the first the smallest TP x CP that fits; Wan 2.1 14B at 81 x 480p
+    and 81 x 720p on 64 GPUs of 80 GB fits, and its --emit-flags parse as trainer flags;
   * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds.
 """
 from __future__ import annotations
@@ -267,36 +270,69 @@ def test_wan_14b_count_equals_meta_build(ps):
             mp.params_per_rank(ms, tp)
 
 
-WAN_TP2 = WAN_SHAPES[0]
+# (TP, CP, SP) of the torchrun reports: TP=2 (the per-rank maths is exact), CP=2 and TP=2 with SP (estimates)
+LAYOUTS = {"tp2": (2, 1, False), "cp2": (1, 2, False), "tp2sp": (2, 1, True)}
 
 
-def tp2_report(out_dir: str) -> None:
-    """Under torchrun with 2 ranks (test_wan_tp2_shards_match_per_rank_maths): this rank's parameter split,
-    forward FLOPs and bytes kept for backward of WAN_TP2 at TP=2, fp32 and bf16, in out_dir/rank<r>.json."""
+def layout_report(name: str, out_dir: str) -> None:
+    """Under torchrun with 2 ranks (test_wan_layout_per_rank_maths): this rank's parameter split, forward FLOPs
+    and bytes kept for backward of the Wan shapes at layout `name`, fp32 and bf16, with and without recompute,
+    in out_dir/<name>_rank<r>.json."""
     from dmd2_mega.config import ParallelConfig
     from dmd2_mega.parallel import destroy_distributed, init_distributed
-    ps = init_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    tp, cp, sp = LAYOUTS[name]
+    ps = init_distributed(ParallelConfig(tp, cp, sp))
     report = {}
-    for bf16 in (False, True):
-        model, ms = make(ps, *WAN_TP2, bf16)
-        report["bf16" if bf16 else "fp32"] = {"split": split(model), "flops": counted_flops(model, ms, 3),
-                                              "kept": kept_bytes(model, ms, 3)}
-    with open(os.path.join(out_dir, f"rank{ps.rank}.json"), "w") as f:
+    for i, shape in enumerate((WAN_SHAPES[0], WAN_SHAPES[2])):
+        for bf16 in (False, True):
+            for recompute in (None, "full"):
+                model, ms = make(ps, *shape, bf16, recompute)
+                key = f"{i} {'bf16' if bf16 else 'fp32'} {recompute}"
+                report[key] = {"split": split(model), "kept": kept_bytes(model, ms, 3),
+                               "flops": counted_flops(model, ms, 3) if i == 0 and recompute is None else None}
+    with open(os.path.join(out_dir, f"{name}_rank{ps.rank}.json"), "w") as f:
         json.dump(report, f)
     destroy_distributed()
 
 
-def test_wan_tp2_shards_match_per_rank_maths(tmp_path):
-    torchrun(2, __file__, ["--tp2-report", tmp_path]).check("wan-debug at TP=2")
-    ms = mp.model_shape_from_info(WAN_TP2[0], data_info(*WAN_TP2[1:]))
-    counts = mp.param_counts(ms)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_wan_layout_per_rank_maths(tmp_path, name):
+    """TP=2: shards, FLOPs and kept bytes exactly the per-rank maths. CP=2 and TP=2 with SP (18- and 75-token
+    grids, the second padded): the kept bytes within 5% of the estimate, with recompute exactly."""
+    torchrun(2, __file__, ["--layout-report", name, tmp_path]).check(f"wan-debug at {name}")
+    tp, cp, sp = LAYOUTS[name]
     for rank in (0, 1):
-        report = json.load(open(tmp_path / f"rank{rank}.json"))
-        for kind, got in report.items():
-            assert got["split"] == [counts["sharded"] // 2, counts["replicated"]]
-            assert mp.params_per_rank(ms, 2) == sum(got["split"])
-            assert got["flops"] == mp.forward_flops(ms, 3, tp=2) < mp.forward_flops(ms, 3, tp=1)
-            assert got["kept"] == mp.saved_activation_bytes(ms, 3, 2, kind == "bf16"), (rank, kind)
+        report = json.load(open(tmp_path / f"{name}_rank{rank}.json"))
+        for key, got in report.items():
+            i, kind, recompute = key.split()
+            shape = (WAN_SHAPES[0], WAN_SHAPES[2])[int(i)]
+            ms = mp.model_shape_from_info(shape[0], data_info(*shape[1:]))
+            counts = mp.param_counts(ms)
+            assert got["split"] == [counts["sharded"] // tp, counts["replicated"]]
+            if got["flops"] is not None and name == "tp2":
+                assert got["flops"] == mp.forward_flops(ms, 3, tp=2) < mp.forward_flops(ms, 3, tp=1), key
+            est = mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", recompute == "full", cp=cp, sp=sp)
+            if name == "tp2" or recompute == "full":
+                assert got["kept"] == est, (name, rank, key, got["kept"], est)
+            else:
+                assert abs(got["kept"] - est) <= 0.05 * got["kept"], (name, rank, key, got["kept"], est)
+            if cp > 1 or sp:
+                assert got["kept"] < mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", recompute == "full")
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_math_attention_scores(ps, bf16):
+    """--attention-kernel math: SDPA's math path keeps the probabilities; fp32 exact, bf16 within 10%."""
+    for shape in (WAN_SHAPES[0], WAN_SHAPES[2]):
+        model, ms = make(ps, *shape, bf16)
+        with sdpa_kernel(SDPBackend.MATH):
+            got = kept_bytes(model, ms, 3)
+        est = mp.saved_activation_bytes(ms, 3, 1, bf16, scores=True)
+        assert est > mp.saved_activation_bytes(ms, 3, 1, bf16)
+        if bf16:
+            assert abs(got - est) <= 0.1 * got, (shape, got, est)
+        else:
+            assert got == est, (shape, got, est)
 
 
 def test_wan_config_json_without_cross_attn_norm(ps, tmp_path, capsys):
@@ -440,5 +476,58 @@ def test_choose_offload_picks_the_cheapest_fitting_set():
     assert gan["actor"] - mp.phase_bytes(plan, every_role)["actor"] == plan.roles["critic"]["weights"]
 
 
-if __name__ == "__main__":  # torchrun's script for test_wan_tp2_shards_match_per_rank_maths
-    tp2_report(sys.argv[sys.argv.index("--tp2-report") + 1])
+def test_search_layouts_order_and_validity():
+    ms = mp.model_shape("wan-digits", 1, (16, 32, 32), num_classes=None, cond_shape=(4, 16))
+    kw = dict(world=8, gpus_per_node=4, micro=2, steps=2, denoise=4, bf16=True)
+    roomy = mp.search_layouts(ms, budget=2 ** 40, **kw)
+    assert roomy[0][0] == mp.Layout(1, 1, 8, False, frozenset())  # everything fits: pure DP, nothing traded
+    for lay, plan, totals, fits in roomy:
+        assert lay.tp * lay.cp * lay.dp == 8 and ms.spec.num_heads % (lay.tp * lay.cp) == 0 and 4 % lay.tp == 0
+        assert fits and lay.dist_opt == (lay.dp * lay.cp > 1) and lay.sp == (lay.tp > 1)
+    # a budget only split layouts meet: the first that fits has the smallest TP x CP of those that fit
+    budget = 0.9 * max(roomy[0][2].values())
+    tight = mp.search_layouts(ms, budget=budget, **kw)
+    fitting = [f for f in tight if f[3]]
+    assert tight[0][3] and tight[0][0].tp * tight[0][0].cp == min(f[0].tp * f[0].cp for f in fitting)
+    assert max(tight[0][2].values()) <= budget
+    assert not mp.search_layouts(ms, budget=1.0, **kw)[0][3]  # nothing fits one byte: the first says so
+
+
+@pytest.mark.parametrize("latent,tokens", [(["16", "21", "60", "104"], 32760), (["16", "21", "90", "160"], 75600)],
+                         ids=["480p", "720p"])
+def test_cli_search_wan_14b_fits_80gb(capsys, latent, tokens):
+    from dmd2_mega.arguments import parse_dmd2_args
+    row = ["--model-size", "wan2.1-14b", "--latent-shape", *latent, "--text-len", "512", "--micro-batch-size", "1",
+           "--bf16", "--dmd2-teacher-guidance-scale", "5", "--world-size", "64", "--gpus-per-node", "8", "--search"]
+    assert plan_memory.main(row) == 0
+    out = capsys.readouterr().out
+    assert f"-> {tokens} tokens" in out and "chosen: TP=" in out
+    assert "fits in 80 GiB" in out.split("peak time-sliced")[1].splitlines()[0]
+    assert plan_memory.main(row + ["--emit-flags"]) == 0
+    flags = capsys.readouterr().out.split()
+    cfg = parse_dmd2_args(["--teacher-load", "t", *flags])
+    p = cfg.parallel
+    assert 64 % (p.tensor_model_parallel_size * p.context_parallel_size) == 0
+    assert p.sequence_parallel == (p.tensor_model_parallel_size > 1) and cfg.optim.use_distributed_optimizer
+
+
+def test_cli_search_errors(capsys):
+    base = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--bf16"]
+    assert plan_memory.main(base + ["--search"]) == 1
+    assert "--search needs --world-size" in capsys.readouterr().err
+    assert plan_memory.main(base + ["--world-size", "8", "--search", "--gpu-memory-gib", "16"]) == 1
+    assert "no layout of 8 GPUs fits 16 GiB per GPU" in capsys.readouterr().err
+    assert plan_memory.main(base + ["--emit-flags"]) == 1
+    assert "add --search" in capsys.readouterr().err
+
+
+def test_distributed_optimizer_shards_over_dp_times_cp():
+    ms = mp.model_shape("wan-debug", 4, (3, 4, 6), num_classes=None, cond_shape=(7, 16))
+    kw = dict(tp=1, micro=1, steps=2, denoise=4, bf16=True, dist_opt=True)
+    assert (mp.plan_cycle(ms, dp=2, cp=2, **kw).roles["student"]
+            == mp.role_bytes(ms, 1, 4, True, trained=True, dist_opt=True))
+
+
+if __name__ == "__main__":  # torchrun's script for test_wan_layout_per_rank_maths
+    at = sys.argv.index("--layout-report")
+    layout_report(sys.argv[at + 1], sys.argv[at + 2])

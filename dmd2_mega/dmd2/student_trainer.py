@@ -180,7 +180,8 @@ class DMD2Trainer(RunStateTrainer):
         plan = mp.plan_cycle(ms, tp=ps.tp_size, dp=ps.dp_size, micro=t.micro_batch_size,
                              steps=d.critic_steps_per_rollout, denoise=len(self.settings.student_sigmas),
                              bf16=self.cfg.optim.bf16, recompute=self.cfg.model.recompute_granularity == "full",
-                             guidance=d.teacher_guidance_scale, dist_opt=self.cfg.optim.use_distributed_optimizer)
+                             guidance=d.teacher_guidance_scale, dist_opt=self.cfg.optim.use_distributed_optimizer,
+                             cp=ps.cp_size, sp=ps.sequence_parallel)
         roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
         note = f"memory plan: phase peak {max(totals.values()) / 2**30:.1f} GiB of {gib:g} GiB"
         return roles, note + ("" if fits else "; OVER the budget even with every role offloaded")

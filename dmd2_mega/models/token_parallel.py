@@ -214,7 +214,7 @@ class TokenSplit:
         if self.cp == self.sp == 1:
             return t
         start = (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
-        return self._pad(t)[:, start:start + self.local_tokens]
+        return self._pad(t)[:, start:start + self.local_tokens].contiguous()  # a view would keep all S alive
 
     def cp_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This CP chunk's rows of a per-token table [S, ...] (rotary cos / sin), padded with the last row."""
