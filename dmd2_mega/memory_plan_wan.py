@@ -39,10 +39,10 @@ Activations a training forward of n samples keeps for backward, per block (c = 1
     term) and counts the torch path of the fused kernels, which saves what the Triton path saves.
 Context / sequence parallelism (`models/token_parallel.py`): with S padded to a multiple of C (x t under SP),
     a CP chunk holds S_c = S / C tokens and a rank S_r = S_c / t under SP (else S_c). The per-token terms above
-    count S_r (full width) or S_c (per TP shard: the matmuls see the whole chunk); under SP the three
-    column-parallel inputs (attn1's, cross-attention's q, the FFN's) are kept gathered, 3 n (S_c - S_r) D w more;
-    under CP the padded attention output before its all-to-all, n S_c D w / t more. Measured (torchrun, CP=2 and
-    TP=2 + SP, 18 and 75 tokens): within 5%, and exact with recompute (block inputs n S_r D w).
+    count S_r (full width; the column-parallel linears keep their local input and gather it again in backward)
+    or S_c (per TP shard: the matmuls see the whole chunk); under CP the padded attention output before its
+    all-to-all adds n S_c D w / t. Measured (torchrun, CP=2 and TP=2 + SP, 18 and 75 tokens): within 5%, and
+    exact with recompute (block inputs n S_r D w).
 SDPA's math path (`score_bytes`, --attention-kernel math in the planner) keeps the softmax probabilities in place
     of the log-sum-exps: n (a/(tC) S^2 + a/t S_c L) scores per block at 4 bytes (6 under --bf16: an fp32 softmax
     and its bf16 copy); measured on CPU: exact in fp32, within 10% in bf16.
@@ -110,9 +110,8 @@ def layer_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: boo
     Sc, Ss = tokens_per_rank(ms, tp, cp, sp)
     w = 2 if bf16 else 4
     c = 1 if s.cross_attn_norm else 0
-    gathered = 3 * n * (Sc - Ss) * D * w  # SP: the three column-parallel inputs are kept gathered
     exchanged = n * Sc * D // tp * w if cp > 1 else 0  # CP: the padded attention output before its all-to-all
-    return (n * Ss * D * (6 * w + 4 + 4 * c) + gathered + n * Sc * (9 * D + 2 * F) // tp * w + exchanged
+    return (n * Ss * D * (6 * w + 4 + 4 * c) + n * Sc * (9 * D + 2 * F) // tp * w + exchanged
             + n * L * 3 * D // tp * w + 4 * n * Ss * (7 + 2 * c) + 4 * n * Sc * 2 * s.num_heads // tp
             + 4 * n * L + 4 * n * 8 * D + (8 * D * c if bf16 else 0))  # norm2's weight and bias upcast to fp32
 

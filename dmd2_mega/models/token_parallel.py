@@ -10,8 +10,9 @@ at each chunk's global offset.
 
 Sequence parallelism (SP, `--sequence-parallel`, Megatron's, inside the TP group): between the matmuls the
 chunk is split again over the TP ranks, so LayerNorm, modulation, gates and residual adds hold S / (C x TP)
-tokens. A column-parallel linear all-gathers its input along the sequence (backward: reduce-scatter) and a
-row-parallel one reduce-scatters its output (backward: all-gather), in place of the all-reduces TP makes.
+tokens. Column-parallel linears all-gather their input along the sequence and keep only the local part (the
+backward gathers it again, and reduce-scatters the input gradient), and a row-parallel one reduce-scatters its
+output (backward: all-gather), in place of the all-reduces TP makes.
 
 Padding: any S works. The sequence is padded with zero tokens to a multiple of C (x TP under SP). The pad
 sits at the end of the last chunk, so after the all-to-all it is the tail of the full sequence and attention
@@ -92,18 +93,29 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(g, ctx.group, ctx.size), None, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    """SP entry of a column-parallel linear: all-gather along the sequence; backward reduce-scatter (each TP
-    rank's input gradient is the part from its heads)."""
+class _GatheredLinears(torch.autograd.Function):
+    """SP column-parallel linears on one input: y_i = gather(x) W_i^T + b_i, keeping only this rank's x. The
+    backward gathers x again for the weights' gradients and reduce-scatters the summed input gradient once
+    (Megatron's sequence-parallel column linear: the gathered input is never kept for backward)."""
 
     @staticmethod
-    def forward(ctx, x, group, size):
+    def forward(ctx, x, group, size, *weights_and_biases):
         ctx.group, ctx.size = group, size
-        return _gather_seq(x, group, size)
+        ctx.save_for_backward(x, *weights_and_biases[::2])
+        ctx.has_bias = [b is not None for b in weights_and_biases[1::2]]
+        full = _gather_seq(x, group, size)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights_and_biases[::2], weights_and_biases[1::2]))
 
     @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_seq(g, ctx.group, ctx.size), None, None
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = _gather_seq(x, ctx.group, ctx.size).flatten(0, -2)
+        gx, out = None, []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            gx = g.matmul(w) if gx is None else gx + g.matmul(w)
+            g2 = g.flatten(0, -2)
+            out += [g2.t().matmul(full), g2.sum(0) if has_bias else None]
+        return (_reduce_scatter_seq(gx, ctx.group, ctx.size), None, None, *out)
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -249,9 +261,13 @@ class TokenSplit:
         """A replicated tensor used by the SP-sharded tokens (module docstring); the identity without SP."""
         return _IdentitySum.apply(t, self._sp_group) if self.sp > 1 else t
 
-    def sp_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, local, D] -> [B, cp_tokens, D]: a column-parallel linear's input under SP."""
-        return _GatherSeq.apply(x, self._sp_group, self.sp) if self.sp > 1 else x
+    def sp_linears(self, x: torch.Tensor, *linears) -> tuple:
+        """Column-parallel linears (`linears.column`) on this rank's tokens x [B, local, D] -> outputs on the CP
+        chunk [B, cp_tokens, out / TP]: under SP one all-gather, the gathered input not kept for backward."""
+        if self.sp == 1:
+            return tuple(lin(x) for lin in linears)
+        params = [t for lin in linears for t in (lin.weight, lin.bias)]
+        return _GatheredLinears.apply(x, self._sp_group, self.sp, *params)
 
     def sp_reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """[B, cp_tokens, D] partial sums -> [B, local, D] reduced: a row-parallel linear's output under SP."""

@@ -180,18 +180,16 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Optional[torch.Tensor], split: TokenSplit, rope=None) -> torch.Tensor:
         """x [B, local tokens, D]; ctx None for self-attention, else the text [B, L, D] (whole on every rank)."""
-        sp = split.sp > 1
-        xs = split.sp_gather(x)  # [B, CP chunk, D]
-        column = (lambda lin, t: lin.matmul(t) + lin.bias) if sp else (lambda lin, t: lin(t))
-        q = self._heads(self.norm_q(column(self.to_q, xs), rope))
         if ctx is None:  # every token for this rank's heads (Ulysses under CP), the padding dropped
-            k = self._heads(self.norm_k(column(self.to_k, xs), rope))
-            q, k, v = (split.attention_heads(t) for t in (q, k, self._heads(column(self.to_v, xs))))
+            q, k, v = split.sp_linears(x, self.to_q, self.to_k, self.to_v)  # [B, CP chunk, D / TP] each
+            q, k = self.norm_q(q, rope), self.norm_k(k, rope)
+            q, k, v = (split.attention_heads(self._heads(t)) for t in (q, k, v))
         else:  # megatron's column linears on the text (their backward all-reduces its gradient over TP)
+            q = self._heads(self.norm_q(split.sp_linears(x, self.to_q)[0]))
             k, v = self._heads(self.norm_k(self.to_k(ctx))), self._heads(self.to_v(ctx))
         a = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend).transpose(1, 2)
         a = (split.attention_tokens(a) if ctx is None else a).flatten(2)
-        if sp:
+        if split.sp > 1:
             return split.sp_reduce_scatter(self.to_out.matmul(a)) + self.to_out.bias
         return self.to_out(a)
 
@@ -223,7 +221,7 @@ class WanBlock(nn.Module):
         h = h + self.attn2(n, ctx, split)
         n = kernels.adaln_modulate(h, shift2, scale2, eps=self.eps)
         if split.sp > 1:  # MLP on the whole CP chunk of this rank's FFN columns; each rank keeps its tokens
-            f = F.gelu(self.fc1.matmul(split.sp_gather(n)) + self.fc1.bias, approximate="tanh")
+            f = F.gelu(split.sp_linears(n, self.fc1)[0], approximate="tanh")
             m = split.sp_reduce_scatter(self.fc2.matmul(f)) + self.fc2.bias
         else:
             m = self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
