@@ -24,6 +24,12 @@ weight and the row's mean square is all-reduced over the TP group inside `kernel
 sum of x^2; backward: sum of du * u). The embeddings, the output projection and the modulation tables are
 replicated; time_proj (D -> 6D) is column-parallel and gathered. LayerNorm + modulation is the fused
 `kernels.adaln_modulate`; RMSNorm + 3-D rotary (`models/rope.py`) is the fused `kernels.qk_norm_rope`.
+
+Context / sequence parallelism (`models/token_parallel.py`): the patches are split over the CP ranks (and the TP
+ranks under --sequence-parallel) before the patch embedding, self-attention exchanges sequence for heads with an
+all-to-all, cross-attention reads the whole text, and the output projection's tokens are gathered before the
+unpatchify, so every rank returns the whole v. Replicated parameters used only on a rank's tokens are tagged
+for the TP sum of their gradients under SP.
 """
 from __future__ import annotations
 
