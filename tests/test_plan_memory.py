@@ -40,6 +40,7 @@ from dmd2_mega.models import DataShape
 from dmd2_mega.models.registry import get_spec
 from dmd2_mega.models.wan import Wan, WanSpec
 from dmd2_mega.parallel import tp_partition_dim
+from benchmarks.plan_vs_measured import kept_bytes as measured_kept_bytes
 from launch import plan_memory
 from tests.utils import torchrun, world_of_one
 
@@ -95,18 +96,7 @@ def counted_flops(model, ms, n) -> int:
 
 def kept_bytes(model, ms, n) -> int:
     """Bytes of the unique non-parameter storages a training forward of n samples saves for backward."""
-    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    kept = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            kept[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*batch(ms, n))
-    del out
-    return sum(kept.values())
+    return measured_kept_bytes(model, batch(ms, n))
 
 
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
