@@ -8,6 +8,14 @@
 #   cycle_recompute  the same with --recompute-granularity full (if budget is left)
 #   flow_sdpa / flow_flash / flow_te   20 teacher steps (digits, bf16) with sdpa, flash-attn and
 #                transformer-engine; the last two only where the package imports
+#   wan13b_cycle  Wan 2.1 1.3B-shaped DMD2 at TP=1, bf16, on the GPU: random latents [16, 5, 30, 52] (1950 tokens)
+#                with text [512, 4096] written by data.write_shards, a random teacher saved by one step of
+#                launch/pretrain_flow.py (no weights are available), then 6 cycles of launch/pretrain_dmd2.py
+#                (K = 5, N = 4, guidance 5, shift 3, EMA); its log lines carry rollout-ms / critic-ms /
+#                actor-ms and the model TFLOP/s per GPU (bench_dmd2_cycle.py builds the DiT only)
+#   wan_cp2      context / sequence parallelism equal to the world of one: tests/test_token_parallel.py's CP=2,
+#                TP=2 + SP and TP=2 x CP=2 runs, on the CPU cores with gloo (two ranks cannot share one GPU
+#                under NCCL; a true CP=2 run on GPUs needs 2 of them)
 # Every step runs under `timeout` (cut to the budget left), logs to <out>/<step>.log and records its exit
 # code in <out>/summary.tsv; a failing step never stops the others. Output: $OUT/gpu_check when OUT is
 # set, else runs/gpu_check. Exit status: 0 if every step that ran passed, else 1.
@@ -15,7 +23,10 @@
 # on a machine with pip access): when `import megatron.core` fails and .whl/*.whl exist, they are installed
 # into a temporary site directory first. Without CUDA (a dry run on a CPU machine) only `env` runs; every
 # step that needs CUDA is listed as skipped ("needs CUDA") and the script exits 0.
-#   bash benchmarks/gpu_check.sh        # env: PYTHON, OUT, BUDGET_S, CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS
+# STEPS (names, space-separated) runs only those steps, the others listed as skipped ("not in STEPS"): the
+# steps' timeouts add up to more than BUDGET_S, so the later ones (the Wan steps) want a call of their own.
+#   bash benchmarks/gpu_check.sh        # env: PYTHON, OUT, BUDGET_S, STEPS, CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS
+#   STEPS="env nvidia_smi wan13b_cycle wan_cp2" bash benchmarks/gpu_check.sh
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUTDIR=${OUT:+$OUT/gpu_check}
@@ -56,6 +67,10 @@ FAILED=0
 step() {
     local name=$1 limit=$2 left=$((BUDGET_S - SECONDS)) start=$SECONDS rc note=""
     shift 2
+    if ! wanted "$name"; then
+        skip "$name" "not in STEPS"
+        return 0
+    fi
     if ((left < 20)); then
         printf '%s\tskip\t0\tbudget of %s s spent\n' "$name" "$BUDGET_S" >> "$SUMMARY"
         echo "=== $name: skipped (budget spent)"
@@ -73,6 +88,8 @@ step() {
 }
 
 has() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+
+wanted() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
 
 skip() {  # skip NAME WHY
     printf '%s\tskip\t0\t%s\n' "$1" "$2" >> "$SUMMARY"
@@ -92,7 +109,8 @@ for m in ("triton", "flash_attn", "transformer_engine", "apex", "megatron.core")
 '
 step env 60 "$PYTHON" -c "$ENV_PY"
 if ((CUDA == 0)); then  # a dry run on a machine without a GPU: say what would run, run nothing else
-    for name in nvidia_smi kernel_tests bench_kernels cycle_bf16 cycle_recompute flow_sdpa flow_flash flow_te; do
+    for name in nvidia_smi kernel_tests bench_kernels cycle_bf16 cycle_recompute flow_sdpa flow_flash flow_te \
+                wan13b_cycle wan_cp2; do
         skip "$name" "needs CUDA"
     done
     echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s): no CUDA device, only env ran"
@@ -128,6 +146,41 @@ if has transformer_engine; then
 else
     skip flow_te "transformer_engine does not import"
 fi
+
+# wan13b_cycle: run_wan_cycle in a child bash (under the step's timeout), its scratch (an 18 GiB teacher
+# checkpoint: bf16 weights, fp32 masters, Adam moments) removed after it. WAN_MODEL / WAN_LATENT / WAN_TEXT
+# make the same run small (wan-debug, "4 3 4 6", "5 16") for trying the step out on a CPU.
+WAN_DATA_PY='
+import sys, torch
+from dmd2_mega.data import write_shards
+out, n, latent, text = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(n, *map(int, latent), generator=g).bfloat16()
+cond = torch.randn(n, *map(int, text), generator=g).bfloat16()
+write_shards(out, x, cond=cond, negative=torch.randn(*map(int, text), generator=g).bfloat16())
+print(f"wrote {n} random samples: latents {list(x.shape[1:])}, text {list(cond.shape[1:])} -> {out}")
+'
+run_wan_cycle() {  # env: PYTHON, WAN_TMP, WAN_MODEL, WAN_LATENT, WAN_TEXT, WAN_DATA_PY
+    set -ex
+    "$PYTHON" -c "$WAN_DATA_PY" "$WAN_TMP/data" 16 "$WAN_LATENT" "$WAN_TEXT"
+    local common=(--model-size "$WAN_MODEL" --data "$WAN_TMP/data" --micro-batch-size 1 --bf16 --num-workers 0
+                  --timestep-shift 3)
+    "$PYTHON" launch/pretrain_flow.py "${common[@]}" --train-iters 1 --log-interval 1 --save "$WAN_TMP/teacher"
+    "$PYTHON" launch/pretrain_dmd2.py "${common[@]}" --teacher-load "$WAN_TMP/teacher" --train-iters 6 \
+        --log-interval 2 --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale 5 --ema-decay 0.99
+}
+export -f run_wan_cycle
+WAN_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wan13b_cycle.XXXXXX")
+export WAN_TMP WAN_DATA_PY PYTHON WAN_MODEL=${WAN_MODEL:-wan2.1-1.3b} WAN_LATENT=${WAN_LATENT:-16 5 30 52} \
+    WAN_TEXT=${WAN_TEXT:-512 4096}
+step wan13b_cycle 210 bash -c run_wan_cycle
+rm -rf "$WAN_TMP"
+
+# wan_cp2: on the CPU (CUDA hidden, gloo); the teacher-trainer CP test is left out: its fixture needs diffusers
+step wan_cp2 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1 "$PYTHON" -m pytest -q \
+    -p no:cacheprovider tests/test_token_parallel.py \
+    -k "(cp2_equals_cp1 or sequence_parallel or tp2_cp2) and not teacher_trainer"
 
 echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s)"
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"

@@ -4,12 +4,17 @@ The printed per-node torchrun command is parsed by torchrun's OWN argument parse
 (torch.distributed.run.get_args_parser) and its script flags by the project's parsers, so a
 misspelled flag, a wrong node count or a bad rendezvous address fails here. The srun line's per-node
 `bash -c` is executed with a fake torchrun that records its argv, as each node's task would run it.
+The Wan 2.1 recipes take their layout from launch/plan_memory.py --search --emit-flags at job start: a fake
+planner checks what it is asked and that its flags (and only they) set the layout; the real one, that its line
+reaches every node; a failing planner stops the job with exit 3 before anything is launched.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -22,11 +27,11 @@ SCRIPTS = {"flow": ("launch/slurm/pretrain_flow.sbatch", "launch/pretrain_flow.p
            "dmd2": ("launch/slurm/pretrain_dmd2.sbatch", "launch/pretrain_dmd2.py", parse_dmd2_args)}
 
 
-def run_script(path: str, env: dict, extra_path: str = "") -> subprocess.CompletedProcess:
+def run_script(path: str, env: dict, extra_path: str = "", timeout: float = 30) -> subprocess.CompletedProcess:
     search = os.pathsep.join(p for p in (extra_path, "/usr/bin", "/bin") if p)
     base = {"PATH": search, "HOME": os.environ.get("HOME", "/")}
     return subprocess.run(["bash", os.path.join(REPO, path)], cwd=REPO, env={**base, **env}, text=True,
-                          capture_output=True, timeout=30)
+                          capture_output=True, timeout=timeout)
 
 
 def node_commands(out: str) -> list:
@@ -122,3 +127,206 @@ def test_outside_an_allocation_refuses_to_launch(kind):
     assert res.returncode == 2
     assert "not inside a SLURM allocation" in res.stderr and "DRY_RUN=1" in res.stderr
     assert "torchrun" not in res.stdout
+
+
+# ---- the Wan 2.1 recipes: their layout is launch/plan_memory.py's choice, made when the job starts -----------
+
+WAN = {"14b": ("launch/slurm/dmd2_wan2.1_14b.sbatch", "wan2.1-14b", 8),  # script, planner's model, nodes
+       "1.3b": ("launch/slurm/dmd2_wan2.1_1.3b.sbatch", "wan2.1-1.3b", 1)}
+PLANNER = os.path.join(REPO, "launch", "plan_memory.py")
+LAYOUT = ["--tensor-model-parallel-size", "4", "--context-parallel-size", "2", "--sequence-parallel",
+          "--use-distributed-optimizer", "--recompute-granularity", "full", "--offload-inactive"]
+
+
+def fake_python(tmp_path, flags: str = " ".join(LAYOUT), table: str = "FAKE PLAN TABLE", rc: int = 0) -> str:
+    """A stand-in for the `python` that runs launch/plan_memory.py: appends its argv to calls.txt, prints `flags`
+    for --emit-flags and `table` otherwise, then exits `rc` (with a ConfigError line on stderr when rc != 0)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+printf '%s\\n' "$*" >> {shlex.quote(str(tmp_path / "calls.txt"))}
+[[ {rc} != 0 ]] && {{ echo "ConfigError: no layout fits" >&2; exit {rc}; }}
+for a in "$@"; do [[ "$a" == --emit-flags ]] && {{ printf '%s\\n' {shlex.quote(flags)}; exit 0; }}; done
+printf '%s\\n' {shlex.quote(table)}
+""")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def wan_teacher(tmp_path, model: str) -> str:
+    """A converted teacher as the trainer's flag parser sees it: a folder with the size's diffusers config.json."""
+    from dmd2_mega.models import get_spec
+    d = tmp_path / "wan teacher"  # a space: the path must survive the quoting
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(get_spec(model).diffusers_config()))
+    return str(d)
+
+
+def wan_env(kind: str, tmp_path, python: str, **extra) -> dict:
+    return {"DRY_RUN": "1", "TEACHER": wan_teacher(tmp_path, WAN[kind][1]), "DATA_PATH": "/data/wan shards",
+            "SAVE": "/runs/wan student", "PYTHON": python, **extra}
+
+
+def option(argv: list, flag: str, n: int = 1) -> list:
+    i = argv.index(flag)
+    return argv[i + 1:i + 1 + n]
+
+
+def contains_run(seq: list, part: list) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+@pytest.mark.parametrize("kind", sorted(WAN))
+def test_wan_dry_run_plans_the_layout_and_prints_a_valid_torchrun_command_per_node(kind, tmp_path):
+    script, model, nodes = WAN[kind]
+    env = wan_env(kind, tmp_path, fake_python(tmp_path))
+    res = run_script(script, env)
+    assert res.returncode == 0, res.stderr
+    assert "FAKE PLAN TABLE" in res.stdout  # the planner's table is in the job log
+    table_call, flags_call = [shlex.split(c) for c in (tmp_path / "calls.txt").read_text().splitlines()]
+    assert table_call[0] == PLANNER and flags_call == table_call + ["--emit-flags"]
+    want = {"--model-size": [model], "--latent-shape": ["16", "21", "60", "104"], "--text-len": ["512"],
+            "--micro-batch-size": ["1"], "--dmd2-critic-steps-per-rollout": ["5"], "--dmd2-denoising-steps": ["4"],
+            "--dmd2-teacher-guidance-scale": ["5"], "--gpu-memory-gib": ["80"], "--world-size": [str(8 * nodes)],
+            "--gpus-per-node": ["8"]}
+    assert {f: option(table_call, f, len(v)) for f, v in want.items()} == want
+    assert "--search" in table_call and "--bf16" in table_call
+    cmds = node_commands(res.stdout)
+    assert len(cmds) == nodes
+    for rank, cmd in enumerate(cmds):
+        a = get_args_parser().parse_args(cmd[1:])
+        assert (a.nnodes, a.nproc_per_node, a.node_rank, a.master_addr) == (str(nodes), "8", rank, "node001")
+        assert a.training_script == "launch/pretrain_dmd2.py"
+        assert contains_run(a.training_script_args, LAYOUT)  # the planner's flags, as it printed them
+        cfg = parse_dmd2_args(a.training_script_args)  # every flag exists and validates
+        p = cfg.parallel
+        assert (p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel) == (4, 2, True)
+        assert cfg.optim.use_distributed_optimizer and cfg.model.recompute_granularity == "full"
+        assert cfg.model.size == cfg.dmd2.teacher_load == env["TEACHER"]  # a converted folder is a size
+        assert cfg.dmd2.student_load is None and cfg.dmd2.critic_load is None  # both start from the teacher
+        assert cfg.optim.bf16 and cfg.ema.decay == 0.99 and cfg.dmd2.offload_inactive is True
+        assert (cfg.dmd2.denoising_steps, cfg.dmd2.critic_steps_per_rollout, cfg.dmd2.teacher_guidance_scale) == \
+            (4, 5, 5.0)
+        assert cfg.train.timestep_shift == 3.0 and cfg.train.micro_batch_size == 1
+        assert cfg.train.data == "/data/wan shards" and cfg.train.save == cfg.train.load == "/runs/wan student"
+        assert cfg.train.global_batch_size is None and cfg.train.save_interval >= 1
+        assert cfg.train.eval_interval is None and cfg.train.vae is None  # no VAE, no eval
+
+
+@pytest.mark.parametrize("vae,prompts", [("/m/Wan2.1 VAE", None), ("/m/vae", "/p/eval prompts.safetensors"),
+                                         (None, "/p/prompts.safetensors")])
+def test_wan_eval_flags_follow_vae_and_eval_prompts(vae, prompts, tmp_path):
+    extra = {k: v for k, v in (("VAE", vae), ("EVAL_PROMPTS", prompts)) if v}
+    res = run_script(WAN["1.3b"][0], wan_env("1.3b", tmp_path, fake_python(tmp_path), **extra))
+    assert res.returncode == 0, res.stderr
+    cfg = parse_dmd2_args(get_args_parser().parse_args(node_commands(res.stdout)[0][1:]).training_script_args)
+    assert (cfg.train.vae, cfg.train.eval_prompts) == (vae, prompts)
+    assert cfg.train.eval_interval == 500 and cfg.train.eval_num_samples == 16
+
+
+def test_wan_planner_inputs_follow_the_allocation_and_the_knobs(tmp_path):
+    env = wan_env("14b", tmp_path, fake_python(tmp_path), LATENT_SHAPE="16 21 90 160", TEXT_LEN="256",
+                  PLAN_MODEL="wan2.1-1.3b", GPU_MEMORY_GIB="141", SLURM_NNODES="3",
+                  SLURM_JOB_NODELIST="gpu[4-6]", GPUS_PER_NODE="4", GUIDANCE="3.5", CRITIC_STEPS="2")
+    res = run_script(WAN["14b"][0], env)
+    assert res.returncode == 0, res.stderr
+    call = shlex.split((tmp_path / "calls.txt").read_text().splitlines()[0])
+    assert option(call, "--latent-shape", 4) == ["16", "21", "90", "160"] and option(call, "--text-len") == ["256"]
+    assert option(call, "--model-size") == ["wan2.1-1.3b"] and option(call, "--gpu-memory-gib") == ["141"]
+    assert option(call, "--world-size") == ["12"] and option(call, "--gpus-per-node") == ["4"]
+    assert option(call, "--dmd2-teacher-guidance-scale") == ["3.5"]
+    assert option(call, "--dmd2-critic-steps-per-rollout") == ["2"]
+    cmds = node_commands(res.stdout)
+    a = get_args_parser().parse_args(cmds[2][1:])
+    assert (len(cmds), a.nnodes, a.nproc_per_node, a.node_rank, a.master_addr) == (3, "3", "4", 2, "gpu4")
+    cfg = parse_dmd2_args(a.training_script_args)  # the trainer gets the values the planner was given
+    assert cfg.dmd2.teacher_guidance_scale == 3.5 and cfg.dmd2.critic_steps_per_rollout == 2
+
+
+@pytest.mark.parametrize("offload", ["--offload-inactive", "--no-offload-inactive"])
+def test_wan_time_slicing_is_the_planners_choice(offload, tmp_path):
+    flags = f"--tensor-model-parallel-size 2 --context-parallel-size 1 --use-distributed-optimizer {offload}"
+    res = run_script(WAN["1.3b"][0], wan_env("1.3b", tmp_path, fake_python(tmp_path, flags=flags)))
+    assert res.returncode == 0, res.stderr
+    args = get_args_parser().parse_args(node_commands(res.stdout)[0][1:]).training_script_args
+    cfg = parse_dmd2_args(args)  # no later flag of the script overrides the plan
+    assert cfg.dmd2.offload_inactive is (offload == "--offload-inactive")
+    assert cfg.parallel.tensor_model_parallel_size == 2 and not cfg.parallel.sequence_parallel
+    assert cfg.model.recompute_granularity is None
+
+
+@pytest.mark.parametrize("kind", sorted(WAN))
+@pytest.mark.parametrize("how", ["fails", "prints nothing", "prints two lines"])
+def test_wan_planner_failure_stops_the_job_with_a_clear_error(kind, how, tmp_path):
+    python = {"fails": lambda: fake_python(tmp_path, rc=1),
+              "prints nothing": lambda: fake_python(tmp_path, flags=""),
+              "prints two lines": lambda: fake_python(tmp_path, flags="--sequence-parallel\n--offload-inactive")}[how]()
+    res = run_script(WAN[kind][0], wan_env(kind, tmp_path, python))
+    assert res.returncode == 3, (res.returncode, res.stderr)
+    assert "launch/plan_memory.py" in res.stderr and "error:" in res.stderr
+    assert "torchrun" not in res.stdout and "# node " not in res.stdout and "# srun:" not in res.stdout
+    if how == "fails":
+        assert "ConfigError: no layout fits" in res.stderr  # the planner's own line reaches the log
+
+
+@pytest.mark.parametrize("kind", sorted(WAN))
+def test_wan_planner_missing_is_a_clear_error(kind, tmp_path):
+    res = run_script(WAN[kind][0], wan_env(kind, tmp_path, str(tmp_path / "no-such-python")))
+    assert res.returncode == 3 and "launch/plan_memory.py failed (exit 127)" in res.stderr, res.stderr
+    assert "torchrun" not in res.stdout
+
+
+@pytest.mark.parametrize("missing", ["TEACHER", "DATA_PATH"])
+def test_wan_needs_teacher_and_data(missing, tmp_path):
+    env = wan_env("14b", tmp_path, fake_python(tmp_path))
+    del env[missing]
+    res = run_script(WAN["14b"][0], env)
+    assert res.returncode == 2 and f"error: set {missing}" in res.stderr, res.stderr
+    assert not (tmp_path / "calls.txt").exists()  # nothing planned, nothing printed
+    assert "torchrun" not in res.stdout
+
+
+@pytest.mark.parametrize("kind", sorted(WAN))
+def test_wan_outside_an_allocation_refuses_to_launch(kind, tmp_path):
+    env = wan_env(kind, tmp_path, fake_python(tmp_path))
+    del env["DRY_RUN"]
+    res = run_script(WAN[kind][0], env)
+    assert res.returncode == 2 and "not inside a SLURM allocation" in res.stderr
+    assert not (tmp_path / "calls.txt").exists() and "torchrun" not in res.stdout
+
+
+def test_wan_srun_runs_torchrun_with_the_planned_layout(tmp_path):
+    log = tmp_path / "argv.txt"
+    fake = tmp_path / "torchrun"
+    fake.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {shlex.quote(str(log))}\n')
+    fake.chmod(0o755)
+    res = run_script(WAN["14b"][0], wan_env("14b", tmp_path, fake_python(tmp_path), TORCHRUN=str(fake)))
+    assert res.returncode == 0, res.stderr
+    srun = srun_command(res.stdout)
+    assert srun[:6] == ["srun", "--nodes", "8", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    subprocess.run(srun[srun.index("bash"):], env={"SLURM_NODEID": "5", "PATH": "/usr/bin:/bin"}, check=True,
+                   timeout=30)
+    argv = log.read_text().splitlines()
+    assert argv[:2] == ["--node-rank", "5"] and contains_run(argv, LAYOUT)
+    printed = node_commands(res.stdout)[5]
+    assert argv[argv.index("launch/pretrain_dmd2.py"):] == printed[printed.index("launch/pretrain_dmd2.py"):]
+
+
+# The real planner: its --search --emit-flags line is what every node runs (each planner call imports torch, so one
+# script is enough here; the fake planner above covers the rest).
+@pytest.mark.timeout(300)
+def test_wan_dry_run_with_the_real_planner(tmp_path):
+    script, model, nodes = WAN["14b"]
+    res = run_script(script, wan_env("14b", tmp_path, sys.executable), timeout=240)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    start = out.index("# memory plan (launch/plan_memory.py --search):")
+    end = next(i for i, line in enumerate(out) if line.startswith("# layout: "))
+    flags = shlex.split(out[end][len("# layout: "):])
+    assert len(out[start + 1:end]) > 3 and "chosen: TP=" in res.stdout, res.stdout  # the table, in the log
+    assert flags[:2] == ["--tensor-model-parallel-size", "2"] and "--sequence-parallel" in flags  # docs/performance.md
+    for cmd in node_commands(res.stdout):
+        a = get_args_parser().parse_args(cmd[1:])
+        assert contains_run(a.training_script_args, flags)
+        cfg = parse_dmd2_args(a.training_script_args)
+        tp_cp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.context_parallel_size
+        assert (8 * nodes) % tp_cp == 0 and 40 % tp_cp == 0  # ranks and heads
