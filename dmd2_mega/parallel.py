@@ -94,8 +94,8 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
     if world % (tp * cp) != 0:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} does not divide the "
-                          f"world size {world} (torchrun --nproc-per-node x --nnodes)")
+        what = f"--tensor-model-parallel-size {tp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+        raise ConfigError(f"{what} does not divide the world size {world} (torchrun --nproc-per-node x --nnodes)")
     if cfg.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel shards the sequence inside the TP group; it needs "
                           "--tensor-model-parallel-size > 1")

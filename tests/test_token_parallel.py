@@ -18,7 +18,6 @@ family (dmd2_mega/models/token_parallel.py; issue 16, items 1-2).
 """
 import os
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -27,12 +26,11 @@ from dmd2_mega.config import ParallelConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import BuildOptions, DataShape, build_model, get_spec
 from dmd2_mega.models.token_parallel import TokenSplit
-from tests.utils import (DMD2_TRACE_KEYS, MP_SCRIPTS, PRETRAIN, PRETRAIN_DMD2, REPO, assert_traces_close, launch,
-                         python, read_trace, torchrun)
+from tests.utils import (DMD2_TRACE_KEYS, MP_SCRIPTS, PRETRAIN, PRETRAIN_DMD2, assert_traces_close,
+                         converted_wan_teacher, launch, python, read_trace, torchrun)
 
 pytestmark = pytest.mark.timeout(600)
 SCRIPT = os.path.join(MP_SCRIPTS, "wan_token_parallel.py")
-CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "actor-gan-loss")
 
 
@@ -123,24 +121,8 @@ def test_world_not_divisible_names_both_flags():
 @pytest.fixture(scope="module")
 def wan4(tmp_path_factory):
     """(converted teacher, data): a tiny random diffusers Wan with 4 heads of 6; latents [4, 3, 6, 6] (27 tokens)."""
-    from diffusers import WanTransformer3DModel
-    from dmd2_mega.data import write_shards
-    d = tmp_path_factory.mktemp("wan4")
-    cfg = {**get_spec("wan-debug").diffusers_config(), "num_attention_heads": 4, "attention_head_dim": 6}
-    cfg.pop("_class_name")
-    torch.manual_seed(11)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = WanTransformer3DModel(**cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    ref.save_pretrained(d / "tiny")
-    python(CONVERT, ["--from-diffusers", d / "tiny", "--save", d / "teacher"]).check("convert")
-    g = torch.Generator().manual_seed(0)
-    lat, cond = torch.randn(32, 4, 3, 6, 6, generator=g), torch.randn(32, 5, 16, generator=g)
-    write_shards(str(d / "data"), lat, cond=cond, shard_size=8, negative=torch.randn(5, 16, generator=g))
-    return str(d / "teacher"), str(d / "data")
+    return converted_wan_teacher(str(tmp_path_factory.mktemp("wan4")), num_attention_heads=4, attention_head_dim=6,
+                                 latent=(4, 3, 6, 6))
 
 
 def dmd2_args(teacher, data, out, iters):

@@ -20,11 +20,10 @@ import pytest
 import torch
 
 from dmd2_mega.data import write_shards
-from dmd2_mega.models import get_spec
 from dmd2_mega.pretrained import load_model
 from dmd2_mega.sampling import few_step_sample
-from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, launch, python, read_trace,
-                         world_of_one)
+from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, converted_wan_teacher, launch,
+                         python, read_trace, world_of_one)
 
 pytestmark = pytest.mark.timeout(600)
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
@@ -36,22 +35,11 @@ GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "actor-gan-loss")
 def setup(tmp_path_factory):
     """(converted teacher at TP=1, data dir, the same data without its negative prompt)."""
     d = tmp_path_factory.mktemp("wan_dmd2")
-    cfg = get_spec("wan-debug").diffusers_config()
-    cfg.pop("_class_name")
-    torch.manual_seed(11)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = WanTransformer3DModel(**cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    ref.save_pretrained(d / "tiny")
-    python(CONVERT, ["--from-diffusers", d / "tiny", "--save", d / "teacher"]).check("convert")
-    g = torch.Generator().manual_seed(0)
+    teacher, data = converted_wan_teacher(str(d))
+    g = torch.Generator().manual_seed(0)  # the same latents and text, without the negative prompt
     lat, cond = torch.randn(32, 4, 3, 4, 6, generator=g), torch.randn(32, 5, 16, generator=g)
-    write_shards(str(d / "data"), lat, cond=cond, shard_size=8, negative=torch.randn(5, 16, generator=g))
     write_shards(str(d / "data_noneg"), lat, cond=cond, shard_size=8)
-    return str(d / "teacher"), str(d / "data"), str(d / "data_noneg")
+    return teacher, data, str(d / "data_noneg")
 
 
 def args(teacher, data, out, iters=2, extra=()):

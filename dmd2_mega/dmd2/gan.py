@@ -67,7 +67,7 @@ class GANCritic(FamilyModel):
         self.head = GANHead(trunk.feature_dim, generator=gen).to(next(trunk.parameters()).device)
         # the head reads token-mean features that every CP rank holds whole, so each CP rank's head gradient is the
         # whole gradient, not a part of it as for the trunk (models/token_parallel.py)
-        mark_whole_over_cp(self.head.parameters(), trunk.options.context_parallel > 1)
+        mark_whole_over_cp(self.head.parameters(), getattr(getattr(trunk, "options", None), "context_parallel", 1) > 1)
 
     def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, gan_inputs: Optional[tuple] = None):
         """v [B, *shape]; with gan_inputs = (x', sigma', cond'): (v, logits [B'] on x')."""

@@ -106,7 +106,7 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     the abstract methods cannot be instantiated."""
 
     spec: object
-    options: "BuildOptions"
+    options: BuildOptions = BuildOptions()
     """How it was built: a wrapper of the model (the GAN critic) reads the context-parallel size here."""
     num_feature_layers: int
     feature_dim: int

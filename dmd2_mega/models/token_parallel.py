@@ -71,26 +71,18 @@ def _heads_to_seq(y: torch.Tensor, group, size: int) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n // size, size * hc, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Adjoint(torch.autograd.Function):
+    """y = fwd(x, group, size) whose gradient is bwd(dy, group, size): the sequence <-> heads all-to-alls are each
+    other's adjoint, as are the reduce-scatter and the all-gather along the sequence."""
+
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return _seq_to_heads(x, group, size)
+    def forward(ctx, x, fwd, bwd, group, size):
+        ctx.bwd, ctx.group, ctx.size = bwd, group, size
+        return fwd(x, group, size)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g, ctx.group, ctx.size), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, size):
-        ctx.group, ctx.size = group, size
-        return _heads_to_seq(y, group, size)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, ctx.group, ctx.size), None, None
+        return ctx.bwd(g.contiguous(), ctx.group, ctx.size), None, None, None, None
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -116,19 +108,6 @@ class _GatheredLinears(torch.autograd.Function):
             g2 = g.flatten(0, -2)
             out += [g2.t().matmul(full), g2.sum(0) if has_bias else None]
         return (_reduce_scatter_seq(gx, ctx.group, ctx.size), None, None, *out)
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """SP exit of a row-parallel linear: sum the partial outputs and keep this rank's tokens; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return _reduce_scatter_seq(x, group, size)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group, ctx.size), None, None
 
 
 class _GatherOutput(torch.autograd.Function):
@@ -271,15 +250,15 @@ class TokenSplit:
 
     def sp_reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """[B, cp_tokens, D] partial sums -> [B, local, D] reduced: a row-parallel linear's output under SP."""
-        return _ReduceScatterSeq.apply(y, self._sp_group, self.sp) if self.sp > 1 else y
+        return _Adjoint.apply(y, _reduce_scatter_seq, _gather_seq, self._sp_group, self.sp) if self.sp > 1 else y
 
     def attention_heads(self, t: torch.Tensor) -> torch.Tensor:
         """Self-attention's q / k / v [B, cp_tokens, H, d] -> [B, S, H / C, d]: all real tokens, this rank's heads."""
         if self.cp == 1:
             return t[:, :self.tokens] if self.padded != self.tokens else t
-        return _SeqToHeads.apply(t, self._cp_group, self.cp)[:, :self.tokens]
+        return _Adjoint.apply(t, _seq_to_heads, _heads_to_seq, self._cp_group, self.cp)[:, :self.tokens]
 
     def attention_tokens(self, o: torch.Tensor) -> torch.Tensor:
         """The inverse of `attention_heads` for the attention output: [B, S, H / C, d] -> [B, cp_tokens, H, d]."""
         o = self._pad(o)
-        return _HeadsToSeq.apply(o, self._cp_group, self.cp) if self.cp > 1 else o
+        return _Adjoint.apply(o, _heads_to_seq, _seq_to_heads, self._cp_group, self.cp) if self.cp > 1 else o
