@@ -264,35 +264,43 @@ def test_wan_14b_count_equals_meta_build(ps):
 LAYOUTS = {"tp2": (2, 1, False), "cp2": (1, 2, False), "tp2sp": (2, 1, True)}
 
 
-def layout_report(name: str, out_dir: str) -> None:
-    """Under torchrun with 2 ranks (test_wan_layout_per_rank_maths): this rank's parameter split, forward FLOPs
-    and bytes kept for backward of the Wan shapes at layout `name`, fp32 and bf16, with and without recompute,
-    in out_dir/<name>_rank<r>.json."""
+def layout_report(out_dir: str) -> None:
+    """Under torchrun with 2 ranks (test_wan_layout_per_rank_maths): for each of LAYOUTS in turn (megatron-core's
+    groups rebuilt between them), this rank's parameter split, forward FLOPs and bytes kept for backward of the
+    Wan shapes, fp32 and bf16, with and without recompute, in out_dir/<layout>_rank<r>.json."""
+    from megatron.core import parallel_state as mpu
     from dmd2_mega.config import ParallelConfig
     from dmd2_mega.parallel import destroy_distributed, init_distributed
-    tp, cp, sp = LAYOUTS[name]
-    ps = init_distributed(ParallelConfig(tp, cp, sp))
-    report = {}
-    for i, shape in enumerate((WAN_SHAPES[0], WAN_SHAPES[2])):
-        for bf16 in (False, True):
-            for recompute in (None, "full"):
-                model, ms = make(ps, *shape, bf16, recompute)
-                key = f"{i} {'bf16' if bf16 else 'fp32'} {recompute}"
-                report[key] = {"split": split(model), "kept": kept_bytes(model, ms, 3),
-                               "flops": counted_flops(model, ms, 3) if i == 0 and recompute is None else None}
-    with open(os.path.join(out_dir, f"{name}_rank{ps.rank}.json"), "w") as f:
-        json.dump(report, f)
+    for name, (tp, cp, sp) in LAYOUTS.items():
+        ps = init_distributed(ParallelConfig(tp, cp, sp))
+        report = {}
+        for i, shape in enumerate((WAN_SHAPES[0], WAN_SHAPES[2])):
+            for bf16 in (False, True):
+                for recompute in (None, "full"):
+                    model, ms = make(ps, *shape, bf16, recompute)
+                    key = f"{i} {'bf16' if bf16 else 'fp32'} {recompute}"
+                    report[key] = {"split": split(model), "kept": kept_bytes(model, ms, 3),
+                                   "flops": counted_flops(model, ms, 3) if i == 0 and recompute is None else None}
+        with open(os.path.join(out_dir, f"{name}_rank{ps.rank}.json"), "w") as f:
+            json.dump(report, f)
+        mpu.destroy_model_parallel()
     destroy_distributed()
 
 
+@pytest.fixture(scope="module")
+def layout_reports(tmp_path_factory):
+    d = tmp_path_factory.mktemp("layouts")
+    torchrun(2, __file__, ["--layout-report", d], timeout=300).check("wan-debug at TP=2, CP=2, TP=2 + SP")
+    return d
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_wan_layout_per_rank_maths(tmp_path, name):
+def test_wan_layout_per_rank_maths(layout_reports, name):
     """TP=2: shards, FLOPs and kept bytes exactly the per-rank maths. CP=2 and TP=2 with SP (18- and 75-token
     grids, the second padded): the kept bytes within 5% of the estimate, with recompute exactly."""
-    torchrun(2, __file__, ["--layout-report", name, tmp_path]).check(f"wan-debug at {name}")
     tp, cp, sp = LAYOUTS[name]
     for rank in (0, 1):
-        report = json.load(open(tmp_path / f"{name}_rank{rank}.json"))
+        report = json.load(open(layout_reports / f"{name}_rank{rank}.json"))
         for key, got in report.items():
             i, kind, recompute = key.split()
             shape = (WAN_SHAPES[0], WAN_SHAPES[2])[int(i)]
@@ -519,5 +527,4 @@ def test_distributed_optimizer_shards_over_dp_times_cp():
 
 
 if __name__ == "__main__":  # torchrun's script for test_wan_layout_per_rank_maths
-    at = sys.argv.index("--layout-report")
-    layout_report(sys.argv[at + 1], sys.argv[at + 2])
+    layout_report(sys.argv[sys.argv.index("--layout-report") + 1])

@@ -11,7 +11,8 @@ family (dmd2_mega/models/token_parallel.py; issue 16, items 1-2).
      a CP chunk, and the identity in a world of one.
   c. Bad layouts are one-line errors naming the flags.
   d. launch/pretrain_dmd2.py on a converted tiny diffusers Wan (4 heads, 27 tokens) with TP = 2 x CP = 2 x DP = 2,
-     SP, the distributed optimizer, the GAN head and EMA (8 ranks) equals the world of one, cycle by cycle (1e-5
+     SP, the distributed optimizer, time-slicing, the GAN head and EMA (8 ranks) equals the world of one (its log
+     lines' phase times fit the cycle and their TFLOP/s per GPU is the cycle's FLOPs over its time), cycle by cycle (1e-5
      per trace key); CP does not change the weights: its cycle-2 checkpoint resumes at TP = 2 x CP = 1 and the
      world of one's resumes at CP = 2 (a TP change reshards weights but not optimizer state), both continuing the uninterrupted trace. launch/pretrain_flow.py at
      CP = 2 equals CP = 1.
@@ -22,10 +23,14 @@ import shutil
 import pytest
 import torch
 
+from dmd2_mega import memory_plan as mp
+from dmd2_mega.builders import data_info
 from dmd2_mega.config import ParallelConfig
+from dmd2_mega.data import build_dataset
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import BuildOptions, DataShape, build_model, get_spec
 from dmd2_mega.models.token_parallel import TokenSplit
+from tests.test_dist_optim import check_throughput_line
 from tests.utils import (DMD2_TRACE_KEYS, MP_SCRIPTS, PRETRAIN, PRETRAIN_DMD2, assert_traces_close,
                          converted_wan_teacher, launch, python, read_trace, torchrun)
 
@@ -38,14 +43,11 @@ KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "actor-gan-loss")
 
 @pytest.fixture(scope="module")
 def fb(tmp_path_factory):
+    """name -> saved output, features, loss and gradients; "ref" is TP = CP = 1 (the world of one's maths)."""
     d = tmp_path_factory.mktemp("token_parallel")
-    python(SCRIPT, ["--out", d / "ref.pt"]).check("world of one")
-    out = {"ref": torch.load(d / "ref.pt")}
-    for name, n, extra in (("cp2", 2, ["--cp", "2"]), ("tp2", 2, ["--tp", "2"]), ("tp2sp", 2, ["--tp", "2", "--sp"]),
-                           ("all", 4, ["--tp", "2", "--cp", "2", "--sp", "--recompute"])):
-        torchrun(n, SCRIPT, extra + ["--out", d / f"{name}.pt"]).check(name)
-        out[name] = torch.load(d / f"{name}.pt")
-    return out
+    torchrun(2, SCRIPT, ["--out", d, "ref:1:1:0:0", "cp2:1:2:0:0", "tp2:2:1:0:0", "tp2sp:2:1:1:0"]).check("2 ranks")
+    torchrun(4, SCRIPT, ["--out", d, "all:2:2:1:1"]).check("4 ranks")
+    return {name: torch.load(d / f"{name}.pt") for name in ("ref", "cp2", "tp2", "tp2sp", "all")}
 
 
 def assert_same(got: dict, want: dict, rtol: float, what: str) -> None:
@@ -139,9 +141,13 @@ def test_dmd2_everything_on_equals_world_of_one_and_cp_checkpoints_move(wan4, tm
     python(PRETRAIN_DMD2, dmd2_args(teacher, data, f"{d}/ref", 3), timeout=300).check("world of one")
     ref = read_trace(f"{d}/ref.jsonl")
     everything = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
-                  "--use-distributed-optimizer"]
+                  "--use-distributed-optimizer", "--offload-inactive"]  # time-sliced too (on CPU only if asked)
     res = torchrun(8, PRETRAIN_DMD2, dmd2_args(teacher, data, f"{d}/all", 2) + everything, timeout=400)
     assert "TP=2 CP=2 DP=2 SP" in res.check("TP2 x CP2 x DP2 SP dist-opt").stdout, res.tail()
+    # one cycle per GPU: B=2, K=2 (rollout K(N+1)/2 = 5, critic 3K = 6), CFG 3 (2 teacher forwards), actor 3, in
+    # forwards of one sample at TP=2, its tokens split over CP=2 (the GAN head's forwards are not counted)
+    per_sample = mp.forward_flops(mp.model_shape_from_info(teacher, data_info(build_dataset(data))), 1, 2) / 2
+    check_throughput_line(res.stdout, (5 + 6 + 2 + 3) * 2 * per_sample)
     assert_traces_close(read_trace(f"{d}/all.jsonl"), ref[:2], 1e-5, "TP2 x CP2 x DP2 + SP + dist-opt vs one", KEYS)
 
     def resume(src: str, name: str, nproc: int, extra=()):

@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """One forward + backward of a small Wan under TP / CP / SP; rank 0 saves the output and full gradients.
 
-    torchrun --standalone --nproc-per-node N tests/mp_scripts/wan_token_parallel.py --tp T --cp C [--sp]
-        [--recompute] --out out.pt          (N = T x C x DP; plain python for the world of one)
+    torchrun --standalone --nproc-per-node N tests/mp_scripts/wan_token_parallel.py --out DIR \
+        LAYOUT [LAYOUT ...]        (LAYOUT = name:TP:CP:SP:RECOMPUTE, e.g. cp2:1:2:0:0; TP x CP divides N)
+
+Each layout runs in turn in the same processes (megatron-core's groups are rebuilt between them) and rank 0
+saves DIR/<name>.pt. TP = CP = 1 on N ranks is DP = N with the same inputs on every rank: the world of one's
+maths (the DP mean of equal gradients is exact).
 
 The model (4 heads, so TP x CP up to 4) and the inputs are built from fixed seeds; the latent grid is 3 x 3 x 5
 = 45 tokens (odd, and 3 frames: neither a multiple of CP=2). The loss takes the output and the GAN head's
@@ -19,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as mpu  # noqa: E402
 
 from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.grad_buffer import GradBuffer  # noqa: E402
@@ -39,35 +44,40 @@ def inputs():
             torch.randn(x.shape, generator=g))
 
 
+def run(ps, name: str, cp: int, sp: bool, recompute: bool, out_dir: str) -> None:
+    model = Wan(SPEC, SHAPE, ps.tp_size, BuildOptions(recompute=recompute, context_parallel=cp, sequence_parallel=sp))
+    with torch.no_grad():  # Wan zero-inits its output projection; a random one lets the gradients flow
+        w = model.proj_out.weight
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) / w.shape[1] ** 0.5)
+    grads = GradBuffer(model, ps.dp_cp_group, average_over=ps.dp_size, tp_group=ps.tp_group)
+    x, sigma, cond, target = inputs()
+    out = model(x, sigma, cond)
+    feats = model.features(x, sigma, cond, 0)
+    loss = ((out - target) ** 2).mean() + (feats ** 2).mean()
+    loss.backward()
+    grads.finish()
+    ref = out.detach().clone()
+    dist.broadcast(ref, 0)
+    assert torch.equal(ref, out.detach()), f"{name}, rank {ps.rank}: the gathered output differs from rank 0's"
+    full = {n: gather_full(q.main_grad, tp_partition_dim(q), ps) for n, q in model.named_parameters()}
+    if ps.rank == 0:
+        torch.save({"out": out.detach(), "feats": feats.detach(), "loss": loss.detach(), "grads": full},
+                   os.path.join(out_dir, f"{name}.pt"))
+    grads.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--sp", action="store_true")
-    p.add_argument("--recompute", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("layouts", nargs="+")
     a = p.parse_args()
-    ps = init_distributed(ParallelConfig(a.tp, a.cp, a.sp), seed=11)
     try:
-        model = Wan(SPEC, SHAPE, ps.tp_size, BuildOptions(recompute=a.recompute, context_parallel=a.cp,
-                                                          sequence_parallel=a.sp))
-        with torch.no_grad():  # Wan zero-inits its output projection; a random one lets the gradients flow
-            w = model.proj_out.weight
-            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) / w.shape[1] ** 0.5)
-        grads = GradBuffer(model, ps.dp_cp_group, average_over=ps.dp_size, tp_group=ps.tp_group)
-        x, sigma, cond, target = inputs()
-        out = model(x, sigma, cond)
-        feats = model.features(x, sigma, cond, 0)
-        loss = ((out - target) ** 2).mean() + (feats ** 2).mean()
-        loss.backward()
-        grads.finish()
-        ref = out.detach().clone()
-        dist.broadcast(ref, 0)
-        assert torch.equal(ref, out.detach()), f"rank {ps.rank}: the gathered output differs from rank 0's"
-        full = {n: gather_full(q.main_grad, tp_partition_dim(q), ps) for n, q in model.named_parameters()}
-        if ps.rank == 0:
-            torch.save({"out": out.detach(), "feats": feats.detach(), "loss": loss.detach(), "grads": full}, a.out)
-        grads.close()
+        for layout in a.layouts:
+            name, tp, cp, sp, recompute = layout.split(":")
+            tp, cp, sp, recompute = int(tp), int(cp), sp == "1", recompute == "1"
+            ps = init_distributed(ParallelConfig(tp, cp, sp), seed=11)
+            run(ps, name, cp, sp, recompute, a.out)
+            mpu.destroy_model_parallel()  # the next layout builds its own groups on the same processes
     finally:
         destroy_distributed()
     return 0
