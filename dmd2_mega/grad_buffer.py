@@ -26,10 +26,10 @@ rest of the bucket holds this rank's own, unreduced values. Only the shard's own
 Context parallelism: the weights are replicated over DP x CP, and each CP rank's gradient is the part from its
 own tokens, so the group is DP x CP and the SUM is divided by DP only (`average_over`); a parameter tagged
 `whole_over_cp` (`parallel.mark_whole_over_cp`: the GAN head) has the whole gradient on each CP rank and is
-divided by CP first. Sequence parallelism:
-a parameter tagged `sequence_parallel` (`models/token_parallel.py`) holds the part from this TP rank's tokens;
-the synchronising backward all-reduces its main_grad over the TP group as it arrives, before its bucket's DP
-reduction (TP sum and DP mean commute, and earlier no_sync micro-batches are in main_grad already).
+divided by CP first. Sequence parallelism: a parameter tagged `sequence_parallel` (`parallel.mark_sequence_parallel`)
+holds the part from this TP rank's tokens; the synchronising backward all-reduces its main_grad over the TP group
+as it arrives, before its bucket's DP reduction (TP sum and DP mean commute, and earlier no_sync micro-batches
+are in main_grad already).
 
 Memory: one fp32 copy of the trainable parameters (4 bytes each), in place of DDP's grads + buckets in
 the model dtype; `p.grad` lives only between autograd's accumulation and the hook.

@@ -32,6 +32,7 @@ With C = 1 and no SP every function here is the identity and nothing is communic
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
