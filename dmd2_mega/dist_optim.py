@@ -42,7 +42,7 @@ from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.grad_buffer import GradBuffer
 from dmd2_mega.optim import Optimizer, param_groups
-from dmd2_mega.parallel import tp_partition_dim
+from dmd2_mega.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -186,18 +186,13 @@ class DistributedOptimizer(Optimizer):
         self.grads.zero()
 
     # ---- checkpoints: optim.Optimizer's format, whatever DP ------------------------------------------------
-    def _any(self, flag: bool) -> bool:
-        """Whether `flag` holds on any DP rank (one small all-reduce; a host sync, for checkpoints only)."""
-        t = torch.tensor([float(flag)], device=self._dev)
-        if self.grads.dp_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.grads.dp_group)
-        return bool(t.item())
-
     @torch.no_grad()
     def state_dict(self) -> dict:
         """Collective over DP: the full state in `optim.Optimizer.state_dict()`'s format, on the CPU."""
         state = self.inner.state
-        stepped = self._any(any(m in state for m in self.master_params))
+        stepped = any(m in state for m in self.master_params)
+        if self.grads.dp_group is not None:  # any DP rank's (one holding only padding has no state)
+            stepped = any_rank(stepped, self._dev, self.grads.dp_group)
         kinds = ("master", *MOMENTS) if stepped else ("master",)
         full = {k: [None] * len(self.model_params) for k in kinds}
         for b in range(len(self.grads.buckets)):

@@ -147,8 +147,11 @@ def model_shape_from_info(size: str, info: dict) -> ModelShape:
 
 class FamilyMaths(NamedTuple):
     """One family's formulas (module docstrings): param_counts(ms); forward_flops(ms, n, tp); per block
-    layer(ms, n, tp, bf16) kept for backward and block_input(ms, n, bf16) under full recompute; outside(ms,
-    n, tp, bf16, recompute) kept outside the blocks; nograd(ms, n, tp, bf16) the peak of a no-grad forward."""
+    layer(ms, n, tp, bf16, cp, sp) kept for backward and block_input(ms, n, bf16, tp, cp, sp) under full
+    recompute; outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks; nograd(ms, n, tp, bf16, cp,
+    sp) the peak of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps
+    beyond the fused kernels. cp / sp split the tokens (CP, sequence parallelism); a family without them is
+    only ever asked for cp = 1, sp = False (`_maths`)."""
 
     param_counts: Callable
     forward_flops: Callable
@@ -156,6 +159,7 @@ class FamilyMaths(NamedTuple):
     block_input: Callable
     outside: Callable
     nograd: Callable
+    scores: Callable
 
 
 def _dit_param_counts(ms: ModelShape) -> dict:
@@ -179,29 +183,33 @@ def _dit_forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
     return n * (out + s.num_layers * block // tp)
 
 
-def _dit_layer(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
+def _dit_layer(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
     h, m, S, w = ms.spec.hidden_size, ms.mlp, ms.tokens, 2 if bf16 else 4
     return n * S * (8 * h + (5 * h + 2 * m) // tp) * w + n * (ms.spec.num_heads // tp) * S * 4
 
 
-def _dit_block_input(ms: ModelShape, n: int, bf16: bool) -> int:
+def _dit_block_input(ms: ModelShape, n: int, bf16: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> int:
     return n * ms.tokens * ms.spec.hidden_size * (2 if bf16 else 4)
 
 
-def _dit_outside(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool) -> int:
+def _dit_outside(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool, cp: int = 1, sp: bool = False) -> int:
     return n * ms.tokens * (3 * ms.spec.hidden_size + ms.in_channels * ms.spec.patch_size ** 2) * (2 if bf16 else 4)
 
 
-def _dit_nograd(ms: ModelShape, n: int, tp: int, bf16: bool) -> int:
+def _dit_nograd(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
     h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
     return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
 
 
+def _dit_scores(ms: ModelShape, *_) -> int:
+    raise ConfigError("--attention-kernel math is modelled for the Wan family only")
+
+
 FAMILY_MATHS = {
     "dit": FamilyMaths(_dit_param_counts, _dit_forward_flops, _dit_layer, _dit_block_input, _dit_outside,
-                       _dit_nograd),
+                       _dit_nograd, _dit_scores),
     "wan": FamilyMaths(wan.param_counts, wan.forward_flops, wan.layer_activation_bytes, wan.block_input_bytes,
-                       wan.outside_activation_bytes, wan.nograd_activation_bytes),
+                       wan.outside_activation_bytes, wan.nograd_activation_bytes, wan.score_bytes),
 }
 
 
@@ -244,45 +252,35 @@ def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist
     return out
 
 
-def _check_split(ms: ModelShape, cp: int, sp: bool) -> None:
+def _maths(ms: ModelShape, cp: int, sp: bool) -> FamilyMaths:
+    """The family's formulas; ConfigError for a token split the family does not have (only Wan splits tokens)."""
     if ms.family != "wan" and (cp > 1 or sp):
         raise ConfigError(f"--context-parallel-size / --sequence-parallel are built for the Wan family, not "
                           f"--model-size {ms.spec.name} ({ms.family})")
+    return FAMILY_MATHS[ms.family]
 
 
 def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False, cp: int = 1,
                            sp: bool = False, scores: bool = False) -> int:
     """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `cp` and `sp`
     (Wan only) split its tokens, `scores` (Wan only) adds what SDPA's math path keeps (memory_plan_wan.py)."""
-    _check_split(ms, cp, sp)
-    if ms.family != "wan":
-        if scores:
-            raise ConfigError("--attention-kernel math is modelled for the Wan family only")
-        f = FAMILY_MATHS["dit"]
-        per_layer = f.block_input(ms, n, bf16) if recompute else f.layer(ms, n, tp, bf16)
-        return f.outside(ms, n, tp, bf16, recompute) + ms.spec.num_layers * per_layer
-    per_layer = (wan.block_input_bytes(ms, n, bf16, tp, cp, sp) if recompute
+    f = _maths(ms, cp, sp)
+    per_layer = (f.block_input(ms, n, bf16, tp, cp, sp) if recompute
                  else layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores))
-    return wan.outside_activation_bytes(ms, n, tp, bf16, recompute, cp, sp) + ms.spec.num_layers * per_layer
+    return f.outside(ms, n, tp, bf16, recompute, cp, sp) + ms.spec.num_layers * per_layer
 
 
 def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False,
                            scores: bool = False) -> int:
-    _check_split(ms, cp, sp)
-    if ms.family != "wan":
-        return FAMILY_MATHS["dit"].layer(ms, n, tp, bf16)
-    extra = wan.score_bytes(ms, n, tp, bf16, cp, sp) if scores else 0
-    return wan.layer_activation_bytes(ms, n, tp, bf16, cp, sp) + extra
+    f = _maths(ms, cp, sp)
+    return f.layer(ms, n, tp, bf16, cp, sp) + (f.scores(ms, n, tp, bf16, cp, sp) if scores else 0)
 
 
 def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False, cp: int = 1,
                      sp: bool = False, scores: bool = False) -> int:
     """Estimated peak activation bytes of one forward (+ backward when `grad`) of n samples."""
-    _check_split(ms, cp, sp)
     if not grad:
-        if ms.family != "wan":
-            return FAMILY_MATHS["dit"].nograd(ms, n, tp, bf16)
-        return wan.nograd_activation_bytes(ms, n, tp, bf16, cp, sp)
+        return _maths(ms, cp, sp).nograd(ms, n, tp, bf16, cp, sp)
     extra = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores) if recompute else 0  # the block recomputed
     return saved_activation_bytes(ms, n, tp, bf16, recompute, cp, sp, scores) + extra
 

@@ -196,12 +196,13 @@ def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Collective over the world (when one is initialised): True if `flag` is True on any rank. One host sync."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def any_rank(flag: bool, device: torch.device, group=None) -> bool:
+    """Collective over `group` (default: the world, when one is initialised): True if `flag` is True on any of its
+    ranks. One host sync."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 

@@ -190,6 +190,11 @@ class TokenSplit:
         return self.cp_tokens // self.sp
 
     @property
+    def _start(self) -> int:
+        """This rank's first token in the padded sequence (CP chunk, then its SP part)."""
+        return (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
+
+    @property
     def _cp_group(self):
         return mpu.get_context_parallel_group()
 
@@ -205,8 +210,7 @@ class TokenSplit:
         """This rank's tokens of a full [B, S, ...] tensor that no gradient flows back into (the patches)."""
         if self.cp == self.sp == 1:
             return t
-        start = (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
-        return self._pad(t)[:, start:start + self.local_tokens].contiguous()  # a view would keep all S alive
+        return self._pad(t)[:, self._start:self._start + self.local_tokens].contiguous()  # a view would keep all S alive
 
     def cp_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This CP chunk's rows of a per-token table [S, ...] (rotary cos / sin), padded with the last row."""
@@ -228,8 +232,7 @@ class TokenSplit:
         """Mean over the real tokens of [B, local, D] -> [B, D], the same on every rank."""
         if self.cp == self.sp == 1:
             return h.mean(dim=1)
-        start = (self.cp_rank * self.sp + self.sp_rank) * self.local_tokens
-        real = max(0, min(self.local_tokens, self.tokens - start))
+        real = max(0, min(self.local_tokens, self.tokens - self._start))
         total = h[:, :real].float().sum(dim=1)
         if self.sp > 1:
             total = _SumIdentity.apply(total, self._sp_group)
