@@ -38,10 +38,10 @@ from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
-from dmd2_mega.throughput import flow_step_flops, sample_flops
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.resilience import ExitController
 from dmd2_mega.run_lock import lock_run_dirs
+from dmd2_mega.throughput import flow_step_flops, sample_flops
 from dmd2_mega.sampling import eval_conditions, generate
 
 

@@ -11,11 +11,11 @@ family (dmd2_mega/models/token_parallel.py; issue 16, items 1-2).
      a CP chunk, and the identity in a world of one.
   c. Bad layouts are one-line errors naming the flags.
   d. launch/pretrain_dmd2.py on a converted tiny diffusers Wan (4 heads, 27 tokens) with TP = 2 x CP = 2 x DP = 2,
-     SP, the distributed optimizer, time-slicing, the GAN head and EMA (8 ranks) equals the world of one (its log
-     lines' phase times fit the cycle and their TFLOP/s per GPU is the cycle's FLOPs over its time), cycle by cycle (1e-5
-     per trace key); CP does not change the weights: its cycle-2 checkpoint resumes at TP = 2 x CP = 1 and the
-     world of one's resumes at CP = 2 (a TP change reshards weights but not optimizer state), both continuing the uninterrupted trace. launch/pretrain_flow.py at
-     CP = 2 equals CP = 1.
+     SP, the distributed optimizer, time-slicing, the GAN head and EMA (8 ranks) equals the world of one, cycle
+     by cycle (1e-5 per trace key); its log lines' phase times fit the cycle and their TFLOP/s per GPU is the
+     cycle's FLOPs over its time. CP does not change the weights: its cycle-2 checkpoint resumes at TP = 2 x
+     CP = 1 and the world of one's resumes at CP = 2 (a TP change reshards weights but not optimizer state),
+     both continuing the uninterrupted trace. launch/pretrain_flow.py at CP = 2 equals CP = 1.
 """
 import os
 import shutil

@@ -210,7 +210,8 @@ class TokenSplit:
         """This rank's tokens of a full [B, S, ...] tensor that no gradient flows back into (the patches)."""
         if self.cp == self.sp == 1:
             return t
-        return self._pad(t)[:, self._start:self._start + self.local_tokens].contiguous()  # a view would keep all S alive
+        # a copy: a view would keep every token of the padded tensor alive for backward
+        return self._pad(t)[:, self._start:self._start + self.local_tokens].contiguous()
 
     def cp_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This CP chunk's rows of a per-token table [S, ...] (rotary cos / sin), padded with the last row."""
