@@ -36,7 +36,14 @@ from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import DataShape, FamilyModel, ModelSize, get_size
 from dmd2_mega.models.registry import EXPERTS_FILE, boundary_ratio
 from dmd2_mega.models.wan import WAN, WanSpec
-from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
+from dmd2_mega.models.dit import DIT, DiTSpec
+from dmd2_mega.models.dit_checkpoints import DIFFUSERS_CLASS as DIT_DIFFUSERS
+from dmd2_mega.models.dit_checkpoints import (diffusers_config, diffusers_to_ours, is_diffusers_config, official_spec,
+                                              official_to_ours, our_config, ours_to_diffusers, ours_to_official,
+                                              read_json, read_official_file)
+from dmd2_mega.models.parameterization import build_adapter
+from dmd2_mega.models.wan_diffusers import (iter_tensors, model_dir, read_config, read_state, shard_files, write_folder,
+                                            write_model_folder)
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
 
@@ -93,7 +100,9 @@ def _read_source(spec: WanSpec, folders: dict, expected: dict) -> dict:
 def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[str] = None,
                      log=print) -> dict:
     """Convert (module docstring); returns {"spec", "parameters", "dir"}. A Wan 2.2 pipeline folder gives a
-    two-expert checkpoint unless `subfolder` names one expert."""
+    two-expert checkpoint unless `subfolder` names one expert. A DiTTransformer2DModel folder goes to `import_dit`."""
+    if _dit_folder(src, subfolder) is not None:
+        return import_dit(src, save, tp_size, log=log)
     spec, folders = _source(src, subfolder)
     if spec.num_heads % tp_size or spec.ffn_dim % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
@@ -102,28 +111,113 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
         raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
     meta = _meta_model(spec)
     expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
-    dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
     experts = f"two experts, boundary {spec.boundary_ratio}; " if spec.boundary_ratio is not None else ""
     log(f"> reading {', '.join(folders.values())} ({experts}{spec.num_layers} layers, {spec.num_heads} heads x "
         f"{spec.head_dim}, {sum(map(math.prod, expected.values())):,} parameters)")
     state = _read_source(spec, folders, expected)
-    args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
-
-    def payloads():  # one rank's shard at a time: replicated tensors as they are, split ones cloned (a view
-        for r in range(tp_size):  # would save its whole storage)
-            shard = {n: t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r].clone() for n, t in state.items()}
-            yield {"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size,
-                   "iteration": 0, "role": "teacher", "family": "wan", "args": args, "data_info": None,
-                   "checkpoint_version": 1}
 
     os.makedirs(save, exist_ok=True)
     shutil.copyfile(os.path.join(next(iter(folders.values())), "config.json"), os.path.join(save, "config.json"))
     if spec.boundary_ratio is not None:
         atomic_write(os.path.join(save, EXPERTS_FILE), lambda f: json.dump(
             {"boundary_ratio": spec.boundary_ratio, "experts": list(EXPERTS)}, f), text=True)
-    final = save_offline(save, 0, payloads())
+    final = _write_converted(save, state, meta, tp_size, "wan", src, None)
     log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
+
+
+def _dit_folder(src: str, subfolder: Optional[str] = None) -> Optional[str]:
+    """The model folder of a diffusers DiTTransformer2DModel folder or pipeline folder, else None."""
+    if not os.path.isdir(src):
+        return None
+    for d in (src, os.path.join(src, subfolder or "transformer")):
+        cfg = os.path.join(d, "config.json")
+        if os.path.isfile(cfg) and is_diffusers_config(read_json(cfg)):
+            return d
+    return None
+
+
+def read_dit_source(src: str, parameterization: Optional[str] = None,
+                    num_heads: Optional[int] = None) -> tuple[DiTSpec, dict]:
+    """(spec, our TP=1 state dict) of an official SiT / DiT .pt file or a diffusers DiTTransformer2DModel folder
+    (`models/dit_checkpoints.py`); shapes are checked against the model the spec builds."""
+    if os.path.isfile(src) or src.endswith((".pt", ".pth")):
+        raw = read_official_file(src)
+        spec = official_spec(raw, src, parameterization or "", num_heads)
+        state = official_to_ours(raw, spec, src)
+    else:
+        folder = _dit_folder(src)
+        if folder is None:
+            raise ConfigError(f"{src}: not a diffusers {DIT_DIFFUSERS} folder (config.json with that _class_name, "
+                              f"or a pipeline folder holding one in transformer/)")
+        spec = get_size(src).spec
+        if parameterization is not None:
+            spec = replace(spec, parameterization=parameterization)
+        state = diffusers_to_ours({k: t for f in shard_files(folder) for k, t in iter_tensors(f)}, spec, folder)
+    expected = {n: tuple(p.shape) for n, p in _meta_dit(spec).named_parameters()}
+    _check_state(state, expected, src)
+    return spec, state
+
+
+def _meta_dit(spec: DiTSpec) -> FamilyModel:
+    with torch.device("meta"):
+        return DIT.build(spec, spec.data_shape(), 1)
+
+
+def _check_state(state: dict, expected: dict, where: str) -> None:
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where}: the tensors do not form the model its shapes / config describe "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    for n, shape in expected.items():
+        if tuple(state[n].shape) != shape:
+            raise CheckpointError(f"{where}: {n} has shape {list(state[n].shape)}, the model's is {list(shape)} "
+                                  f"(weights and config disagree)")
+
+
+def _dit_info(spec: DiTSpec) -> dict:
+    """The data_info of a converted DiT: what it was trained on (sample.py / eval need no --data)."""
+    c, n = spec.in_channels, spec.sample_size
+    return {"in_channels": c, "latent_shape": [c, n, n], "image_size": n, "num_classes": spec.num_classes,
+            "cond_shape": None}
+
+
+def import_dit(src: str, save: str, tp_size: int = 1, parameterization: Optional[str] = None,
+               num_heads: Optional[int] = None, log=print) -> dict:
+    """An official SiT / DiT .pt or a diffusers DiT folder -> our teacher checkpoint at TP=tp_size, with
+    <save>/config.json holding its spec (parameterisation, layout conventions, data shape)."""
+    spec, state = read_dit_source(src, parameterization, num_heads)
+    if spec.num_heads % tp_size or int(spec.hidden_size * spec.mlp_ratio) % tp_size:
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
+                          f"and the MLP width of {src}")
+    if os.path.exists(os.path.join(save, TRACKER)):
+        raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
+    log(f"> read {src} ({spec.parameterization}: {spec.num_layers} layers, {spec.num_heads} heads, hidden "
+        f"{spec.hidden_size}, patch {spec.patch_size}, {spec.in_channels} x {spec.sample_size}^2 latents, "
+        f"{spec.num_classes} classes, {sum(t.numel() for t in state.values()):,} parameters)")
+    os.makedirs(save, exist_ok=True)
+    atomic_write(os.path.join(save, "config.json"), lambda f: json.dump(
+        our_config(replace(spec, name=os.path.abspath(save))), f, indent=1), text=True)
+    final = _write_converted(save, state, _meta_dit(spec), tp_size, "dit", src, _dit_info(spec))
+    log(f"> wrote {final} at TP={tp_size} and {save}/config.json")
+    return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
+
+
+def _write_converted(save: str, state: dict, meta: FamilyModel, tp_size: int, family: str, src: str,
+                     data_info: Optional[dict]) -> str:
+    """Our teacher checkpoint at TP=tp_size from a full TP=1 state dict (the split of each parameter from the meta
+    model); `--model-size <save>` builds it from <save>/config.json, written by the caller."""
+    dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
+    args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
+
+    def payloads():  # one rank's shard at a time: replicated tensors as they are, split ones cloned (a view
+        for r in range(tp_size):  # would save its whole storage)
+            shard = {n: t if dims[n] is None else t.chunk(tp_size, dim=dims[n])[r].clone() for n, t in state.items()}
+            yield {"model": {**shard, **_extra_states(meta)}, "partition_dims": dims, "tp_size": tp_size,
+                   "iteration": 0, "role": "teacher", "family": family, "args": args, "data_info": data_info,
+                   "checkpoint_version": 1}
+
+    return save_offline(save, 0, payloads())
 
 
 def checkpoint_spec(root: str, payload: dict) -> ModelSize:
@@ -148,8 +242,8 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
     payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)
     family, spec = size.family, size.spec
-    if family.name != "wan":
-        raise ConfigError(f"--load {load} holds a {family.name} model; --to-diffusers exports the Wan family")
+    if family.name == "dit":
+        return _export_dit(load, out, payload, spec, ema, "diffusers", log)
     which = "ema" if ema and "ema" in payload else "model"
     state = {n: t for n, t in payload[which].items() if not n.endswith("_extra_state")}
     expected = {n: tuple(p.shape) for n, p in _meta_model(spec).named_parameters()}
@@ -171,6 +265,51 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
     log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
         f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
     return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
+
+
+def export_official(load: str, out: str, ema: bool = True, log=print) -> dict:
+    """A DiT imported from the official SiT / DiT layout -> an official-layout .pt state dict (learn_sigma=False:
+    the variance channels were dropped on import)."""
+    payload = _read_ours(load, "--load")
+    size = checkpoint_spec(load, payload)
+    if size.family.name != "dit":
+        raise ConfigError(f"--load {load} holds a {size.family.name} model; --to-official exports a SiT / DiT")
+    return _export_dit(load, out, payload, size.spec, ema, "official", log)
+
+
+def _export_dit(load: str, out: str, payload: dict, spec: DiTSpec, ema: bool, layout: str, log) -> dict:
+    """Our DiT's weights in the layout it was imported from (the other cannot hold its timestep embedding)."""
+    came_from = {0: "official", 1: "diffusers"}[spec.freq_shift] if spec.pos_table == "dit" else None
+    if came_from != layout:
+        hint = {"official": "--to-official FILE.pt", "diffusers": "--to-diffusers DIR"}.get(came_from)
+        origin = (f"imported from the {came_from} layout" if came_from else
+                  "trained by dmd2-mega (its own position table and timestep embedding)")
+        raise ConfigError(f"--load {load}: this DiT was {origin}; it exports "
+                          + (f"with {hint} only" if hint else "to no public layout"))
+    which = "ema" if ema and "ema" in payload else "model"
+    state = {n: t.float() for n, t in payload[which].items() if not n.endswith("_extra_state")}
+    _check_state(state, {n: tuple(p.shape) for n, p in _meta_dit(spec).named_parameters()}, f"--load {load}")
+    if layout == "official":
+        if os.path.exists(out):
+            raise ConfigError(f"--to-official {out} exists already; export to a new file")
+        atomic_write(out, lambda f: torch.save(ours_to_official(state, spec), f))
+        where = out
+    else:
+        if os.path.exists(os.path.join(out, "transformer", "config.json")):
+            raise ConfigError(f"--to-diffusers {out} holds a transformer/ already; export into a new directory")
+        write_model_folder(os.path.join(out, "transformer"), ours_to_diffusers(state, spec), diffusers_config(spec))
+        where = os.path.join(out, "transformer")
+    sigmas = payload.get("student_sigmas")
+    log(f"> wrote {where} ({which} weights of {load}, iteration {payload['iteration']}; a {spec.parameterization} "
+        f"network" + (f"; the student's sigmas {sigmas}, its timesteps "
+                      f"{[round(float(t), 4) for t in _dit_timesteps(spec, sigmas)]})" if sigmas else ")"))
+    return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
+
+
+def _dit_timesteps(spec: DiTSpec, sigmas: list) -> list:
+    """The network's own timesteps at our sigmas (what its parameterisation adapter feeds it)."""
+    adapter = build_adapter(spec.parameterization, spec.beta_start, spec.beta_end, spec.num_train_timesteps)
+    return adapter.inputs(torch.zeros(len(sigmas), 1), torch.tensor(sigmas, dtype=torch.float32))[1].tolist()
 
 
 def _write_scheduler(folder: str, sigmas: Optional[list]) -> None:
@@ -212,15 +351,23 @@ def _ensure_world() -> None:
         init_distributed(ParallelConfig())
 
 
-def load_model(path: str, ema: bool = True) -> FamilyModel:
-    """A diffusers folder or one of our checkpoints -> TP=1 fp32 CPU model in eval mode (module docstring)."""
+def load_model(path: str, ema: bool = True, parameterization: Optional[str] = None,
+               num_heads: Optional[int] = None) -> FamilyModel:
+    """A diffusers folder, an official SiT / DiT .pt (give its `parameterization`: sit or vp-eps) or one of our
+    checkpoints -> TP=1 fp32 CPU model in eval mode (module docstring)."""
     _ensure_world()
+    if os.path.isfile(path) or _dit_folder(path) is not None:
+        spec, state = read_dit_source(path, parameterization, num_heads)
+        model = DIT.build(spec, spec.data_shape(), 1)
+        load_model_weights(model, {**state, **_extra_states(model)}, path)
+        return model.float().eval()
     if os.path.isfile(os.path.join(path, TRACKER)):
         payload = _read_ours(path, "load_model")
         size = checkpoint_spec(path, payload)
         family, spec = size.family, size.spec
         info = payload.get("data_info")
-        model = family.build(spec, _wan_shape(spec) if info is None else DataShape.from_info(info), 1)
+        default = _wan_shape(spec) if family.name != "dit" else spec.data_shape()
+        model = family.build(spec, default if info is None else DataShape.from_info(info), 1)
         state = {**payload["model"], **payload["ema"]} if ema and "ema" in payload else payload["model"]
         load_model_weights(model, state, path)
         return model.float().eval()

@@ -52,7 +52,7 @@ def test_head_shape_and_dit_feature_tap(world):
     # the features are the token mean of block 0's output, recomputed by hand
     tokens = x.reshape(3, 1, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(3, 16, 4)
     h = model.x_embed(tokens) + model.pos
-    c = model.t_embed(s) + model.y_embed(y)
+    c = model.t_embed(s * 1000.0) + model.y_embed(y)
     torch.testing.assert_close(f, model.blocks[0](h, c).mean(1))
     assert GANHead(model.spec.hidden_size)(f).shape == (3,)
     # the early exit: features(layer=0) does not run the later blocks

@@ -1,8 +1,10 @@
 """The DiT family: a tensor-parallel DiT with adaLN-Zero blocks on megatron-core linears.
 
-Shapes: x [B, C, H, W] -> tokens [B, S, hidden] with S = (H/p)^2; sigma [B] (model input
-t = sigma * 1000); cond labels [B] int64 or embeddings [B, D] / [B, L, D]. Output: velocity
-v [B, C, H, W].
+Shapes: x [B, C, H, W] -> tokens [B, S, hidden] with S = (H/p)^2; sigma [B]; cond labels [B] int64 or embeddings
+[B, D] / [B, L, D]. Output: velocity v [B, C, H, W]. The spec's parameterisation adapter
+(`models/parameterization.py`) says what the network sees and predicts: ours (timestep 1000 sigma, velocity), or a
+SiT / DDPM-epsilon teacher imported from its checkpoint (`models/dit_checkpoints.py`), whose network sees its own
+path and timestep and whose prediction the adapter turns into our velocity.
 
 Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
     shift1, scale1, gate1, shift2, scale2, gate2 = adaLN(silu(c))        # column, gathered
@@ -19,6 +21,7 @@ nothing, and the reentrant one rejects the actor's `backward(inputs=...)` (GAN h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -29,8 +32,9 @@ import kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
-from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, sincos_2d
+from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, dit_sincos_2d, sincos_2d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
+from dmd2_mega.models.parameterization import build_adapter
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,43 @@ class DiTSpec:
     mlp_ratio: float = 4.0
     freq_dim: int = 256
     """Width of the sinusoidal timestep features fed to the timestep MLP."""
+    # What an imported checkpoint fixes (the defaults are our own DiTs'): models/dit_checkpoints.py
+    parameterization: str = "flow"
+    """What the network predicts on which path: flow (ours), sit, vp-eps (models/parameterization.py)."""
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    num_train_timesteps: int = 1000
+    """vp-eps: the discrete linear-beta schedule the network was trained on."""
+    pos_table: str = "ours"
+    """ours (`embeddings.sincos_2d`) or dit (the official DiT / SiT table, `embeddings.dit_sincos_2d`)."""
+    freq_shift: int = 0
+    """1 for diffusers' DiTTransformer2DModel (`embeddings.TimestepEmbedder`)."""
+    mlp_norm_eps: float = 1e-6
+    """The MLP's LayerNorm eps: 1e-6 (official DiT / SiT) or diffusers' DiT's norm_eps (1e-5)."""
+    in_channels: Optional[int] = None
+    sample_size: Optional[int] = None
+    num_classes: Optional[int] = None
+    """A converted checkpoint's latent channels, side and classes: the data must match (None: any data)."""
+
+    def data_shape(self) -> DataShape:
+        """The shape a converted checkpoint was trained on (its load_model / sample shape without data)."""
+        if None in (self.in_channels, self.sample_size, self.num_classes):
+            raise ConfigError(f"--model-size {self.name} fixes no data shape; give the data")
+        return DataShape(self.in_channels, self.sample_size, num_classes=self.num_classes)
+
+    def check_data(self, shape: DataShape) -> None:
+        """ConfigError when the data does not fit what a converted checkpoint was trained on."""
+        want = (self.in_channels, self.sample_size, self.num_classes)
+        have = (shape.in_channels, shape.spatial[0], shape.num_classes)
+        if any(w is not None and w != h for w, h in zip(want, have)):
+            raise ConfigError(f"--model-size {self.name} was trained on {want[0]} x {want[1]} x {want[1]} latents "
+                              f"with {want[2]} classes; the data gives {have[0]} x {list(shape.spatial)} samples "
+                              f"with {have[2]} classes")
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """layer_norm(x) * (1 + scale) + shift; x [B, S, H], shift/scale [B, H] (fused kernel)."""
-    return kernels.adaln_modulate(x, shift, scale, eps=1e-6)
+    return kernels.adaln_modulate(x, shift, scale, eps=eps)
 
 
 class DiTBlock(nn.Module):
@@ -56,6 +92,7 @@ class DiTBlock(nn.Module):
         super().__init__()
         h, heads = spec.hidden_size, spec.num_heads
         self.local_heads, self.head_dim = heads // tp_size, h // heads
+        self.mlp_norm_eps = spec.mlp_norm_eps
         self.attn_backend = attn_backend
         xavier, zeros = nn.init.xavier_uniform_, nn.init.zeros_
         self.adaln = linears.column(h, 6 * h, mcfg, zeros, gather_output=True)
@@ -72,7 +109,7 @@ class DiTBlock(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, heads_local, S, d]
         a = attention(q, k, v, self.attn_backend).transpose(1, 2).reshape(b, s, -1)
         h = h + gate1[:, None] * self.proj(a)
-        m = self.fc2(F.gelu(self.fc1(modulate(h, shift2, scale2)), approximate="tanh"))
+        m = self.fc2(F.gelu(self.fc1(modulate(h, shift2, scale2, self.mlp_norm_eps)), approximate="tanh"))
         return h + gate2[:, None] * m
 
 
@@ -93,6 +130,7 @@ class DiT(FamilyModel):
                               f"{spec.patch_size} of --model-size {spec.name}")
         if (shape.num_classes is None) == (shape.cond_shape is None):
             raise ValueError("exactly one of num_classes (labels) or cond_shape (embeddings) must be given")
+        spec.check_data(shape)
         in_channels, image_size, num_classes, cond_shape = (shape.in_channels, shape.spatial[0], shape.num_classes,
                                                             shape.cond_shape)
         self.spec, self.options, self.shape = spec, options, shape
@@ -104,8 +142,10 @@ class DiT(FamilyModel):
         self.x_embed = nn.Linear(in_channels * p * p, h)
         nn.init.xavier_uniform_(self.x_embed.weight)
         nn.init.zeros_(self.x_embed.bias)
-        self.register_buffer("pos", sincos_2d(image_size // p, h), persistent=False)
-        self.t_embed = TimestepEmbedder(h, spec.freq_dim)
+        pos = {"ours": sincos_2d, "dit": dit_sincos_2d}[spec.pos_table]
+        self.register_buffer("pos", pos(image_size // p, h), persistent=False)
+        self.adapter = build_adapter(spec.parameterization, spec.beta_start, spec.beta_end, spec.num_train_timesteps)
+        self.t_embed = TimestepEmbedder(h, spec.freq_dim, spec.freq_shift)
         self.y_embed = LabelEmbedder(num_classes, h) if num_classes is not None else TextEmbedder(cond_shape, h)
         if cond_shape is not None:  # text: the negative-prompt embedding (`set_negative`), zeros until set
             self.register_buffer("negative", torch.zeros(cond_shape), persistent=False)
@@ -121,13 +161,13 @@ class DiT(FamilyModel):
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.cond_shape)
 
-    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
-        """(tokens h [B, S, hidden], conditioning c [B, hidden])."""
+    def _embed(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor):
+        """(tokens h [B, S, hidden], conditioning c [B, hidden]) of the network's own input and timestep."""
         b, ch, hh, _ = x.shape
         p, g = self.patch, hh // self.patch
         x = x.to(self.x_embed.weight.dtype)  # bf16 models take fp32 inputs
         tokens = x.reshape(b, ch, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, ch * p * p)
-        return self.x_embed(tokens) + self.pos.to(tokens.dtype), self.t_embed(sigma) + self.y_embed(cond)
+        return self.x_embed(tokens) + self.pos.to(tokens.dtype), self.t_embed(timestep) + self.y_embed(cond)
 
     def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         blk = self.blocks[i]
@@ -140,16 +180,21 @@ class DiT(FamilyModel):
         """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
         if not 0 <= layer < len(self.blocks):
             raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
-        h, c = self._embed(x, sigma, cond)
+        h, c = self._embed(*self.adapter.inputs(x, sigma), cond)
         for i in range(layer + 1):
             h = self._block(i, h, c)
         return h.mean(dim=1)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """v [B, C, H, W]."""
+        """Our velocity v [B, C, H, W] at (x_sigma, sigma): the network seen through its parameterisation adapter."""
+        return self.adapter.velocity(x, sigma, self.network(*self.adapter.inputs(x, sigma), cond))
+
+    def network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """The network's own prediction [B, C, H, W] at its own input and timestep (for an imported checkpoint what
+        the official code returns: SiT's velocity, DiT's epsilon; ours: v at timestep 1000 sigma)."""
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
-        h, c = self._embed(x, sigma, cond)
+        h, c = self._embed(x, timestep, cond)
         for i in range(len(self.blocks)):
             h = self._block(i, h, c)
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)

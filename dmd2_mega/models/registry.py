@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.dit import DIT, DiTSpec
+from dmd2_mega.models.dit_checkpoints import diffusers_spec, is_diffusers_config, is_our_config, read_json, spec_from_ours
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
 from dmd2_mega.models.wan import WAN, WanSpec
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
@@ -65,6 +66,9 @@ def _config_path(name: str):
     config, the pipeline folder); None if `name` is no path."""
     if not (os.sep in name or os.path.exists(name)):
         return None
+    if name.endswith((".pt", ".pth")):
+        raise ConfigError(f"--model-size {name}: an official SiT / DiT .pt is converted first: "
+                          f"launch/convert_checkpoint.py --from-official {name} --parameterization sit|vp-eps --save DIR")
     if os.path.isfile(name):
         return name, os.path.dirname(name)
     for cand in (os.path.join(name, "config.json"), os.path.join(name, EXPERTS[0], "config.json")):
@@ -82,11 +86,31 @@ def get_size(name: str) -> ModelSize:
         raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)} or give a "
                           f"diffusers model folder with a config.json")
     path, folder = found
+    dit = _dit_size(name, path, folder)
+    if dit is not None:
+        return dit
     ratio = boundary_ratio(folder)  # a model folder inside a pipeline (pipeline/transformer) is one model
     spec = WanSpec.from_file(path, ratio)
     return ModelSize(WAN_EXPERTS if ratio is not None else WAN, spec)
 
 
+def _dit_size(name: str, path: str, folder: str):
+    """The DiT family's size of a diffusers DiTTransformer2DModel folder (its pipeline's scheduler config fixes the
+    VP schedule) or of one of our converted DiT checkpoints; None for any other config.json."""
+    if not path.endswith(".json"):
+        return None
+    config = read_json(path)
+    if is_our_config(config):
+        return ModelSize(DIT, spec_from_ours(config, name))
+    if not is_diffusers_config(config):
+        return None
+    here = os.path.dirname(os.path.abspath(path))
+    sched = next((p for p in (os.path.join(folder, "scheduler", SCHEDULER),
+                              os.path.join(os.path.dirname(here), "scheduler", SCHEDULER)) if os.path.isfile(p)), None)
+    return ModelSize(DIT, diffusers_spec(config, name, read_json(sched) if sched else None))
+
+
+SCHEDULER = "scheduler_config.json"
 EXPERTS_FILE = "wan_experts.json"
 """Written beside config.json in a checkpoint converted from a two-expert pipeline: {"boundary_ratio": r}."""
 

@@ -76,7 +76,7 @@ def read_config(folder: str) -> dict:
         raise ConfigError(f"{path}: cannot read ({e})") from None
 
 
-def _shard_files(folder: str) -> list[str]:
+def shard_files(folder: str) -> list[str]:
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
         try:
@@ -95,7 +95,7 @@ def _shard_files(folder: str) -> list[str]:
                           f"weights are read)" if found else ""))
 
 
-def _tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
@@ -112,8 +112,8 @@ def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
     wrongly shaped tensor is a CheckpointError naming the file and key."""
     ours = {diffusers_name(n): n for n in expected}
     state = {}
-    for path in _shard_files(folder):
-        for key, t in _tensors(path):
+    for path in shard_files(folder):
+        for key, t in iter_tensors(path):
             name = ours.get(key)
             if name is None:
                 if key.startswith("norm_added_q"):  # diffusers ignores it too
@@ -133,11 +133,15 @@ def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
 
 
 def write_folder(out: str, state: dict, spec: WanSpec, dtype: torch.dtype | None = None) -> None:
-    """A diffusers model folder from our TP=1 state dict: config.json + safetensors (sharded past SHARD_BYTES)."""
+    """A diffusers WanTransformer3DModel folder from our TP=1 state dict."""
+    tensors = {diffusers_name(n): to_diffusers_tensor(n, t, spec) for n, t in state.items()}
+    write_model_folder(out, tensors, spec.diffusers_config(), dtype)
+
+
+def write_model_folder(out: str, tensors: dict, config: dict, dtype: torch.dtype | None = None) -> None:
+    """A diffusers model folder from {diffusers name: tensor}: config.json + safetensors (sharded past SHARD_BYTES)."""
     os.makedirs(out, exist_ok=True)
-    tensors = {diffusers_name(n): to_diffusers_tensor(n, t, spec).contiguous() for n, t in state.items()}
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in tensors.items()}
     shards, cur, size = [], {}, 0
     for k, v in tensors.items():
         nbytes = v.numel() * v.element_size()
@@ -157,8 +161,7 @@ def write_folder(out: str, state: dict, spec: WanSpec, dtype: torch.dtype | None
         total = sum(v.numel() * v.element_size() for v in tensors.values())
         atomic_write(os.path.join(out, INDEX), lambda f: json.dump(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1), text=True)
-    atomic_write(os.path.join(out, "config.json"), lambda f: json.dump(spec.diffusers_config(), f, indent=1),
-                 text=True)
+    atomic_write(os.path.join(out, "config.json"), lambda f: json.dump(config, f, indent=1), text=True)
 
 
 def _save(tensors: dict, path: str) -> None:
