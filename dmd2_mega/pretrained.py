@@ -141,6 +141,7 @@ def read_dit_source(src: str, parameterization: Optional[str] = None,
                     num_heads: Optional[int] = None) -> tuple[DiTSpec, dict]:
     """(spec, our TP=1 state dict) of an official SiT / DiT .pt file or a diffusers DiTTransformer2DModel folder
     (`models/dit_checkpoints.py`); shapes are checked against the model the spec builds."""
+    _ensure_world()
     if os.path.isfile(src) or src.endswith((".pt", ".pth")):
         raw = read_official_file(src)
         spec = official_spec(raw, src, parameterization or "", num_heads)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Convert between diffusers folders and dmd2-mega (Megatron-layout) checkpoints.
+"""Convert between public checkpoints (diffusers folders, official SiT / DiT .pt files) and dmd2-mega (Megatron-layout)
+checkpoints.
 
     # a diffusers WanTransformer3DModel folder (or a pipeline folder with transformer/) -> a teacher at TP=2
     python launch/convert_checkpoint.py --from-diffusers /models/Wan2.1-T2V-1.3B-Diffusers \
@@ -15,8 +16,21 @@ The export writes export/student/transformer/ (WanTransformer3DModel.from_pretra
 export/student/README.md (running it in WanPipeline). A Wan 2.2 A14B pipeline folder (model_index.json with
 boundary_ratio, transformer/ and transformer_2/) converts to ONE two-expert checkpoint (the high- and low-noise
 experts, switched at the boundary, `dmd2_mega/models/wan_experts.py`) and exports back to transformer/ and
-transformer_2/. Nothing is downloaded; a bad folder or flag exits 1 with one line naming the file or flag,
-and nothing is written.
+transformer_2/.
+
+    # class-conditional image teachers (the DiT family), any TP
+    python launch/convert_checkpoint.py --from-official SiT-XL-2-256.pt --parameterization sit \
+        --save ckpt/sit_xl2 --tensor-model-parallel-size 2
+    python launch/convert_checkpoint.py --from-official DiT-XL-2-256x256.pt --parameterization vp-eps --save ckpt/dit
+    python launch/convert_checkpoint.py --from-diffusers /models/DiT-XL-2-256 --save ckpt/dit_xl2   # vp-eps
+    python launch/convert_checkpoint.py --load runs/student --to-official export/student.pt   # back to its layout
+The model (and the latent shape and classes it was trained on) comes from the tensors' shapes or config.json, the
+parameterisation from --parameterization (official files: sit = SiT's interpolant, vp-eps = DiT's DDPM epsilon on
+its linear betas; a diffusers DiT pipeline's scheduler_config.json fixes its schedule). Every role built from the
+checkpoint wraps the network in that parameterisation's adapter (dmd2_mega/models/parameterization.py).
+A DiT exports to the layout it came from (--to-official / --to-diffusers); the other cannot hold its timestep
+embedding. Nothing is downloaded; a bad folder or flag exits 1 with one line naming the file or flag, and nothing
+is written.
 """
 import argparse
 import os
@@ -25,7 +39,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.pretrained import export_diffusers, import_diffusers  # noqa: E402
+from dmd2_mega.pretrained import export_diffusers, export_official, import_diffusers, import_dit  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 
 
@@ -36,28 +50,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--subfolder", default=None,
                      help="the model folder inside a pipeline folder (default transformer/, or both experts of a Wan "
                           "2.2 A14B pipeline; transformer_2 picks the low-noise expert alone)")
+    src.add_argument("--from-official", metavar="FILE",
+                     help="an official SiT / DiT state dict (.pt; a training checkpoint's EMA weights are read)")
+    src.add_argument("--parameterization", choices=["sit", "vp-eps"], default=None,
+                     help="what an official file's network predicts: sit (SiT: x_t = t x0 + (1 - t) eps, predicts "
+                          "x0 - eps) or vp-eps (DiT: DDPM epsilon, linear betas 1e-4..0.02 over 1000 steps); required "
+                          "with --from-official, optional with a diffusers DiT (default vp-eps)")
+    src.add_argument("--num-heads", type=int, default=None,
+                     help="--from-official: attention heads (default: from the published sizes S / B / L / XL)")
     src.add_argument("--save", metavar="DIR", help="the checkpoint directory to write")
     src.add_argument("--tensor-model-parallel-size", type=int, default=1)
     dst = p.add_argument_group("ours -> diffusers")
     dst.add_argument("--load", metavar="DIR", help="one of our checkpoints (teacher or DMD2 student)")
     dst.add_argument("--to-diffusers", metavar="DIR", help="the folder to write")
+    dst.add_argument("--to-official", metavar="FILE", help="a DiT imported from an official .pt: the .pt to write")
     dst.add_argument("--no-ema", action="store_true", help="export the student's raw weights, not its EMA")
     return p.parse_args(argv)
 
 
 def main(a: argparse.Namespace) -> None:
-    if bool(a.from_diffusers) == bool(a.load):
-        raise ConfigError("give either --from-diffusers DIR --save DIR, or --load DIR --to-diffusers DIR")
-    if a.from_diffusers:
+    sources = [f for f in (a.from_diffusers, a.from_official, a.load) if f]
+    if len(sources) != 1:
+        raise ConfigError("give one of --from-diffusers DIR / --from-official FILE (with --save DIR), or --load DIR "
+                          "(with --to-diffusers DIR or --to-official FILE)")
+    if a.num_heads is not None and a.num_heads < 1:
+        raise ConfigError(f"--num-heads must be >= 1, got {a.num_heads}")
+    if a.from_diffusers or a.from_official:
         if not a.save:
-            raise ConfigError("--from-diffusers needs --save DIR (the checkpoint to write)")
+            raise ConfigError(f"{'--from-diffusers' if a.from_diffusers else '--from-official'} needs --save DIR "
+                              f"(the checkpoint to write)")
         if a.tensor_model_parallel_size < 1:
             raise ConfigError(f"--tensor-model-parallel-size must be >= 1, got {a.tensor_model_parallel_size}")
-        import_diffusers(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.subfolder)
+        if a.from_official:
+            if a.parameterization is None:
+                raise ConfigError("--from-official needs --parameterization sit (a SiT checkpoint) or vp-eps (DiT)")
+            import_dit(a.from_official, a.save, a.tensor_model_parallel_size, a.parameterization, a.num_heads)
+        elif a.parameterization is not None:
+            import_dit(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.parameterization)
+        else:
+            import_diffusers(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.subfolder)
     else:
-        if not a.to_diffusers:
-            raise ConfigError("--load needs --to-diffusers DIR (the folder to write)")
-        export_diffusers(a.load, a.to_diffusers, ema=not a.no_ema)
+        if bool(a.to_diffusers) == bool(a.to_official):
+            raise ConfigError("--load needs one of --to-diffusers DIR / --to-official FILE (what to write)")
+        if a.to_official:
+            export_official(a.load, a.to_official, ema=not a.no_ema)
+        else:
+            export_diffusers(a.load, a.to_diffusers, ema=not a.no_ema)
 
 
 if __name__ == "__main__":

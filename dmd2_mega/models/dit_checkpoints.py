@@ -299,8 +299,8 @@ def ours_to_diffusers(state: dict, spec: DiTSpec) -> dict:
             continue
         e = next(((d, ours) for d, ours in _EMB if name.startswith(ours)), None)
         if e is not None:
-            for i in range(spec.num_layers):
-                out[f"transformer_blocks.{i}.norm1.emb.{e[0]}{name[len(e[1]):]}"] = t
+            for i in range(spec.num_layers):  # a copy each: safetensors refuses shared storage
+                out[f"transformer_blocks.{i}.norm1.emb.{e[0]}{name[len(e[1]):]}"] = t.clone()
             continue
         b = re.match(r"blocks\.(\d+)\.", name)
         rules = _TOP + (_block_rules(b.group(1)) if b else [])

@@ -22,8 +22,8 @@ the critic start as exact copies of the teacher in its own parameterisation, and
             network's last level is used as the DDPM's own sampler uses it at t = T - 1: x0_hat = (x_vp - sigma_T
             eps_hat) / alpha_T with (alpha_T, sigma_T) of level T - 1, and v = (x_s - x0_hat) / s, so that
             x_s - s v = x0_hat on the whole range (x0 is what DMD2 reads: rollout, scores, critic targets).
-All adapter maths runs in float32 on the device of x (the VP table in float64, built once per device); the flow
-adapter is the identity and keeps the model's dtype.
+The adapters' maths runs on the device of x in x's dtype, at least float32 (the VP table in float64, built once per
+device); the flow adapter is the identity and keeps the model's dtype.
 """
 from __future__ import annotations
 
@@ -105,15 +105,19 @@ class VPEpsAdapter(FlowAdapter):
         top = s > levels[-1]
         a = torch.where(top, alpha_t[-1], (1.0 - s) / r)  # the (alpha, sigma_vp) the x0 estimate divides by
         b = torch.where(top, sigma_t[-1], s / r)
-        eps = out.float()
+        eps = out.to(_dtype(x))
         x0 = (_per_sample(1.0 / r, x) * x - _per_sample(b, x) * eps) / _per_sample(a, x)
         s_top = torch.where(top, s, torch.ones_like(s))  # no 0 in the branch torch.where discards (its gradient)
         return torch.where(_per_sample(top, x), (x - x0) / _per_sample(s_top, x), eps - x0)
 
 
+def _dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] -> [B, 1, ...] broadcastable against `like`, float32 for floats (bool stays bool)."""
-    t = t if t.dtype == torch.bool else t.to(torch.float32)
+    """[B] -> [B, 1, ...] broadcastable against `like`, in `_dtype(like)` (bool stays bool)."""
+    t = t if t.dtype == torch.bool else t.to(_dtype(like))
     return t.view(-1, *([1] * (like.dim() - 1)))
 
 
