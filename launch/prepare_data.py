@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Make `--data` shards (or an `--eval-prompts` file) from local media, captions and model folders.
+"""Make `--data` shards (or an `--eval-prompts` file) from local media, captions or class folders, and model folders.
 
     # videos + captions -> Wan 2.1 latents [16, 21, 60, 104] and UMT5 embeddings [512, 4096], 8 GPUs
     torchrun --nproc-per-node 8 launch/prepare_data.py --pipeline /models/Wan2.1-T2V-1.3B-Diffusers \
         --media /data/clips --captions /data/clips/captions.csv --out /data/wan_shards \
         --frames 81 --height 480 --width 832
+    # ImageNet train/<wnid>/*.JPEG -> sd-vae-ft-ema latents [4, 32, 32] and labels in [0, 1000) (ADM's centre crop)
+    torchrun --nproc-per-node 8 launch/prepare_data.py --labels-from-folders --num-classes 1000 \
+        --vae /models/sd-vae-ft-ema --media /data/imagenet/train --out /data/in256 --shard-size 1024 --batch-size 64
     # the validation prompts (no VAE)
     python launch/prepare_data.py --prompts-only --pipeline /models/Wan2.1-T2V-1.3B-Diffusers \
         --prompts prompts.txt --out eval_prompts.safetensors
@@ -32,11 +35,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--text-encoder", metavar="DIR", help="a transformers UMT5 (or T5) encoder folder")
     m.add_argument("--tokenizer", metavar="DIR", help="default: --text-encoder, else its sibling tokenizer/")
     d = p.add_argument_group("data")
-    d.add_argument("--media", metavar="DIR", help="the folder of videos (mp4/webm/gif/...) or images (png/jpg)")
+    d.add_argument("--media", metavar="DIR", help="the folder of videos (mp4/webm/gif/...) or images (png/jpg); "
+                                                  "with --labels-from-folders: DIR/<class>/<image>")
+    d.add_argument("--labels-from-folders", action="store_true",
+                   help="class-conditional images: label = the index of the image's class folder among the sorted "
+                        "subfolders of --media (ImageFolder's order), ADM / DiT centre crop to a square, an "
+                        "AutoencoderKL --vae; no captions or text encoder")
+    d.add_argument("--num-classes", type=int, metavar="K", help="with --labels-from-folders: the number of class "
+                                                                "folders expected (1000 for ImageNet)")
     d.add_argument("--captions", metavar="FILE", help="CSV or JSONL with 'path' (relative to --media) and 'caption'")
     d.add_argument("--out", metavar="PATH", help="the shard directory (or, with --prompts-only, the .safetensors file)")
     d.add_argument("--frames", type=int, help="frames per clip (Wan: 4k + 1; default 81 for Wan, 1 for an image VAE)")
-    d.add_argument("--height", type=int, help="pixels, a multiple of the VAE's factor (default 480 Wan / 256)")
+    d.add_argument("--height", type=int, help="pixels, a multiple of the VAE's factor (default 480 Wan / 256; "
+                                               "--labels-from-folders: square, one of the two sets both)")
     d.add_argument("--width", type=int, help="pixels, a multiple of the VAE's factor (default 832 Wan / 256)")
     d.add_argument("--fps", type=float, help="sample frames at this rate from the clip's start "
                                              "(default: --frames evenly over the whole clip)")
@@ -61,17 +72,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def to_config(a: argparse.Namespace) -> PrepConfig:
-    """Flags -> PrepConfig; --pipeline DIR fills --vae / --text-encoder / --tokenizer not given."""
+    """Flags -> PrepConfig; --pipeline DIR fills --vae / --text-encoder / --tokenizer not given (only --vae with
+    --labels-from-folders)."""
     vae, text_encoder, tokenizer = a.vae, a.text_encoder, a.tokenizer
     if a.pipeline:
         if not os.path.isdir(a.pipeline):
             raise ConfigError(f"--pipeline {a.pipeline}: not a directory (expected a diffusers pipeline folder with "
                               f"vae/, text_encoder/, tokenizer/)")
         vae = vae or os.path.join(a.pipeline, "vae")
-        text_encoder = text_encoder or os.path.join(a.pipeline, "text_encoder")
-        tokenizer = tokenizer or os.path.join(a.pipeline, "tokenizer")
-    if not text_encoder:
-        raise ConfigError("--text-encoder DIR (or --pipeline DIR) is required")
+        if not a.labels_from_folders:
+            text_encoder = text_encoder or os.path.join(a.pipeline, "text_encoder")
+            tokenizer = tokenizer or os.path.join(a.pipeline, "tokenizer")
+    if a.labels_from_folders and a.prompts_only:
+        raise ConfigError("--prompts-only encodes text; it does not go with --labels-from-folders")
+    if not text_encoder and not a.labels_from_folders:
+        raise ConfigError("--text-encoder DIR (or --pipeline DIR) is required (or --labels-from-folders for class "
+                          "folders)")
     if a.prompts_only and a.vae:
         raise ConfigError("--prompts-only encodes text only; drop --vae")
     if a.prompts and not a.prompts_only:
@@ -81,7 +97,8 @@ def to_config(a: argparse.Namespace) -> PrepConfig:
         captions=a.captions, out=a.out, prompts=a.prompts, frames=a.frames, height=a.height, width=a.width,
         fps=a.fps, max_text_len=a.max_text_len, negative_prompt=a.negative_prompt, shard_size=a.shard_size,
         dtype=a.dtype, compute_dtype=a.compute_dtype, sample_posterior=a.sample_posterior, seed=a.seed,
-        batch_size=a.batch_size, text_batch_size=a.text_batch_size, workers=a.workers, device=a.device)
+        batch_size=a.batch_size, text_batch_size=a.text_batch_size, workers=a.workers, device=a.device,
+        labels_from_folders=a.labels_from_folders, num_classes=a.num_classes)
 
 
 def main(a: argparse.Namespace) -> None:

@@ -1,12 +1,13 @@
-"""Making `--data` shards and `--eval-prompts` files from media + captions (`launch/prepare_data.py`).
+"""Making `--data` shards and `--eval-prompts` files from media + captions or class folders (`launch/prepare_data.py`).
 
 Modules:
     vae     `LatentVAE` / `VAESpec`: a diffusers VAE folder, pixels in [-1, 1] <-> normalised latents
     text    `TextEncoder`: a UMT5 / T5 encoder folder + tokenizer -> zero-padded embeddings [B, L, D], as WanPipeline
-    media   reading videos / GIFs / images, frame sampling, resize + centre crop -> uint8 [T, H, W, 3]
+    media   reading videos / GIFs / images, frame sampling, resize + centre crop (or ADM's) -> uint8 [T, H, W, 3]
     clips   the captions file (CSV / JSONL) -> the sorted clip list, checked before any encoding
-    writer  the files: resumable shards, index.json, negative.safetensors, report.json
+    folders --labels-from-folders: DIR/<class>/<image> -> class names + the labelled image list (ImageFolder's order)
+    writer  the files: resumable shards, index.json, negative.safetensors or classes.json, report.json
     run     `prepare` (torchrun ranks, each encoding its shards) and `prepare_prompts` (--prompts-only)
-Layers: media < clips < writer; vae, text; run uses them all. Nothing here imports diffusers or transformers
+Layers: media < clips < folders, writer; vae, text; run uses them all. Nothing here imports diffusers or transformers
 at import time (only when a model folder is loaded).
 """

@@ -12,17 +12,19 @@ import csv
 import json
 import os
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from dmd2_mega.errors import DataError
 
 from .media import IMAGE_EXT, VIDEO_EXT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Clip:
-    path: str       # relative to --media
-    caption: str
+    """One media file to encode and its condition: a caption (--captions) or a class label (folders.py)."""
+    path: str                       # relative to --media
+    caption: Optional[str] = None
+    label: Optional[int] = None     # --labels-from-folders: the class folder's index
 
 
 def _rows(path: str):

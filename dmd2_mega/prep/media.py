@@ -2,8 +2,12 @@
 
     frame indices  evenly over the clip: round(linspace(0, n - 1, T))            (default), or
                    at `fps` from the start: floor(i * source_fps / fps), i < T   (when fps is given)
-    resize         bilinear with antialiasing by s = max(H / h, W / w), so the frame covers H x W
-                   (the shorter side when the aspect ratios agree), then a centre crop to H x W
+    resize         crop "cover": bilinear with antialiasing by s = max(H / h, W / w), so the frame covers
+                   H x W (the shorter side when the aspect ratios agree), then a centre crop to H x W
+                   crop "adm" (one image, H == W == S; --labels-from-folders): ADM's / DiT's `center_crop_arr`
+                   on the RGB image (w, h): while min(w, h) >= 2S, (w, h) <- (w // 2, h // 2) with Pillow's BOX;
+                   then (round(w * S / m), round(h * S / m)), m = min(w, h), with Pillow's BICUBIC; then the
+                   S x S crop at top (h - S) // 2, left (w - S) // 2
     pixels         x / 127.5 - 1 in [-1, 1]: [3, T, H, W] for a video VAE, [3, H, W] for an image VAE
 Videos (.mp4 .webm .mov .mkv .avi) are decoded by imageio-ffmpeg's ffmpeg (rgb24, only up to the last
 needed frame), GIFs and images by Pillow. `load_clip` never raises for a bad file: it returns the frames,
@@ -18,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 VIDEO_EXT = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif")
-IMAGE_EXT = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+IMAGE_EXT = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".pgm", ".tif", ".tiff")  # torchvision's + webp
+CROPS = ("cover", "adm")
 
 
 class _TooShort(Exception):
@@ -53,6 +58,17 @@ def resize_crop(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
         x = x.round().clamp(0, 255).to(torch.uint8)
     top, left = (nh - height) // 2, (nw - width) // 2
     return x[:, :, top:top + height, left:left + width].permute(0, 2, 3, 1).contiguous()
+
+
+def adm_center_crop(image, size: int) -> np.ndarray:
+    """A Pillow RGB image -> uint8 [size, size, 3]: crop "adm" of the module docstring (halvings, bicubic, crop)."""
+    from PIL import Image
+    while min(image.size) >= 2 * size:
+        image = image.resize((image.width // 2, image.height // 2), resample=Image.Resampling.BOX)
+    scale = size / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), resample=Image.Resampling.BICUBIC)
+    top, left = (image.height - size) // 2, (image.width - size) // 2
+    return np.array(image)[top:top + size, left:left + size].copy()
 
 
 def to_pixels(frames: torch.Tensor, video: bool) -> torch.Tensor:
@@ -96,9 +112,21 @@ def _read_pillow(path: str, pick: Callable[[int, Optional[float]], torch.Tensor]
     return np.stack(out)
 
 
-def load_clip(path: str, frames: int, height: int, width: int,
-              fps: Optional[float] = None) -> Tuple[Optional[torch.Tensor], str]:
-    """(uint8 [frames, height, width, 3], "") or (None, reason) for a missing, unreadable or too-short file."""
+def _read_adm(path: str, size: int) -> np.ndarray:
+    """uint8 [1, size, size, 3]: the first frame as RGB (torchvision's ImageFolder loader), crop "adm"."""
+    from PIL import Image
+    with Image.open(path) as im:
+        rgb = im.convert("RGB")
+    return adm_center_crop(rgb, size)[None]
+
+
+def load_clip(path: str, frames: int, height: int, width: int, fps: Optional[float] = None,
+              crop: str = "cover") -> Tuple[Optional[torch.Tensor], str]:
+    """(uint8 [frames, height, width, 3], "") or (None, reason) for a missing, unreadable or too-short file.
+    `crop` is a resize of the module docstring; "adm" takes one square frame of an image."""
+    if crop not in CROPS or (crop == "adm" and (frames != 1 or height != width)):
+        raise ValueError(f"load_clip: crop {crop!r} with {frames} frames of {height} x {width}; expected one of "
+                         f"{CROPS}, and 1 square frame for 'adm'")
     if not os.path.isfile(path):
         return None, "missing file"
 
@@ -107,6 +135,8 @@ def load_clip(path: str, frames: int, height: int, width: int,
 
     ext = os.path.splitext(path)[1].lower()
     try:
+        if crop == "adm":
+            return torch.from_numpy(_read_adm(path, height)), ""
         raw = _read_pillow(path, pick) if ext in (".gif",) + IMAGE_EXT else _read_ffmpeg(path, pick)
         return resize_crop(torch.from_numpy(raw), height, width), ""
     except _TooShort as e:

@@ -1,16 +1,19 @@
-"""The two jobs of `launch/prepare_data.py`: `prepare(cfg)` (media + captions -> shards) and
+"""The two jobs of `launch/prepare_data.py`: `prepare(cfg)` (media + captions, or class folders -> shards) and
 `prepare_prompts(cfg)` (a prompts file -> the `--eval-prompts` safetensors file).
 
-`prepare` under torchrun: every rank runs the same checks (flags against the VAE config, the captions file,
-shards already under --out) before any model loads; the process-group rendezvous (gloo: only a barrier is
-needed) then orders "look at --out" before "write to --out". Rank r encodes the shards k with k % world == r
-that have no file yet: clips are read by `--workers` DataLoader processes (uint8 frames), then per shard
+`prepare` under torchrun: every rank runs the same checks (flags against the VAE config, the captions file or
+the class folders, shards already under --out) before any model loads; the process-group rendezvous (gloo:
+only a barrier is needed) then orders "look at --out" before "write to --out". Rank r encodes the shards k
+with k % world == r that have no file yet: clips are read by `--workers` DataLoader processes (uint8 frames),
+then per shard
     latents  = vae.encode(pixels [B, 3, (T,) H, W], posterior mean, or mean + std * eps with eps drawn
                from a generator seeded by (--seed, clip index): the same on any number of ranks)
-    cond, text_len = text.encode(captions, --max-text-len)
-and written whole (writer.py). After a barrier rank 0 writes index.json, negative.safetensors, report.json
-and prints the summary. Models run on cuda:LOCAL_RANK in bf16 (fp32 on CPU) unless --compute-dtype says
-otherwise; values are stored in --dtype.
+    cond, text_len = text.encode(captions, --max-text-len)      (captions), or
+    labels   = the class folder indices                         (--labels-from-folders: ADM's centre crop,
+                                                                 an AutoencoderKL, no text encoder)
+and written whole (writer.py). After a barrier rank 0 writes negative.safetensors or classes.json, index.json,
+report.json and prints the summary. Models run on cuda:LOCAL_RANK in bf16 (fp32 on CPU) unless
+--compute-dtype says otherwise; values are stored in --dtype.
 """
 import os
 import time
@@ -25,11 +28,12 @@ from tqdm import tqdm
 from dmd2_mega.data.prompts import write_prompts
 from dmd2_mega.errors import ConfigError, DataError
 
-from .clips import read_captions
+from .clips import Clip, read_captions
+from .folders import list_class_folders
 from .media import load_clip, to_pixels
 from .text import DEFAULT_NEGATIVE, TextEncoder, resolve_folders
 from .vae import LatentVAE, VAESpec
-from .writer import (build_report, finished_shards, plan_shards, read_shard_headers, write_index,
+from .writer import (build_report, finished_shards, plan_shards, read_shard_headers, write_classes, write_index,
                      write_negative, write_report, write_shard)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -39,7 +43,7 @@ DEFAULT_SIZE = {"wan": (81, 480, 832), "kl": (1, 256, 256)}  # WanPipeline's def
 @dataclass
 class PrepConfig:
     """The flags of launch/prepare_data.py (docs/prepare_data.md)."""
-    text_encoder: str
+    text_encoder: Optional[str] = None      # required unless labels_from_folders
     tokenizer: Optional[str] = None
     vae: Optional[str] = None
     media: Optional[str] = None
@@ -61,6 +65,8 @@ class PrepConfig:
     text_batch_size: int = 16               # captions per text-encoder call
     workers: int = 4                        # DataLoader processes reading media
     device: str = "auto"                    # cuda:LOCAL_RANK when CUDA is there, else cpu
+    labels_from_folders: bool = False       # media = DIR/<class>/<image>: class labels, ADM crop, no text
+    num_classes: Optional[int] = None       # labels_from_folders: the class folders expected
 
     def check(self) -> None:
         """Value checks that need no file (ConfigError naming the flag)."""
@@ -75,6 +81,23 @@ class PrepConfig:
             raise ConfigError(f"--dtype {self.dtype}: expected one of {sorted(DTYPES)}")
         if self.compute_dtype not in ("auto", *DTYPES):
             raise ConfigError(f"--compute-dtype {self.compute_dtype}: expected auto, bf16 or fp32")
+        if not self.labels_from_folders:
+            if self.num_classes is not None:
+                raise ConfigError(f"--num-classes {self.num_classes} goes with --labels-from-folders")
+            return
+        given = [flag for flag, v in (("--captions", self.captions), ("--text-encoder", self.text_encoder),
+                                      ("--tokenizer", self.tokenizer), ("--prompts", self.prompts), ("--fps", self.fps))
+                 if v is not None] + (["--negative-prompt"] if self.negative_prompt != DEFAULT_NEGATIVE else [])
+        if given:
+            raise ConfigError(f"{' '.join(given)} with --labels-from-folders: the labels come from the class folders "
+                              f"(no captions, no text encoder, images only); drop {' '.join(given)}")
+        if self.frames not in (None, 1):
+            raise ConfigError(f"--frames {self.frames}: --labels-from-folders reads images (1 frame)")
+        if self.height is not None and self.width is not None and self.height != self.width:
+            raise ConfigError(f"--height {self.height} --width {self.width}: --labels-from-folders makes square "
+                              f"crops (ADM's center_crop_arr); give one size")
+        if self.num_classes is not None and (not isinstance(self.num_classes, int) or self.num_classes < 1):
+            raise ConfigError(f"--num-classes {self.num_classes}: expected an integer >= 1")
 
 
 def _device_and_dtype(cfg: PrepConfig):
@@ -106,15 +129,15 @@ def _encode_texts(text: TextEncoder, captions: List[str], cfg: PrepConfig):
 class _ClipReader(torch.utils.data.Dataset):
     """Item i of the rank's to-do list -> (i, uint8 frames or None, skip reason), in a DataLoader worker."""
 
-    def __init__(self, items, media: str, size: tuple, fps: Optional[float]):
-        self.items, self.media, self.size, self.fps = items, media, size, fps
+    def __init__(self, items, media: str, size: tuple, fps: Optional[float], crop: str):
+        self.items, self.media, self.size, self.fps, self.crop = items, media, size, fps, crop
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, i):
         _, clip = self.items[i]
-        frames, reason = load_clip(os.path.join(self.media, clip.path), *self.size, fps=self.fps)
+        frames, reason = load_clip(os.path.join(self.media, clip.path), *self.size, fps=self.fps, crop=self.crop)
         return i, frames, reason
 
 
@@ -128,28 +151,52 @@ def _world():
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _size(cfg: PrepConfig, kind: str) -> tuple:
+    """(frames, height, width): the flags, else the VAE kind's defaults; with --labels-from-folders one of --height /
+    --width sets both (square crops)."""
+    height, width = cfg.height, cfg.width
+    if cfg.labels_from_folders:
+        height = width = height if height is not None else width
+    return tuple(d if v is None else v for v, d in zip((cfg.frames, height, width), DEFAULT_SIZE[kind]))
+
+
 def prepare(cfg: PrepConfig) -> Optional[dict]:
-    """Media + captions -> shards under cfg.out (module docstring). Returns the report on rank 0, else None."""
+    """Media + captions, or class folders -> shards under cfg.out (module docstring). Returns the report on rank 0,
+    else None."""
     cfg.check()
+    labels = cfg.labels_from_folders
     for flag, v in (("--vae", cfg.vae), ("--media", cfg.media), ("--captions", cfg.captions), ("--out", cfg.out)):
-        if not v:
+        if not v and not (labels and flag == "--captions"):
             raise ConfigError(f"{flag} is required (or --pipeline DIR for --vae)" if flag == "--vae"
                               else f"{flag} is required")
     spec = VAESpec.from_folder(cfg.vae)
-    frames, height, width = (d if v is None else v for v, d in zip((cfg.frames, cfg.height, cfg.width),
-                                                                    DEFAULT_SIZE[spec.kind]))
+    if labels and spec.kind != "kl":
+        raise ConfigError(f"--vae {cfg.vae}: {spec.class_name} is a video VAE; --labels-from-folders encodes images "
+                          f"with an AutoencoderKL (e.g. stabilityai/sd-vae-ft-ema)")
+    frames, height, width = _size(cfg, spec.kind)
     latent_shape = spec.latent_shape(frames, height, width)
-    _, _, text_config = resolve_folders(cfg.text_encoder, cfg.tokenizer)
+    text_config = None if labels else resolve_folders(cfg.text_encoder, cfg.tokenizer)[2]
     if not os.path.isdir(cfg.media):
-        raise DataError(f"--media {cfg.media}: not a directory (the folder the captions' paths are relative to)")
+        what = "one subfolder of images per class" if labels else "the folder the captions' paths are relative to"
+        raise DataError(f"--media {cfg.media}: not a directory ({what})")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out}: exists and is not a directory")
-    clips = read_captions(cfg.captions, spec.kind, frames)
-    cond_shape = (cfg.max_text_len, text_config["d_model"])
-    settings = {"vae": spec.class_name, "latent_shape": list(latent_shape), "cond_shape": list(cond_shape),
-                "frames": frames, "height": height, "width": width, "fps": cfg.fps, "dtype": cfg.dtype,
-                "sample_posterior": cfg.sample_posterior, "seed": cfg.seed if cfg.sample_posterior else None,
-                "shard_size": cfg.shard_size, "text_encoder": text_config["model_type"]}
+    settings = {"vae": spec.class_name, "latent_shape": list(latent_shape), "frames": frames, "height": height,
+                "width": width, "fps": cfg.fps, "dtype": cfg.dtype, "sample_posterior": cfg.sample_posterior,
+                "seed": cfg.seed if cfg.sample_posterior else None, "shard_size": cfg.shard_size}
+    if labels:
+        folders = list_class_folders(cfg.media, cfg.num_classes)
+        clips, classes = folders.clips, folders.classes
+        cond = {"cond": "labels", "num_classes": len(classes)}
+        settings.update(crop="adm", num_classes=len(classes))
+        listed = f"{len(clips)} images in {len(classes)} class folders ({folders.left_out} other files left out)"
+        cond_line = f"labels in [0, {len(classes)})"
+    else:
+        clips, classes = read_captions(cfg.captions, spec.kind, frames), None
+        cond_shape = [cfg.max_text_len, text_config["d_model"]]
+        cond = {"cond": "embedding", "cond_shape": cond_shape}
+        settings.update(cond_shape=cond_shape, text_encoder=text_config["model_type"])
+        listed, cond_line = f"{len(clips)} clips", f"cond {cond_shape}"
     chunks = plan_shards(clips, cfg.shard_size)
     done = finished_shards(cfg.out, settings, chunks)
     os.makedirs(cfg.out, exist_ok=True)
@@ -161,10 +208,12 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         device, compute = _device_and_dtype(cfg)
         mine = [k for k in range(len(chunks)) if k % world == rank and k not in done]
         if rank == 0:
-            print(f"prepare_data: {len(clips)} clips in {len(chunks)} shards of {cfg.shard_size}, {len(done)} "
-                  f"already written; {world} rank(s) on {device} ({compute}); latents {list(latent_shape)}, "
-                  f"cond {list(cond_shape)}", flush=True)
-        text = TextEncoder.from_folder(cfg.text_encoder, cfg.tokenizer, device, compute) if mine or rank == 0 else None
+            print(f"prepare_data: {listed} in {len(chunks)} shards of {cfg.shard_size}, {len(done)} already "
+                  f"written; {world} rank(s) on {device} ({compute}); latents {list(latent_shape)}, {cond_line}",
+                  flush=True)
+        text = None
+        if not labels and (mine or rank == 0):
+            text = TextEncoder.from_folder(cfg.text_encoder, cfg.tokenizer, device, compute)
         vae = LatentVAE.from_folder(cfg.vae, device, compute) if mine else None
         start = time.perf_counter()
         if mine:
@@ -173,13 +222,16 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
             dist.barrier()
         if rank != 0:
             return None
-        negative = _encode_texts(text, [cfg.negative_prompt], cfg)[0][0]
+        negative = None if labels else _encode_texts(text, [cfg.negative_prompt], cfg)[0][0]
         heads = read_shard_headers(cfg.out, len(chunks))
         report = build_report(heads, done, time.perf_counter() - start, world)
         index_error = None
         try:
-            write_index(cfg.out, heads, latent_shape, cond_shape)
-            write_negative(cfg.out, negative)
+            write_index(cfg.out, heads, latent_shape, cond)
+            if labels:
+                write_classes(cfg.out, classes)
+            else:
+                write_negative(cfg.out, negative)
         except DataError as e:  # nothing encodable: still leave the report behind, then fail
             index_error = e
         print(write_report(cfg.out, report), flush=True)
@@ -191,9 +243,19 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
             dist.destroy_process_group()
 
 
+def _cond_tensors(cfg: PrepConfig, text: Optional[TextEncoder], clips: List[Clip]) -> dict:
+    """The condition tensors of a shard's written clips: labels int64 [n] (class folders), or the caption
+    embeddings cond [n, L, D] and text_len int64 [n]."""
+    if cfg.labels_from_folders:
+        return {"labels": torch.tensor([c.label for c in clips], dtype=torch.long)}
+    cond, text_len = _encode_texts(text, [c.caption for c in clips], cfg)
+    return {"cond": cond, "text_len": text_len}
+
+
 def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, rank, world) -> None:
     items = [item for k in mine for item in chunks[k]]
-    loader = torch.utils.data.DataLoader(_ClipReader(items, cfg.media, size, cfg.fps), batch_size=None,
+    crop = "adm" if cfg.labels_from_folders else "cover"
+    loader = torch.utils.data.DataLoader(_ClipReader(items, cfg.media, size, cfg.fps, crop), batch_size=None,
                                          num_workers=cfg.workers)
     ends = {}  # the item position that closes each shard -> shard id
     pos = 0
@@ -201,7 +263,7 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
         pos += len(chunks[k])
         ends[pos - 1] = k
     video = vae.kind == "wan"
-    latents, written, captions, skipped, batch = [], [], [], [], []
+    latents, written, kept, skipped, batch = [], [], [], [], []
 
     def flush():
         if batch:
@@ -219,16 +281,16 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
             else:
                 batch.append((index, to_pixels(frames.to(vae.device), video)))  # uint8 over the bus
                 written.append(clip.path)
-                captions.append(clip.caption)
+                kept.append(clip)
                 if len(batch) == cfg.batch_size:
                     flush()
             if i in ends:
                 flush()
                 k = ends[i]
-                cond, text_len = _encode_texts(text, captions, cfg)
                 lat = torch.cat(latents) if latents else torch.zeros(0, *latent_shape, dtype=DTYPES[cfg.dtype])
-                write_shard(cfg.out, k, lat, cond, text_len, settings, chunks[k], written, skipped)
-                latents, written, captions, skipped = [], [], [], []
+                write_shard(cfg.out, k, {"latents": lat, **_cond_tensors(cfg, text, kept)}, settings, chunks[k],
+                            written, skipped)
+                latents, written, kept, skipped = [], [], [], []
                 bar.set_postfix_str(f"shard {k}")
             bar.update(1)
 

@@ -1,19 +1,21 @@
-"""The files of one `launch/prepare_data.py` run: resumable shards, index.json, negative.safetensors, report.json.
+"""The files of one `launch/prepare_data.py` run: resumable shards, index.json, negative.safetensors (captions)
+or classes.json (class folders), report.json.
 
-Shard k holds clips k*S .. k*S + S - 1 of the sorted clip list (S = `--shard-size`; rank k % world writes it):
+Shard k holds clips k*S .. k*S + S - 1 of the ordered clip list (S = `--shard-size`; rank k % world writes it):
     out/shard_{k:05d}.safetensors
         latents   [n_k, C, (T,) H, W]  --dtype  normalised VAE latents of the shard's n_k readable clips
-        cond      [n_k, L, D]          --dtype  their caption embeddings, zeros after text_len
-        text_len  [n_k]                int64    real tokens per caption (</s> included)
+        cond      [n_k, L, D]          --dtype  their caption embeddings, zeros after text_len    (captions)
+        text_len  [n_k]                int64    real tokens per caption (</s> included)           (captions)
+        labels    [n_k]                int64    their class indices              (--labels-from-folders)
         metadata  "settings": JSON of everything that changes the values; "clips": the shard's paths and a
-                  sha256 of its (path, caption) pairs; "written": the paths of the n_k rows; "skipped":
-                  [[path, reason], ...]
+                  sha256 of its (path, caption or label) pairs; "written": the paths of the n_k rows;
+                  "skipped": [[path, reason], ...]
 n_k may be 0 (every clip skipped): the file still marks the shard done, and index.json leaves it out.
 Each file is written whole under a temporary name and renamed (`atomic_write`), so a killed run leaves only
 finished shards plus stale `shard_*.safetensors.*.tmp` files, which the next run deletes before redoing the
 shards that have no file. A shard written with other settings or for other clips is a DataError naming it.
-After every rank is done, rank 0 writes index.json from the shard headers (no tensor is loaded),
-negative.safetensors (`cond` [L, D]) and report.json.
+After every rank is done, rank 0 writes negative.safetensors (`cond` [L, D]) or classes.json (the JSON list of
+class names: label i is entry i), index.json from the shard headers (no tensor is loaded) and report.json.
 """
 import glob
 import hashlib
@@ -33,6 +35,7 @@ from dmd2_mega.errors import DataError
 from .clips import Clip
 
 REPORT = "report.json"
+CLASSES = "classes.json"
 SHARD_RE = re.compile(r"^shard_(\d{5})\.safetensors$")
 
 
@@ -41,13 +44,13 @@ def shard_name(k: int) -> str:
 
 
 def plan_shards(clips: Sequence[Clip], shard_size: int) -> List[List[Tuple[int, Clip]]]:
-    """The sorted clips with their global index, in chunks of shard_size: chunk k is shard k."""
+    """The ordered clips with their global index, in chunks of shard_size: chunk k is shard k."""
     numbered = list(enumerate(clips))
     return [numbered[i:i + shard_size] for i in range(0, len(numbered), shard_size)]
 
 
 def clips_digest(chunk: Sequence[Tuple[int, Clip]]) -> str:
-    pairs = [[c.path, c.caption] for _, c in chunk]
+    pairs = [[c.path, c.caption if c.label is None else c.label] for _, c in chunk]
     return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -80,8 +83,8 @@ def finished_shards(out: str, settings: dict, chunks: Sequence[Sequence[Tuple[in
             raise DataError(f"--out {out}: {name} was written with other settings ({'; '.join(diff)}); "
                             f"use a fresh --out or the same flags")
         if (meta.get("clips") or {}).get("sha256") != clips_digest(chunks[k]):
-            raise DataError(f"--out {out}: {name} was written for other clips or captions (the captions file "
-                            f"changed); use a fresh --out")
+            raise DataError(f"--out {out}: {name} was written for other clips, captions or labels (the captions "
+                            f"file or the class folders changed); use a fresh --out")
         done.add(k)
     return done
 
@@ -92,13 +95,12 @@ def remove_stale(out: str, k: int) -> None:
         os.unlink(tmp)
 
 
-def write_shard(out: str, k: int, latents: torch.Tensor, cond: torch.Tensor, text_len: torch.Tensor,
-                settings: dict, chunk: Sequence[Tuple[int, Clip]], written: Sequence[str],
-                skipped: Sequence[Tuple[str, str]]) -> None:
-    """Shard k, whole or not at all (the module docstring gives the layout)."""
+def write_shard(out: str, k: int, tensors: Dict[str, torch.Tensor], settings: dict,
+                chunk: Sequence[Tuple[int, Clip]], written: Sequence[str], skipped: Sequence[Tuple[str, str]]) -> None:
+    """Shard k, whole or not at all: `tensors` are latents and cond + text_len, or labels (module docstring)."""
     meta = {"settings": settings, "written": list(written), "skipped": [list(s) for s in skipped],
             "clips": {"paths": [c.path for _, c in chunk], "sha256": clips_digest(chunk)}}
-    tensors = {"latents": latents.contiguous(), "cond": cond.contiguous(), "text_len": text_len.long().contiguous()}
+    tensors = {name: t.contiguous() if t.is_floating_point() else t.long().contiguous() for name, t in tensors.items()}
     blob = save(tensors, metadata={key: json.dumps(v, ensure_ascii=False) for key, v in meta.items()})
     remove_stale(out, k)
     atomic_write(os.path.join(out, shard_name(k)), lambda f: f.write(blob))
@@ -115,14 +117,14 @@ def read_shard_headers(out: str, num_shards: int) -> List[dict]:
     return heads
 
 
-def write_index(out: str, heads: Sequence[dict], latent_shape: Sequence[int], cond_shape: Sequence[int]) -> dict:
-    """index.json listing the non-empty shards (ShardDataset's format, cond "embedding")."""
+def write_index(out: str, heads: Sequence[dict], latent_shape: Sequence[int], cond: dict) -> dict:
+    """index.json listing the non-empty shards (ShardDataset's format); `cond` is {"cond": "embedding",
+    "cond_shape": [L, D]} or {"cond": "labels", "num_classes": K}."""
     shards = [{"file": shard_name(k), "num_samples": h["shapes"]["latents"][0]}
               for k, h in enumerate(heads) if h["shapes"]["latents"][0] > 0]
     if not shards:
         raise DataError(f"--out {out}: no clip could be encoded (every file was skipped; see {REPORT})")
-    index = {"shards": shards, "latent_shape": list(latent_shape), "cond": "embedding",
-             "cond_shape": list(cond_shape)}
+    index = {"shards": shards, "latent_shape": list(latent_shape), **cond}
     atomic_write(os.path.join(out, INDEX), lambda f: json.dump(index, f, indent=1), text=True)
     return index
 
@@ -131,6 +133,12 @@ def write_negative(out: str, cond: torch.Tensor) -> None:
     """negative.safetensors: tensor `cond` [L, D], the negative prompt's embedding."""
     blob = save({"cond": cond.contiguous()})
     atomic_write(os.path.join(out, NEGATIVE), lambda f: f.write(blob))
+
+
+def write_classes(out: str, classes: Sequence[str]) -> None:
+    """classes.json: the class names in label order (label i is entry i)."""
+    atomic_write(os.path.join(out, CLASSES), lambda f: json.dump(list(classes), f, indent=0, ensure_ascii=False),
+                 text=True)
 
 
 def build_report(heads: Sequence[dict], resumed: Set[int], seconds: float, world: int) -> Dict:
