@@ -13,6 +13,10 @@
 #                launch/pretrain_flow.py (no weights are available), then 6 cycles of launch/pretrain_dmd2.py
 #                (K = 5, N = 4, guidance 5, shift 3, EMA); its log lines carry rollout-ms / critic-ms /
 #                actor-ms and the model TFLOP/s per GPU (bench_dmd2_cycle.py builds the DiT only)
+#   sit_xl2_cycle  SiT-XL/2-shaped DMD2 from an imported teacher, TP=1, bf16: a random official-layout SiT-XL/2
+#                state dict (depth 28, hidden 1152, 16 heads, learned sigma; no weights are available) converted by
+#                launch/convert_checkpoint.py --from-official --parameterization sit, random 4 x 32 x 32 latents
+#                with 1000 classes, then 6 cycles of launch/pretrain_dmd2.py (K = 5, N = 4, CFG 1.5, GAN head, EMA)
 #   wan_cp2      context / sequence parallelism equal to the world of one: tests/test_token_parallel.py's CP=2,
 #                TP=2 + SP and TP=2 x CP=2 runs, on the CPU cores with gloo (two ranks cannot share one GPU
 #                under NCCL; a true CP=2 run on GPUs needs 2 of them)
@@ -26,7 +30,7 @@
 # STEPS (names, space-separated) runs only those steps, the others listed as skipped ("not in STEPS"): the
 # steps' timeouts add up to more than BUDGET_S, so the later ones (the Wan steps) want a call of their own.
 #   bash benchmarks/gpu_check.sh        # env: PYTHON, OUT, BUDGET_S, STEPS, CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS
-#   STEPS="env nvidia_smi wan13b_cycle wan_cp2" bash benchmarks/gpu_check.sh
+#   STEPS="env nvidia_smi wan13b_cycle sit_xl2_cycle wan_cp2" bash benchmarks/gpu_check.sh
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUTDIR=${OUT:+$OUT/gpu_check}
@@ -110,7 +114,7 @@ for m in ("triton", "flash_attn", "transformer_engine", "apex", "megatron.core")
 step env 60 "$PYTHON" -c "$ENV_PY"
 if ((CUDA == 0)); then  # a dry run on a machine without a GPU: say what would run, run nothing else
     for name in nvidia_smi kernel_tests bench_kernels cycle_bf16 cycle_recompute flow_sdpa flow_flash flow_te \
-                wan13b_cycle wan_cp2; do
+                wan13b_cycle sit_xl2_cycle wan_cp2; do
         skip "$name" "needs CUDA"
     done
     echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s): no CUDA device, only env ran"
@@ -176,6 +180,47 @@ export WAN_TMP WAN_DATA_PY PYTHON WAN_MODEL=${WAN_MODEL:-wan2.1-1.3b} WAN_LATENT
     WAN_TEXT=${WAN_TEXT:-512 4096}
 step wan13b_cycle 210 bash -c run_wan_cycle
 rm -rf "$WAN_TMP"
+
+# sit_xl2_cycle: run_sit_cycle in a child bash, its scratch (a 2.7 GB .pt, the converted teacher, the run)
+# removed after it. SIT_DEPTH / SIT_HIDDEN / SIT_HEADS make it small for trying the step out on a CPU.
+SIT_PY='
+import sys, torch
+from dmd2_mega.data import write_shards
+from dmd2_mega.models.embeddings import dit_sincos_2d
+out, depth, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c, p, k, side = 4, 2, 1000, 32
+shapes = {"x_embedder.proj.weight": (d, c, p, p), "x_embedder.proj.bias": (d,), "t_embedder.mlp.0.weight": (d, 256),
+          "t_embedder.mlp.0.bias": (d,), "t_embedder.mlp.2.weight": (d, d), "t_embedder.mlp.2.bias": (d,),
+          "y_embedder.embedding_table.weight": (k + 1, d), "final_layer.linear.weight": (p * p * 2 * c, d),
+          "final_layer.linear.bias": (p * p * 2 * c,), "final_layer.adaLN_modulation.1.weight": (2 * d, d),
+          "final_layer.adaLN_modulation.1.bias": (2 * d,)}
+for i in range(depth):
+    for name, shape in (("attn.qkv", (3 * d, d)), ("attn.proj", (d, d)), ("mlp.fc1", (4 * d, d)),
+                        ("mlp.fc2", (d, 4 * d)), ("adaLN_modulation.1", (6 * d, d))):
+        shapes[f"blocks.{i}.{name}.weight"], shapes[f"blocks.{i}.{name}.bias"] = shape, shape[:1]
+g = torch.Generator().manual_seed(0)
+state = {n: 0.02 * torch.randn(s, generator=g) for n, s in shapes.items()}
+state["pos_embed"] = dit_sincos_2d(side // p, d)[None]
+torch.save(state, out + "/sit.pt")
+write_shards(out + "/data", torch.randn(64, c, side, side, generator=g).bfloat16(), labels=torch.arange(64) % k,
+             num_classes=k)
+print(f"wrote a random SiT ({depth} blocks, hidden {d}) and 64 random latents [4, 32, 32] -> {out}")
+'
+run_sit_cycle() {  # env: PYTHON, SIT_TMP, SIT_DEPTH, SIT_HIDDEN, SIT_HEADS, SIT_PY
+    set -ex
+    "$PYTHON" -c "$SIT_PY" "$SIT_TMP" "$SIT_DEPTH" "$SIT_HIDDEN"
+    "$PYTHON" launch/convert_checkpoint.py --from-official "$SIT_TMP/sit.pt" --parameterization sit \
+        --num-heads "$SIT_HEADS" --save "$SIT_TMP/teacher"
+    "$PYTHON" launch/pretrain_dmd2.py --model-size "$SIT_TMP/teacher" --teacher-load "$SIT_TMP/teacher" \
+        --data "$SIT_TMP/data" --micro-batch-size 8 --bf16 --num-workers 0 --train-iters 6 --log-interval 2 \
+        --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 --dmd2-critic-steps-per-rollout 5 \
+        --dmd2-teacher-guidance-scale 1.5 --dmd2-gan --ema-decay 0.99
+}
+export -f run_sit_cycle
+SIT_TMP=$(mktemp -d "${TMPDIR:-/tmp}/sit_xl2_cycle.XXXXXX")
+export SIT_TMP SIT_PY SIT_DEPTH=${SIT_DEPTH:-28} SIT_HIDDEN=${SIT_HIDDEN:-1152} SIT_HEADS=${SIT_HEADS:-16}
+step sit_xl2_cycle 180 bash -c run_sit_cycle
+rm -rf "$SIT_TMP"
 
 # wan_cp2: on the CPU (CUDA hidden, gloo); the teacher-trainer CP test is left out: its fixture needs diffusers
 step wan_cp2 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1 "$PYTHON" -m pytest -q \
