@@ -380,11 +380,13 @@ class Layout:
     recompute: bool
     offload: frozenset
     """The roles time-sliced (`choose_offload`)."""
+    splits_tokens: bool = True
+    """The family takes CP / SP (Wan); the DiT family runs with TP and DP only."""
 
     @property
     def sp(self) -> bool:
         """Sequence parallelism rides along whenever TP > 1 (it only removes activation memory)."""
-        return self.tp > 1
+        return self.tp > 1 and self.splits_tokens
 
     @property
     def dist_opt(self) -> bool:
@@ -409,7 +411,8 @@ def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: fl
                    denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False, gan: bool = False) -> list:
     """Every layout of `world` GPUs the model takes, with its plan: [(Layout, CyclePlan, phase bytes, fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
-    world (DP = world / (TP x CP)); Wan only splits tokens (CP > 1). Best: fits `budget` (bytes per GPU); then the
+    world (DP = world / (TP x CP)); Wan only splits tokens (CP > 1, SP with TP > 1; the DiT family takes neither).
+    Best: fits `budget` (bytes per GPU); then the
     smallest model-parallel group TP x CP (the most DP, the least communication); then no recompute; then the
     fewest bytes time-sliced per cycle; then the smaller TP."""
     heads, found = ms.spec.num_heads, []
@@ -420,10 +423,11 @@ def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: fl
             for recompute in (False, True):
                 plan = plan_cycle(ms, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
-                                  cp=cp, sp=tp > 1, scores=scores)
+                                  cp=cp, sp=tp > 1 and ms.family == "wan", scores=scores)
                 roles, totals, fits = choose_offload(plan, budget, gan)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
-                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles), plan, totals, fits, moved))
+                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, ms.family == "wan"), plan, totals,
+                              fits, moved))
     if not found:
         raise ConfigError(f"no layout of {world} GPUs ({gpus_per_node} per node) divides the {heads} heads")
     found.sort(key=lambda f: (not f[3], f[0].tp * f[0].cp, f[0].recompute, f[4], f[0].tp))

@@ -19,7 +19,7 @@ experts, switched at the boundary, `dmd2_mega/models/wan_experts.py`) and export
 transformer_2/.
 
     # class-conditional image teachers (the DiT family), any TP
-    python launch/convert_checkpoint.py --from-official SiT-XL-2-256.pt --parameterization sit \
+    python launch/convert_checkpoint.py --from-official SiT-XL-2-256x256.pt --parameterization sit \
         --save ckpt/sit_xl2 --tensor-model-parallel-size 2
     python launch/convert_checkpoint.py --from-official DiT-XL-2-256x256.pt --parameterization vp-eps --save ckpt/dit
     python launch/convert_checkpoint.py --from-diffusers /models/DiT-XL-2-256 --save ckpt/dit_xl2   # vp-eps

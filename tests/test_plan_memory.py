@@ -509,6 +509,18 @@ def test_cli_search_wan_14b_fits_80gb(capsys, latent, tokens):
     assert p.sequence_parallel == (p.tensor_model_parallel_size > 1) and cfg.optim.use_distributed_optimizer
 
 
+def test_search_layouts_of_a_dit_take_no_sequence_parallelism():
+    """The DiT family runs with TP and DP only: no layout of it has CP > 1 or SP, and its flags parse."""
+    from dmd2_mega.arguments import parse_dmd2_args
+    ms = mp.model_shape("600m", 4, (32, 32), num_classes=1000, cond_shape=None)
+    found = mp.search_layouts(ms, world=16, gpus_per_node=8, budget=3 * 2 ** 30, micro=8, steps=5, denoise=4,
+                              bf16=True)
+    assert {f[0].cp for f in found} == {1} and any(f[0].tp > 1 for f in found)
+    assert not any(f[0].sp for f in found) and found[0][3]
+    cfg = parse_dmd2_args(["--teacher-load", "t", *found[0][0].flags()])
+    assert not cfg.parallel.sequence_parallel
+
+
 def test_cli_search_errors(capsys):
     base = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--bf16"]
     assert plan_memory.main(base + ["--search"]) == 1

@@ -7,6 +7,9 @@ misspelled flag, a wrong node count or a bad rendezvous address fails here. The 
 The Wan 2.1 recipes take their layout from launch/plan_memory.py --search --emit-flags at job start: a fake
 planner checks what it is asked and that its flags (and only they) set the layout; the real one, that its line
 reaches every node; a failing planner stops the job with exit 3 before anything is launched.
+The SiT-XL/2 ImageNet 256 recipe has a fixed layout (TP from the environment, DP over every GPU): each node's
+command carries DMD2's ImageNet settings for a 1- or a 4-step student (STUDENT_STEPS), against a teacher folder
+holding the config.json a converted SiT-XL-2-256x256.pt has.
 """
 from __future__ import annotations
 
@@ -330,3 +333,159 @@ def test_wan_dry_run_with_the_real_planner(tmp_path):
         cfg = parse_dmd2_args(a.training_script_args)
         tp_cp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.context_parallel_size
         assert (8 * nodes) % tp_cp == 0 and 40 % tp_cp == 0  # ranks and heads
+
+
+# ---- the SiT-XL/2 ImageNet 256 recipe: a fixed layout (TP, DP over every GPU) and DMD2's ImageNet settings --------
+
+SIT = "launch/slurm/dmd2_sit_xl2_imagenet256.sbatch"
+
+
+def sit_teacher(tmp_path) -> str:
+    """A SiT-XL/2 teacher as the trainer's flag parser sees it: the config.json that `convert_checkpoint.py
+    --from-official SiT-XL-2-256x256.pt --parameterization sit` writes, from the official file's shapes (meta
+    tensors: no weights) and a folder name with a space, which must survive the quoting."""
+    import torch
+
+    from dmd2_mega.models.dit_checkpoints import official_spec, our_config
+    h, layers, p, c, classes = 1152, 28, 2, 4, 1000
+    shapes = {"x_embedder.proj.weight": (h, c, p, p), "pos_embed": (1, 256, h), "t_embedder.mlp.0.weight": (h, 256),
+              "y_embedder.embedding_table.weight": (classes + 1, h), "final_layer.linear.weight": (p * p * 2 * c, h),
+              **{f"blocks.{i}.mlp.fc1.weight": (4 * h, h) for i in range(layers)}}
+    d = tmp_path / "sit teacher"
+    d.mkdir()
+    spec = official_spec({k: torch.empty(s, device="meta") for k, s in shapes.items()}, str(d), "sit")
+    (d / "config.json").write_text(json.dumps(our_config(spec)))
+    return str(d)
+
+
+def sit_env(tmp_path, **extra) -> dict:
+    return {"DRY_RUN": "1", "TEACHER": sit_teacher(tmp_path), "DATA_PATH": "/data/in 256", **extra}
+
+
+def script_cfg(cmd: list):
+    """(torchrun's parse of one node's command, the trainer's validated config of its script flags)."""
+    a = get_args_parser().parse_args(cmd[1:])
+    return a, parse_dmd2_args(a.training_script_args)
+
+
+@pytest.mark.parametrize("steps", ["1", "4"])
+def test_sit_dry_run_prints_the_dmd2_imagenet_recipe_per_node(steps, tmp_path):
+    from dmd2_mega import memory_plan as mp
+    env = sit_env(tmp_path, STUDENT_STEPS=steps)
+    teacher = env["TEACHER"]
+    counts = mp.param_counts(mp.model_shape(teacher, 4, 32, num_classes=1000))
+    assert round((counts["sharded"] + counts["replicated"]) / 1e6) == 675  # the fixture is SiT-XL/2's size
+    res = run_script(SIT, env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("# MASTER_ADDR=node001 MASTER_PORT=20000 nodes=4 gpus/node=8\n")
+    cmds = node_commands(res.stdout)
+    assert len(cmds) == 4  # the #SBATCH allocation: 4 nodes x 8 GPUs
+    run = f"sit_xl2_dmd2_{steps}step"  # the 1- and 4-step runs save (and resume) apart
+    for rank, cmd in enumerate(cmds):
+        assert cmd[0] == "torchrun"
+        a, cfg = script_cfg(cmd)
+        assert (a.nnodes, a.nproc_per_node, a.node_rank, a.master_addr, a.master_port) == ("4", "8", rank, "node001",
+                                                                                            20000)
+        assert a.training_script == "launch/pretrain_dmd2.py"
+        assert cfg.model.size == cfg.dmd2.teacher_load == teacher  # a converted folder is a size
+        assert cfg.dmd2.student_load is None and cfg.dmd2.critic_load is None  # both start from the teacher
+        assert cfg.parallel.tensor_model_parallel_size == 1 and cfg.parallel.context_parallel_size == 1
+        assert not cfg.optim.use_distributed_optimizer and cfg.model.recompute_granularity is None
+        d = cfg.dmd2
+        assert (d.denoising_steps, d.critic_steps_per_rollout, d.teacher_guidance_scale) == (int(steps), 5, 1.5)
+        assert d.offload_inactive is None  # the trainer's memory plan decides what sleeps
+        assert (cfg.optim.lr, cfg.critic_optim().lr, cfg.optim.lr_decay_style) == (2e-6, 2e-6, "constant")
+        assert (cfg.optim.weight_decay, cfg.optim.clip_grad) == (0.01, 10.0)
+        assert cfg.gan.enabled and (cfg.gan.gen_weight, cfg.gan.disc_weight) == (3e-3, 1e-2)
+        assert cfg.ema.enabled and cfg.ema.decay == 0.999 and not cfg.ema.no_ema
+        assert cfg.optim.bf16 and cfg.train.timestep_shift == 1.0
+        assert cfg.train.data == "/data/in 256" and cfg.train.micro_batch_size == 8
+        assert cfg.train.global_batch_size is None  # micro x DP: 8 x 32 = 256
+        assert cfg.train.save == cfg.train.load == f"ckpt/{run}" and cfg.train.tensorboard_dir == f"tb/{run}"
+        assert cfg.train.save_interval == 1000 and cfg.train.train_iters == 200000
+        assert cfg.train.eval_interval is None and cfg.train.vae is None  # no VAE, no eval
+
+
+def test_sit_defaults_to_a_4_step_student(tmp_path):
+    res = run_script(SIT, sit_env(tmp_path))
+    assert res.returncode == 0, res.stderr
+    _, cfg = script_cfg(node_commands(res.stdout)[0])
+    assert cfg.dmd2.denoising_steps == 4 and cfg.train.save == "ckpt/sit_xl2_dmd2_4step"
+
+
+def test_sit_vae_turns_on_the_eval(tmp_path):
+    res = run_script(SIT, sit_env(tmp_path, VAE="/models/sd vae ft ema"))
+    assert res.returncode == 0, res.stderr
+    for cmd in node_commands(res.stdout):
+        _, cfg = script_cfg(cmd)
+        assert (cfg.train.vae, cfg.train.eval_interval, cfg.train.eval_num_samples) == ("/models/sd vae ft ema",
+                                                                                        1000, 64)
+        assert cfg.train.eval_prompts is None  # class labels: the eval samples classes 0, 1, 2, ...
+
+
+def test_sit_knobs_reach_every_node(tmp_path):
+    env = sit_env(tmp_path, TP="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[4-5]", SLURM_JOB_ID="77",
+                  GPUS_PER_NODE="4", MICRO_BATCH_SIZE="16", GLOBAL_BATCH_SIZE="256", SAVE="/runs/sit a",
+                  GUIDANCE="1.25", CRITIC_STEPS="3", LR="1e-6", CRITIC_LR="4e-6", EMA_DECAY="0.99",
+                  EXTRA_ARGS="--dmd2-gan-gen-weight 1e-2 --seed 3")
+    res = run_script(SIT, env)
+    assert res.returncode == 0, res.stderr
+    cmds = node_commands(res.stdout)
+    assert len(cmds) == 2
+    for rank, cmd in enumerate(cmds):
+        a, cfg = script_cfg(cmd)
+        assert (a.nnodes, a.nproc_per_node, a.node_rank, a.master_addr, a.master_port) == ("2", "4", rank, "gpu4",
+                                                                                            20077)
+        assert cfg.parallel.tensor_model_parallel_size == 2
+        assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (16, 256)
+        assert cfg.train.save == cfg.train.load == "/runs/sit a"  # SAVE does not move the TensorBoard default
+        assert cfg.train.tensorboard_dir == "tb/sit_xl2_dmd2_4step"
+        assert (cfg.dmd2.teacher_guidance_scale, cfg.dmd2.critic_steps_per_rollout) == (1.25, 3)
+        assert (cfg.optim.lr, cfg.critic_optim().lr, cfg.ema.decay) == (1e-6, 4e-6, 0.99)
+        assert cfg.gan.gen_weight == 1e-2 and cfg.train.seed == 3  # EXTRA_ARGS come last, so they win
+
+
+def test_sit_srun_runs_torchrun_with_each_nodes_rank(tmp_path):
+    log = tmp_path / "argv.txt"
+    fake = tmp_path / "torchrun"
+    fake.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {shlex.quote(str(log))}\n')
+    fake.chmod(0o755)
+    res = run_script(SIT, sit_env(tmp_path, TORCHRUN=str(fake), SLURM_CPUS_PER_TASK="64"))
+    assert res.returncode == 0, res.stderr
+    srun = srun_command(res.stdout)
+    assert srun[:6] == ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    assert srun[srun.index("--cpus-per-task") + 1] == "64" and srun[srun.index("--chdir") + 1] == REPO
+    subprocess.run(srun[srun.index("bash"):], env={"SLURM_NODEID": "3", "PATH": "/usr/bin:/bin"}, check=True,
+                   timeout=30)
+    argv = log.read_text().splitlines()
+    assert argv[:2] == ["--node-rank", "3"]
+    printed = node_commands(res.stdout)[3]
+    entry = "launch/pretrain_dmd2.py"
+    assert argv[argv.index(entry):] == printed[printed.index(entry):]  # the same script flags, quoting intact
+
+
+@pytest.mark.parametrize("missing", ["TEACHER", "DATA_PATH"])
+def test_sit_needs_teacher_and_data(missing, tmp_path):
+    env = sit_env(tmp_path)
+    del env[missing]
+    res = run_script(SIT, env)
+    assert res.returncode == 2 and f"error: set {missing} (the header of {SIT}" in res.stderr, res.stderr
+    assert "torchrun" not in res.stdout and "# node " not in res.stdout
+
+
+@pytest.mark.parametrize("steps", ["2", "four", ""])
+def test_sit_student_steps_is_1_or_4(steps, tmp_path):
+    res = run_script(SIT, sit_env(tmp_path, STUDENT_STEPS=steps))
+    if steps == "":  # set but empty: the default
+        assert res.returncode == 0, res.stderr
+        return
+    assert res.returncode == 2 and "error: STUDENT_STEPS must be 1 or 4" in res.stderr, res.stderr
+    assert f"got '{steps}'" in res.stderr and "torchrun" not in res.stdout
+
+
+def test_sit_outside_an_allocation_refuses_to_launch(tmp_path):
+    env = sit_env(tmp_path)
+    del env["DRY_RUN"]
+    res = run_script(SIT, env)
+    assert res.returncode == 2 and "not inside a SLURM allocation" in res.stderr and "DRY_RUN=1" in res.stderr
+    assert "torchrun" not in res.stdout

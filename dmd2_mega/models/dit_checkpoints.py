@@ -103,7 +103,7 @@ def read_official_file(path: str) -> dict:
     """The state dict of an official SiT / DiT `.pt` (the EMA weights of a training checkpoint)."""
     if not os.path.isfile(path):
         raise ConfigError(f"--from-official {path}: no such file (an official SiT / DiT checkpoint, e.g. "
-                          f"SiT-XL-2-256.pt or DiT-XL-2-256x256.pt)")
+                          f"SiT-XL-2-256x256.pt or DiT-XL-2-256x256.pt)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle / zip errors of a truncated or foreign file
