@@ -8,14 +8,27 @@ All noise [N, ...] is drawn up front from one seeded CPU generator on every rank
 not depend on the DP size); each DP rank integrates its contiguous slice, TP ranks of a group run
 the same slice together (their layers are sharded), and the slices are all-gathered over DP.
 Outputs: images [N, C, H, W] float32 on the CPU, clamped to the data range [-1, 1].
+
+Streaming evaluation (launch/eval_fid.py) draws noise per sample instead: `keyed_noise` gives sample i the
+draws of its own generator, seeded by (seed, i) through numpy's SeedSequence, so a sample does not depend on
+the number of ranks, on the batch it runs in or on the other samples, and nothing of size N is ever held.
+`checkpoint_sampler` reads which sampler a checkpoint takes (launch/sample.py's rules: a payload with
+"student_sigmas" is a DMD2 student) into a `Sampler`, which maps noise [draws, B, ...] to samples [B, ...];
+`load_sampling_model` builds the model of a checkpoint with its EMA or raw weights.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import kernels
 from dmd2_mega import flow
+from dmd2_mega.errors import CheckpointError, ConfigError
 
 
 def eval_conditions(dataset, n: int) -> torch.Tensor:
@@ -94,3 +107,111 @@ def generate_student(model, cond: torch.Tensor, sigmas: torch.Tensor, *, shape: 
                                                  sigmas.to(device)), n, shape, device, dp_rank, dp_size, dp_group)
     model.train(was)
     return out
+
+
+# ---- checkpoints and samplers shared by launch/sample.py and launch/eval_fid.py -------------------------
+# The checkpoint and model-building imports are deferred into the functions that use them: they pull in
+# megatron-core (seconds of start-up), which the samplers above, imported by eval.media, do not need.
+
+def check_out_dir(out: str, flag: str = "--out", what: str = "samples.npz and grid.png") -> None:
+    """ConfigError if `out`, or the nearest of its parents that exists, is a file rather than a directory."""
+    p = os.path.abspath(out)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        where = "" if p == os.path.abspath(out) else f": {p!r}"
+        raise ConfigError(f"{flag} {out!r}{where} is an existing file; expected a directory (for {what})")
+
+
+def check_checkpoint(load: str, iteration: Optional[int]) -> None:
+    """CheckpointError unless --load is a checkpoint directory holding --iteration (default: its latest)."""
+    from dmd2_mega.checkpoint import iter_dir, latest_iteration
+    latest = latest_iteration(load)  # CheckpointError if --load is missing or a file
+    if iteration is None:
+        if latest is None:
+            raise CheckpointError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+        return
+    d = iter_dir(load, iteration)
+    if not (os.path.isdir(d) or os.path.isdir(d + ".old")):
+        saved = sorted(n for n in os.listdir(load) if n.startswith("iter_") and n[5:].isdigit())
+        raise CheckpointError(f"--iteration {iteration}: --load {load} holds no {os.path.basename(d)} "
+                              f"(saved: {', '.join(saved[-10:]) or 'none'}; latest: {latest})")
+
+
+def load_sampling_model(payload: dict, info: dict, ps, *, no_ema: bool = False, bf16: bool = False,
+                        source: str = "--load", negative: Optional[torch.Tensor] = None):
+    """(model, "EMA weights" | "raw weights"): the checkpoint's model at this rank's TP degree, with a DMD2
+    student's EMA (saved beside the weights under the same names) in place of its weights unless `no_ema`."""
+    from dmd2_mega.builders import build_model, cast_model
+    from dmd2_mega.checkpoint import load_model_weights
+    from dmd2_mega.config import ModelConfig
+    model = build_model(ModelConfig(size=payload["args"]["model"]["size"]), info, ps, negative=negative)
+    state, weights = payload["model"], "raw weights"
+    if "ema" in payload and not no_ema:
+        state, weights = {**state, **payload["ema"]}, "EMA weights"
+    load_model_weights(model, state, source)
+    return cast_model(model, bf16), weights
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A DMD2 student's few-step sampler on `sigmas` [steps] (no CFG), or (sigmas None) the teacher's Euler
+    sampler with `steps` steps, CFG `guidance` and timestep `shift`."""
+    sigmas: Optional[torch.Tensor]
+    steps: int
+    guidance: float
+    shift: float
+
+    @property
+    def student(self) -> bool:
+        return self.sigmas is not None
+
+    @property
+    def draws(self) -> int:
+        """Noise draws per sample: the start and one fresh draw per later student step; 1 for Euler."""
+        return len(self.sigmas) if self.student else 1
+
+    def describe(self) -> str:
+        if self.student:
+            return f"student {self.steps} steps"
+        return f"teacher {self.steps} Euler steps, guidance {self.guidance:g}, shift {self.shift:g}"
+
+    @torch.no_grad()
+    def __call__(self, model, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """noise [draws, B, *shape] and cond [B, ...] on the model's device -> samples [B, *shape] in [-1, 1]."""
+        if self.student:
+            x0 = few_step_sample(model, noise, cond, self.sigmas.to(noise.device))
+        else:
+            null = model.null_cond(cond.shape[0], noise.device) if self.guidance != 1.0 else None
+            x0 = flow.euler_sampler(model, noise[0], cond, null, steps=self.steps, guidance=self.guidance,
+                                    shift=self.shift)
+        return x0.float().clamp_(-1, 1)
+
+
+def checkpoint_sampler(payload: dict, steps: Optional[int], guidance: float, shift: Optional[float]) -> Sampler:
+    """A DMD2 student (its payload holds "student_sigmas"): its saved grid, or with `steps` the shifted `steps`-point
+    grid; guidance 1. A teacher: `steps` (default 50) Euler steps with CFG `guidance`. `shift` defaults to the
+    checkpoint's --timestep-shift."""
+    if shift is None:
+        shift = (payload["args"].get("train") or {}).get("timestep_shift", 1.0)
+    if "student_sigmas" in payload:
+        sigmas = (torch.tensor(payload["student_sigmas"], dtype=torch.float32) if steps is None
+                  else flow.student_sigmas(steps, None, shift))
+        return Sampler(sigmas, len(sigmas), 1.0, shift)
+    return Sampler(None, steps or 50, guidance, shift)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The 64-bit seed of sample `index`'s generator: numpy SeedSequence((seed, index)), so nearby (seed, index)
+    pairs give unrelated streams (seed * N + index would make (0, N) and (1, 0) collide)."""
+    return int(np.random.SeedSequence((seed, index)).generate_state(1, np.uint64)[0])
+
+
+def keyed_noise(seed: int, indices: Sequence[int], shape: tuple, draws: int = 1) -> torch.Tensor:
+    """[draws, len(indices), *shape] float32 standard normal on the CPU; column j is `draws` x `shape` values
+    from sample indices[j]'s own generator (`sample_seed`), whatever the other indices."""
+    if len(indices) == 0:
+        return torch.empty((draws, 0, *shape))
+    cols = [torch.randn((draws, *shape), generator=torch.Generator().manual_seed(sample_seed(seed, int(i))))
+            for i in indices]
+    return torch.stack(cols, dim=1)

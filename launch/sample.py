@@ -40,22 +40,22 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dmd2_mega.atomic import atomic_write  # noqa: E402
-from dmd2_mega.builders import build_model, cast_model, data_info  # noqa: E402
-from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_model_weights, load_payload  # noqa: E402
-from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
+from dmd2_mega.builders import data_info  # noqa: E402
+from dmd2_mega.checkpoint import load_payload  # noqa: E402
+from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
-from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
+from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.data.prompts import read_prompts  # noqa: E402
 from dmd2_mega.data.moving_digits import DIRECTIONS  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
 from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
                                   write_samples)
-from dmd2_mega.flow import student_sigmas  # noqa: E402
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
-from dmd2_mega.sampling import eval_conditions, generate, generate_student  # noqa: E402
+from dmd2_mega.sampling import (check_checkpoint, check_out_dir, checkpoint_sampler, eval_conditions,  # noqa: E402
+                                generate, generate_student, load_sampling_model)
 
 
 def parse(argv=None):
@@ -101,31 +101,6 @@ def parse(argv=None):
     return a
 
 
-def check_out_dir(out: str) -> None:
-    """ConfigError if --out, or the nearest of its parents that exists, is a file rather than a directory."""
-    p = os.path.abspath(out)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        where = "" if p == os.path.abspath(out) else f": {p!r}"
-        raise ConfigError(f"--out {out!r}{where} is an existing file; expected a directory (for samples.npz and "
-                          f"grid.png)")
-
-
-def check_checkpoint(load: str, iteration) -> None:
-    """CheckpointError unless --load is a checkpoint directory holding --iteration (default: its latest)."""
-    latest = latest_iteration(load)  # CheckpointError if --load is missing or a file
-    if iteration is None:
-        if latest is None:
-            raise CheckpointError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt)")
-        return
-    d = iter_dir(load, iteration)
-    if not (os.path.isdir(d) or os.path.isdir(d + ".old")):
-        saved = sorted(n for n in os.listdir(load) if n.startswith("iter_") and n[5:].isdigit())
-        raise CheckpointError(f"--iteration {iteration}: --load {load} holds no {os.path.basename(d)} "
-                              f"(saved: {', '.join(saved[-10:]) or 'none'}; latest: {latest})")
-
-
 def main(argv=None) -> int:
     """0 after writing the samples; 1 with a one-line `<ErrorType>: <message>` for a bad flag or checkpoint."""
     return run_main(lambda: sample(parse(argv)), destroy_distributed)
@@ -158,13 +133,9 @@ def sample(a: argparse.Namespace) -> None:
     vae = LatentVAE.from_folder(a.vae, device=ps.device, flag="--vae") if a.vae and ps.is_main else None
     negative = (prompts.negative.float() if prompts is not None and prompts.negative is not None else
                 dataset.negative if dataset is not None else None)
-    model = build_model(ModelConfig(size=args["model"]["size"]), info, ps, negative=negative)
-    state, weights = payload["model"], "raw weights"
-    if "ema" in payload and not a.no_ema:  # a DMD2 student's EMA: the same names, in place of the weights
-        state, weights = {**state, **payload["ema"]}, "EMA weights"
-    load_model_weights(model, state, f"--load {a.load}")
-    model = cast_model(model, a.bf16)
-    shift = a.shift if a.shift is not None else (args.get("train") or {}).get("timestep_shift", 1.0)
+    model, weights = load_sampling_model(payload, info, ps, no_ema=a.no_ema, bf16=a.bf16, source=f"--load {a.load}",
+                                         negative=negative)  # a DMD2 student: its EMA unless --no-ema
+    sampler = checkpoint_sampler(payload, a.steps, a.guidance, a.shift)
     if prompts is not None:  # sample i: prompt i % P
         cond = prompts.cond.float()[torch.arange(a.num_samples) % len(prompts.texts)]
     elif info["num_classes"] is not None:
@@ -172,15 +143,12 @@ def sample(a: argparse.Namespace) -> None:
     else:
         cond = eval_conditions(dataset, a.num_samples)
     dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
-    if "student_sigmas" in payload:  # a DMD2 student: its few-step sampler, no CFG
-        sigmas = (torch.tensor(payload["student_sigmas"]) if a.steps is None
-                  else student_sigmas(a.steps, None, shift))
-        images = generate_student(model, cond, sigmas, shape=shape, seed=a.seed, **dp)
-        a.steps, a.guidance = len(sigmas), 1.0
+    if sampler.student:  # a DMD2 student: its few-step sampler, no CFG
+        images = generate_student(model, cond, sampler.sigmas, shape=shape, seed=a.seed, **dp)
     else:
-        a.steps = a.steps or 50
-        images = generate(model, cond, shape=shape, steps=a.steps, guidance=a.guidance, shift=shift,
-                          seed=a.seed, **dp)
+        images = generate(model, cond, shape=shape, steps=sampler.steps, guidance=sampler.guidance,
+                          shift=sampler.shift, seed=a.seed, **dp)
+    a.steps, a.guidance = sampler.steps, sampler.guidance
     del model  # the VAE decodes next
     if ps.is_main:
         try:
