@@ -85,9 +85,12 @@ def init_distributed(cfg: ParallelSettings, seed: int = 1234) -> ParallelState:
     """Join the torchrun job (or make a world of one), build TP/DP groups, seed megatron's RNG.
 
     Without torchrun's environment (plain `python launch/...py`) a single-rank world is created on an
-    in-process store: no TCP port is opened, so concurrent single-rank runs cannot collide on one.
+    in-process store: no TCP port is opened, so concurrent single-rank runs cannot collide on one. A world of one
+    whose RANK a previous world of one in this process set (no MASTER_ADDR: torchrun always sets it) is standalone
+    too, so `pretrained.load_model` in a notebook can follow a torn-down run.
     """
-    standalone = "RANK" not in os.environ
+    standalone = "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ
+                                              and os.environ.get("WORLD_SIZE") == "1")
     if standalone:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -3,14 +3,18 @@ classes: the digits data's shape) converted at TP=2 (`pretrained.import_dit`), d
 and EMA at TP=2 and at TP=1 (its checkpoint resharded on load): the traces are equal, every role was built through
 the SiT adapter, and the student's first rollout is the teacher's few-step sample (the student starts as an exact
 copy of the teacher in its own parameterisation). A DDPM-eps teacher (the same network read as DiT's) runs too:
-its rollout starts at sigma = 1, above DDPM's last level, and stays finite.
+its rollout starts at sigma = 1, above DDPM's last level, and stays finite. Then launch/eval_fid.py on the TP=2
+student (the acceptance path of the image-teacher issue).
 """
+import numpy as np
 import pytest
 import torch
 
 from dmd2_mega.pretrained import import_dit, load_model
 from dmd2_mega.sampling import few_step_sample
 from tests.test_dit_import import HEADS, official_state
+from tests.test_fid import (_fid_scipy, _printed_fid, _regenerated_stats, _run_in_process, write_net_file,
+                            write_ref_file)
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, launch, read_trace
 GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "gan-logit-gap", "actor-gan-loss")
 
@@ -80,3 +84,18 @@ def test_ddpm_eps_teacher_runs_from_pure_noise(runs):
     for rec in trace:
         assert all(torch.isfinite(torch.tensor(rec[k])) for k in GAN_KEYS), rec
     assert load_model(str(d / "eps")).spec.parameterization == "vp-eps"
+
+
+def test_eval_fid_on_the_tp2_student(runs, tmp_path, capsys):
+    """The acceptance path: the student distilled from the SiT teacher at TP=2, then launch/eval_fid.py against
+    synthetic reference statistics with a tiny Inception-like network: the printed FID is the scipy FID of the
+    student's (EMA) samples' features, regenerated here from the library's parts."""
+    d, _ = runs
+    n, net_file, ref_file = 30, write_net_file(tmp_path), write_ref_file(tmp_path)
+    out = _run_in_process(capsys, ["--load", str(d / "tp2"), "--ref-stats", ref_file, "--inception-weights",
+                                   net_file, "--num-samples", str(n), "--batch-size", "8", "--seed", "5"])
+    assert "student 2 steps, EMA weights" in out, out
+    mu, sigma = _regenerated_stats(str(d / "tp2"), net_file, n, 5, None, 1.0)
+    with np.load(ref_file) as ref:
+        want = _fid_scipy(mu, sigma, ref["mu"], ref["sigma"])
+    assert abs(_printed_fid(out) - want) <= 1e-6 * max(1.0, want), (out, want)

@@ -57,22 +57,31 @@ class TinyInception(torch.nn.Module):
         return f if return_features else self.head(f)
 
 
-@pytest.fixture(scope="module")
-def net_file(tmp_path_factory) -> str:
+def write_net_file(folder) -> str:
+    """A random TinyInception saved as TorchScript, the inception-2015-12-05.pt file format."""
     torch.manual_seed(3)
-    path = str(tmp_path_factory.mktemp("inception") / "tiny-inception.pt")
+    path = str(folder / "tiny-inception.pt")
     torch.jit.save(torch.jit.script(TinyInception().eval()), path)
     return path
 
 
-@pytest.fixture(scope="module")
-def ref_file(tmp_path_factory) -> str:
+def write_ref_file(folder) -> str:
     """Synthetic reference statistics [WIDTH], plus an array a reader must ignore (ADM files hold images)."""
     g = np.random.default_rng(0)
     a = g.normal(size=(WIDTH, WIDTH))
-    path = str(tmp_path_factory.mktemp("ref") / "ref.npz")
+    path = str(folder / "ref.npz")
     np.savez(path, mu=0.1 * g.normal(size=WIDTH), sigma=0.05 * a @ a.T / WIDTH, arr_0=np.zeros((2, 4, 4, 3), np.uint8))
     return path
+
+
+@pytest.fixture(scope="module")
+def net_file(tmp_path_factory) -> str:
+    return write_net_file(tmp_path_factory.mktemp("inception"))
+
+
+@pytest.fixture(scope="module")
+def ref_file(tmp_path_factory) -> str:
+    return write_ref_file(tmp_path_factory.mktemp("ref"))
 
 
 # ---- a. streaming statistics against a closed form -------------------------------------------------------
