@@ -9,8 +9,15 @@
                                            -> out/transformer/ (WanTransformer3DModel.from_pretrained loads it),
                                            out/scheduler/scheduler_config.json (the student's few-step sigmas)
                                            and out/README.md (how to run it in WanPipeline)
-    load_model(path)                       a diffusers folder or one of our checkpoints -> a TP=1 fp32 CPU model,
-                                           model(x, sigma, cond) -> velocity (DESIGN section 1)
+    load_model(path)                       a diffusers folder, an official SiT / DiT .pt or one of our checkpoints
+                                           -> a TP=1 fp32 CPU model, model(x, sigma, cond) -> velocity (DESIGN
+                                           section 1; an imported SiT / DiT through its parameterisation adapter)
+    import_dit(src, save, tp_size, ...)    an official SiT / DiT .pt or a diffusers DiTTransformer2DModel folder ->
+                                           a teacher checkpoint of the DiT family, with <save>/config.json holding
+                                           its spec (`models/dit_checkpoints.py`); import_diffusers sends a DiT
+                                           folder here
+    export_official(load, out) / export_diffusers(load, out)
+                                           a DiT back to the layout it was imported from
 
 Streaming: the import reads one safetensors shard at a time into one full copy (our layout), then writes each
 TP rank's slice in turn (peak host memory: the full copy plus one rank's slice); nothing is written until every
