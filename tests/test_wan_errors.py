@@ -12,7 +12,7 @@ import json
 import os
 import warnings
 
-from diffusers import DiTTransformer2DModel, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 import pytest
 import torch
 
@@ -54,12 +54,12 @@ def fails(args, *needles, save=None):
 
 
 def test_folder_of_another_model_class(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
-                              sample_size=8, num_embeds_ada_norm=10, norm_num_groups=2).save_pretrained(tmp_path / "dit")
-    fails(["--from-diffusers", tmp_path / "dit", "--save", tmp_path / "out"],
-          "describes a DiTTransformer2DModel, not a WanTransformer3DModel", save=tmp_path / "out")
+    """A model class neither family reads (a DiTTransformer2DModel goes to the DiT family: test_dit_import)."""
+    (tmp_path / "pixart").mkdir()
+    with open(tmp_path / "pixart" / "config.json", "w") as f:
+        json.dump({"_class_name": "PixArtTransformer2DModel", "num_layers": 1}, f)
+    fails(["--from-diffusers", tmp_path / "pixart", "--save", tmp_path / "out"],
+          "describes a PixArtTransformer2DModel, not a WanTransformer3DModel", save=tmp_path / "out")
     (tmp_path / "empty").mkdir()
     fails(["--from-diffusers", tmp_path / "empty", "--save", tmp_path / "out"], "no config.json")
 
