@@ -6,6 +6,8 @@ copy of the teacher in its own parameterisation). A DDPM-eps teacher (the same n
 its rollout starts at sigma = 1, above DDPM's last level, and stays finite. Then launch/eval_fid.py on the TP=2
 student (the acceptance path of the image-teacher issue).
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -34,10 +36,11 @@ def runs(tmp_path_factory):
     torch.save(official_state(channels=1, seed=4), d / "sit.pt")
     for kind in ("sit", "vp-eps"):  # in process: test_dit_import runs the CLI
         import_dit(str(d / "sit.pt"), str(d / kind), 2, kind, HEADS, log=lambda *_: None)
-    res = {"tp2": launch(2, PRETRAIN_DMD2, _args(str(d / "sit"), d, "tp2") + ["--tensor-model-parallel-size", "2"],
-                         timeout=300),
-           "tp1": launch(1, PRETRAIN_DMD2, _args(str(d / "sit"), d, "tp1"), timeout=300),
-           "eps": launch(1, PRETRAIN_DMD2, _args(str(d / "vp-eps"), d, "eps"), timeout=300)}
+    jobs = {"tp2": (2, _args(str(d / "sit"), d, "tp2") + ["--tensor-model-parallel-size", "2"]),
+            "tp1": (1, _args(str(d / "sit"), d, "tp1")), "eps": (1, _args(str(d / "vp-eps"), d, "eps"))}
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: each rank is one thread (OMP_NUM_THREADS=1)
+        futs = {k: pool.submit(launch, n, PRETRAIN_DMD2, args, timeout=300) for k, (n, args) in jobs.items()}
+        res = {k: f.result() for k, f in futs.items()}
     for name, r in res.items():
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
     return d, res

@@ -1,6 +1,6 @@
 """GAN head and student EMA through launch/pretrain_dmd2.py (debug DiT, CPU, gloo) and launch/sample.py.
 
-Runs (the module's debug teacher; B = 4, K = 2, global batch 8, lr 1e-3, teacher CFG 2, --dmd2-gan
+Runs (the session's debug teacher; B = 4, K = 2, global batch 8, lr 1e-3, teacher CFG 2, --dmd2-gan
 with weights 1 and 1 so that the GAN terms move the trace, --ema-decay 0.5 from cycle 2):
   ref      TP=1, 4 cycles, --no-offload-inactive, saved at 2 and 4
   dp2      the same at DP=2                      -> every trace key within 1e-5 relative of ref
@@ -16,6 +16,7 @@ The GAN head and the EMA at TP=2 (its trace and EMA weights equal TP=1's) are te
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,17 +25,16 @@ import torch
 from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.checkpoint import iter_dir, rank_file
 from dmd2_mega.errors import ConfigError
-from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, launch, python, read_trace,
-                         train_debug_teacher)
+from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, launch, python, read_trace
 
 pytestmark = pytest.mark.timeout(400)
 GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "gan-logit-gap", "actor-gan-loss")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(debug_teacher, tmp_path_factory):
     d = tmp_path_factory.mktemp("gan_ema")
-    teacher = train_debug_teacher(str(d / "teacher"))
+    teacher = debug_teacher
     base = ["--model-size", "debug", "--teacher-load", teacher, "--micro-batch-size", "4", "--global-batch-size",
             "8", "--dmd2-critic-steps-per-rollout", "2", "--log-interval", "1", "--lr", "1e-3",
             "--lr-decay-iters", "10", "--dmd2-teacher-guidance-scale", "2", "--seed", "3", "--dmd2-gan",
@@ -47,9 +47,11 @@ def runs(tmp_path_factory):
         args += ["--load", load] if load else []
         return launch(nproc, PRETRAIN_DMD2, args, timeout=240)
 
-    res = {"ref": go("ref", 1, ["--no-offload-inactive"]), "offload": go("offload", 1, ["--offload-inactive"]),
-           "dp2": go("dp2", 2, ["--no-offload-inactive"]),
-           "split_a": go("split", 1, ["--no-offload-inactive"], iters=2)}
+    jobs = {"ref": ("ref", 1, ["--no-offload-inactive"]), "offload": ("offload", 1, ["--offload-inactive"]),
+            "dp2": ("dp2", 2, ["--no-offload-inactive"]), "split_a": ("split", 1, ["--no-offload-inactive"], 2)}
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: each rank is one thread (OMP_NUM_THREADS=1)
+        futs = {k: pool.submit(go, *job) for k, job in jobs.items()}
+        res = {k: f.result() for k, f in futs.items()}
     res["split_b"] = go("split", 1, ["--no-offload-inactive"], iters=4, load=str(d / "split"))
     return {"d": d, "res": res, "teacher": teacher, "base": base}
 
