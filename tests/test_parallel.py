@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.utils import (MP_SCRIPTS, PRETRAIN, SAMPLE, assert_traces_close, find_tmp, launch, python,
-                         read_trace, torchrun)
+                         read_trace, run_parallel, torchrun)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,11 +86,11 @@ def test_tp2_replicas_agree_and_parameter_count(forward_backward):
 def runs(tmp_path_factory):
     """Train the same 5 steps at TP=1 DP=1, TP=2 DP=1 and TP=1 DP=2."""
     d = tmp_path_factory.mktemp("train")
-    out = {}
-    for name, nproc, extra in (("ref", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"]), ("dp2", 2, [])):
-        res = launch(nproc, PRETRAIN, TRAIN + extra + ["--save", d / name, "--loss-trace", d / f"{name}.jsonl"])
-        out[name] = {"result": res, "save": str(d / name), "trace": str(d / f"{name}.jsonl")}
-    return out
+    jobs = {name: (lambda nproc=nproc, name=name, extra=extra: launch(
+        nproc, PRETRAIN, TRAIN + extra + ["--save", d / name, "--loss-trace", d / f"{name}.jsonl"]))
+        for name, nproc, extra in (("ref", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"]), ("dp2", 2, []))}
+    return {name: {"result": res, "save": str(d / name), "trace": str(d / f"{name}.jsonl")}
+            for name, res in run_parallel(jobs).items()}
 
 
 def _checked(run: dict, what: str) -> dict:

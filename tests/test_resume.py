@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dmd2_mega.checkpoint import iter_dir, rank_file
-from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace
+from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace, run_parallel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,10 +39,14 @@ def adam_state(optimizer_state: dict) -> dict:
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     straight, split = str(d / "straight"), str(d / "split")
-    python(PRETRAIN, COMMON + ["--train-iters", "6", "--save", straight, "--save-interval", "3",
-                               "--loss-trace", d / "straight.jsonl"]).check("6 straight iterations")
-    python(PRETRAIN, COMMON + ["--train-iters", "3", "--save", split,
-                               "--loss-trace", d / "split_a.jsonl"]).check("first 3 iterations")
+    first = run_parallel({
+        "6 straight iterations": lambda: python(PRETRAIN, COMMON + ["--train-iters", "6", "--save", straight,
+                                                                    "--save-interval", "3",
+                                                                    "--loss-trace", d / "straight.jsonl"]),
+        "first 3 iterations": lambda: python(PRETRAIN, COMMON + ["--train-iters", "3", "--save", split,
+                                                                 "--loss-trace", d / "split_a.jsonl"])})
+    for what, res in first.items():
+        res.check(what)
     first_ckpt = str(d / "split_at_3")
     shutil.copytree(split, first_ckpt)  # the state the resume starts from, before it is overwritten
     res = python(PRETRAIN, COMMON + ["--train-iters", "6", "--save", split, "--load", split,

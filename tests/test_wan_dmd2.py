@@ -23,7 +23,7 @@ from dmd2_mega.data import write_shards
 from dmd2_mega.pretrained import load_model
 from dmd2_mega.sampling import few_step_sample
 from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_close, converted_wan_teacher, launch,
-                         python, read_trace, world_of_one)
+                         python, read_trace, run_parallel, world_of_one)
 
 pytestmark = pytest.mark.timeout(600)
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
@@ -54,11 +54,12 @@ def args(teacher, data, out, iters=2, extra=()):
 def runs(setup, tmp_path_factory):
     teacher, data, _ = setup
     d = str(tmp_path_factory.mktemp("wan_runs"))
-    out = {}
-    for name, n, extra in (("ref", 1, ()), ("tp2", 2, ("--tensor-model-parallel-size", "2")), ("dp2", 2, ())):
-        launch(n, PRETRAIN_DMD2, args(teacher, data, f"{d}/{name}", extra=extra), timeout=300).check(name)
-        out[name] = f"{d}/{name}"
-    return out
+    jobs = {name: (lambda n=n, name=name, extra=extra: launch(n, PRETRAIN_DMD2, args(teacher, data, f"{d}/{name}",
+                                                                                   extra=extra), timeout=300))
+            for name, n, extra in (("ref", 1, ()), ("tp2", 2, ("--tensor-model-parallel-size", "2")), ("dp2", 2, ()))}
+    for name, res in run_parallel(jobs).items():
+        res.check(name)
+    return {name: f"{d}/{name}" for name in jobs}
 
 
 def test_tp2_and_dp2_equal_tp1(runs):

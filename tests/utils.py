@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -119,6 +120,14 @@ def torchrun(nproc: int, script: str, args: Sequence = (), timeout: float = 180)
 def launch(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
     """nproc 1 -> plain python (saves torchrun's start-up), else torchrun."""
     return python(script, args, timeout) if nproc == 1 else torchrun(nproc, script, args, timeout)
+
+
+def run_parallel(jobs: dict, workers: int = 2) -> dict:
+    """{name: thunk} -> {name: its result}, `workers` at a time: every rank is one thread (OMP_NUM_THREADS=1), so two
+    single-rank runs, or one two-rank run and one more, keep both cores busy."""
+    with ThreadPoolExecutor(workers) as pool:
+        futs = {k: pool.submit(f) for k, f in jobs.items()}
+        return {k: f.result() for k, f in futs.items()}
 
 
 def read_trace(path: str) -> list:
