@@ -18,6 +18,7 @@ the number of ranks, on the batch it runs in or on the other samples, and nothin
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -121,6 +122,16 @@ def check_out_dir(out: str, flag: str = "--out", what: str = "samples.npz and gr
     if not os.path.isdir(p):
         where = "" if p == os.path.abspath(out) else f": {p!r}"
         raise ConfigError(f"{flag} {out!r}{where} is an existing file; expected a directory (for {what})")
+
+
+def check_sampler_flags(steps: Optional[int], guidance: float, shift: Optional[float]) -> None:
+    """ConfigError naming --steps / --guidance / --shift when one is out of range (sample.py, eval_fid.py)."""
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if not (math.isfinite(guidance) and guidance >= 1):
+        raise ConfigError(f"--guidance must be a finite number >= 1, got {guidance}")
+    if shift is not None and not (math.isfinite(shift) and shift > 0):
+        raise ConfigError(f"--shift must be a finite number > 0, got {shift}")
 
 
 def check_checkpoint(load: str, iteration: Optional[int]) -> None:

@@ -25,7 +25,6 @@ convention. A bad flag or file exits 1 with one line `<ErrorType>: <message>` on
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -47,8 +46,8 @@ from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
-from dmd2_mega.sampling import (check_checkpoint, check_out_dir, checkpoint_sampler, keyed_noise,  # noqa: E402
-                                load_sampling_model)
+from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
+                                keyed_noise, load_sampling_model)
 
 PROGRESS_SECONDS = 30.0
 """A progress line at most this often (and after the last batch)."""
@@ -87,12 +86,7 @@ def parse(argv=None) -> argparse.Namespace:
         raise ConfigError(f"--num-samples must be >= 2 (a covariance needs 2 samples), got {a.num_samples}")
     if a.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {a.batch_size}")
-    if a.steps is not None and a.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
-    if not (math.isfinite(a.guidance) and a.guidance >= 1):
-        raise ConfigError(f"--guidance must be a finite number >= 1, got {a.guidance}")
-    if a.shift is not None and not (math.isfinite(a.shift) and a.shift > 0):
-        raise ConfigError(f"--shift must be a finite number > 0, got {a.shift}")
+    check_sampler_flags(a.steps, a.guidance, a.shift)
     if a.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {a.seed}")
     if a.iteration is not None and a.iteration < 0:

@@ -30,7 +30,6 @@ A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file,
 --prompts that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
-import math
 import os
 import sys
 
@@ -54,8 +53,8 @@ from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
-from dmd2_mega.sampling import (check_checkpoint, check_out_dir, checkpoint_sampler, eval_conditions,  # noqa: E402
-                                generate, generate_student, load_sampling_model)
+from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
+                                eval_conditions, generate, generate_student, load_sampling_model)
 
 
 def parse(argv=None):
@@ -88,12 +87,7 @@ def parse(argv=None):
     check_out_dir(a.out)
     if a.num_samples is not None and a.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {a.num_samples}")
-    if a.steps is not None and a.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
-    if not (math.isfinite(a.guidance) and a.guidance >= 1):
-        raise ConfigError(f"--guidance must be a finite number >= 1, got {a.guidance}")
-    if a.shift is not None and not (math.isfinite(a.shift) and a.shift > 0):
-        raise ConfigError(f"--shift must be a finite number > 0, got {a.shift}")
+    check_sampler_flags(a.steps, a.guidance, a.shift)
     if a.iteration is not None and a.iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
     if a.num_media is not None and a.num_media < 0:

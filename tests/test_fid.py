@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_payload, rank_file, save_offline
-from dmd2_mega.data import write_shards
 from dmd2_mega.eval.fid import FeatureStats, pixels_to_uint8, shard_indices, stream_stats
 from dmd2_mega.eval.frechet import gaussian_frechet
 from dmd2_mega.sampling import checkpoint_sampler, keyed_noise, load_sampling_model
-from launch import eval_fid, pretrain_flow
+from launch import eval_fid
+from tests.test_media import kl_latent_teacher
 from tests.utils import REPO, torchrun, world_of_one
 
 EVAL_FID = os.path.join(REPO, "launch", "eval_fid.py")
@@ -295,15 +295,7 @@ def test_eval_fid_decodes_latents_with_vae(net_file, ref_file, tmp_path, capsys)
     those of diffusers' decode of latents / 0.5 (16 x 16 RGB); without --vae the latents are refused."""
     from diffusers import AutoencoderKL
     d = str(tmp_path)
-    torch.manual_seed(0)
-    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                  block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-                  scaling_factor=0.5).save_pretrained(f"{d}/kl")
-    write_shards(f"{d}/data", torch.randn(8, 4, 8, 8, generator=torch.Generator().manual_seed(1)),
-                 labels=torch.arange(8) % 3)
-    with world_of_one():
-        assert pretrain_flow.main(["--model-size", "debug", "--data", f"{d}/data", "--micro-batch-size", "2",
-                                   "--train-iters", "1", "--log-interval", "1", "--save", f"{d}/t"]) == 0
+    kl_latent_teacher(d, classes=3)
     capsys.readouterr()
     argv = ["--load", f"{d}/t", "--ref-stats", ref_file, "--inception-weights", net_file, "--num-samples", "7",
             "--steps", "1", "--batch-size", "3"]

@@ -276,21 +276,28 @@ def test_sample_pixel_video_gets_media_without_vae(tmp_path):
         assert frames(f"{d}/s/media/{n}.mp4").shape == want.shape
 
 
+def kl_latent_teacher(d: str, classes: int) -> None:
+    """<d>/kl: a tiny AutoencoderKL (scaling 0.5, x2 spatial); <d>/data: 8 random latents [4, 8, 8] with labels
+    i % classes; <d>/t: a debug DiT teacher trained one step on them."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                  block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                  scaling_factor=0.5).save_pretrained(f"{d}/kl")
+    write_shards(f"{d}/data", torch.randn(8, 4, 8, 8, generator=torch.Generator().manual_seed(1)),
+                 labels=torch.arange(8) % classes)
+    with world_of_one():
+        assert pretrain_flow.main(["--model-size", "debug", "--data", f"{d}/data", "--micro-batch-size", "2",
+                                   "--train-iters", "1", "--log-interval", "1", "--save", f"{d}/t"]) == 0
+
+
 def test_sample_vae_decodes_images_to_pngs_and_grid(tmp_path):
     """Class-conditional image latents [4, 8, 8] with a tiny AutoencoderKL (scaling 0.5, x2 spatial): sample.py --vae
     writes <i>.png per sample equal to diffusers' decode of latents / 0.5 (PNG is lossless; x8 upscale of 16x16),
     and grid.png shows the decoded images, one row per class."""
     from diffusers import AutoencoderKL
     d = str(tmp_path)
-    torch.manual_seed(0)
-    AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                  block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-                  scaling_factor=0.5).save_pretrained(f"{d}/kl")
-    write_shards(f"{d}/data", torch.randn(8, 4, 8, 8, generator=torch.Generator().manual_seed(1)),
-                 labels=torch.arange(8) % 2)
-    with world_of_one():
-        assert pretrain_flow.main(["--model-size", "debug", "--data", f"{d}/data", "--micro-batch-size", "2",
-                                   "--train-iters", "1", "--log-interval", "1", "--save", f"{d}/t"]) == 0
+    kl_latent_teacher(d, classes=2)
     with world_of_one():
         assert sample_script.main(["--load", f"{d}/t", "--num-samples", "3", "--steps", "1", "--vae", f"{d}/kl",
                                    "--out", f"{d}/s"]) == 0

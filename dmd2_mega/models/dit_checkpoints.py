@@ -67,28 +67,27 @@ def _final_from_ours(t: torch.Tensor, p: int, channels: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- the official layout
-_OFFICIAL = [  # (official, ours) name patterns applied in order; qkv / final / conv reshaped separately
-    (r"^x_embedder\.proj\.", "x_embed."),
-    (r"^t_embedder\.mlp\.", "t_embed.mlp."),
-    (r"^y_embedder\.embedding_table\.", "y_embed.table."),
-    (r"^blocks\.(\d+)\.attn\.qkv\.", r"blocks.\1.qkv.inner."),
-    (r"^blocks\.(\d+)\.attn\.proj\.", r"blocks.\1.proj.inner."),
-    (r"^blocks\.(\d+)\.mlp\.(fc[12])\.", r"blocks.\1.\2.inner."),
-    (r"^blocks\.(\d+)\.adaLN_modulation\.1\.", r"blocks.\1.adaln.inner."),
-    (r"^final_layer\.adaLN_modulation\.1\.", "final_adaln.inner."),
-    (r"^final_layer\.linear\.", "final."),
+_OFFICIAL_NAMES = [  # (official prefix, ours); {i} is a block index. qkv / final / the conv are reshaped apart
+    ("x_embedder.proj.", "x_embed."),
+    ("t_embedder.mlp.", "t_embed.mlp."),
+    ("y_embedder.embedding_table.", "y_embed.table."),
+    ("blocks.{i}.attn.qkv.", "blocks.{i}.qkv.inner."),
+    ("blocks.{i}.attn.proj.", "blocks.{i}.proj.inner."),
+    ("blocks.{i}.mlp.fc1.", "blocks.{i}.fc1.inner."),
+    ("blocks.{i}.mlp.fc2.", "blocks.{i}.fc2.inner."),
+    ("blocks.{i}.adaLN_modulation.1.", "blocks.{i}.adaln.inner."),
+    ("final_layer.adaLN_modulation.1.", "final_adaln.inner."),
+    ("final_layer.linear.", "final."),
 ]
-_TO_OFFICIAL = [
-    (r"^x_embed\.", "x_embedder.proj."),
-    (r"^t_embed\.mlp\.", "t_embedder.mlp."),
-    (r"^y_embed\.table\.", "y_embedder.embedding_table."),
-    (r"^blocks\.(\d+)\.qkv\.inner\.", r"blocks.\1.attn.qkv."),
-    (r"^blocks\.(\d+)\.proj\.inner\.", r"blocks.\1.attn.proj."),
-    (r"^blocks\.(\d+)\.(fc[12])\.inner\.", r"blocks.\1.mlp.\2."),
-    (r"^blocks\.(\d+)\.adaln\.inner\.", r"blocks.\1.adaLN_modulation.1."),
-    (r"^final_adaln\.inner\.", "final_layer.adaLN_modulation.1."),
-    (r"^final\.", "final_layer.linear."),
-]
+
+
+def _rules(pairs) -> list:
+    """(regex, replacement) rules from (source prefix, target prefix) templates."""
+    return [("^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)"), dst.replace("{i}", r"\1")) for src, dst in pairs]
+
+
+_OFFICIAL = _rules(_OFFICIAL_NAMES)
+_TO_OFFICIAL = _rules([(ours, official) for official, ours in _OFFICIAL_NAMES])
 
 
 def _rename(name: str, rules) -> Optional[str]:
