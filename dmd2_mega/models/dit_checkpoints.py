@@ -319,6 +319,8 @@ def spec_from_ours(config: dict, name: str) -> DiTSpec:
         raise ConfigError(f"{name}/config.json: unknown DiT spec keys {unknown} (written by a newer dmd2-mega?)")
     if config.get("parameterization", "flow") not in KINDS:
         raise ConfigError(f"{name}/config.json: parameterization {config['parameterization']!r} is none of {KINDS}")
+    if config.get("pos_table", "ours") not in ("ours", "dit"):
+        raise ConfigError(f"{name}/config.json: pos_table {config['pos_table']!r} is neither 'ours' nor 'dit'")
     return replace(DiTSpec(**{k: v for k, v in config.items() if k in known}), name=name)
 
 
