@@ -45,12 +45,12 @@ from dmd2_mega.models.registry import EXPERTS_FILE, boundary_ratio
 from dmd2_mega.models.wan import WAN, WanSpec
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.dit_checkpoints import DIFFUSERS_CLASS as DIT_DIFFUSERS
+from dmd2_mega.models.diffusers_folder import iter_tensors, read_json, shard_files, write_model_folder
 from dmd2_mega.models.dit_checkpoints import (diffusers_config, diffusers_to_ours, is_diffusers_config, official_spec,
                                               official_to_ours, our_config, ours_to_diffusers, ours_to_official,
-                                              read_json, read_official_file)
+                                              read_official_file)
 from dmd2_mega.models.parameterization import build_adapter
-from dmd2_mega.models.wan_diffusers import (iter_tensors, model_dir, read_config, read_state, shard_files, write_folder,
-                                            write_model_folder)
+from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
 

@@ -26,7 +26,6 @@ pipeline's scheduler_config.json (DDPM epsilon on linear betas).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -323,10 +322,3 @@ def spec_from_ours(config: dict, name: str) -> DiTSpec:
         raise ConfigError(f"{name}/config.json: pos_table {config['pos_table']!r} is neither 'ours' nor 'dit'")
     return replace(DiTSpec(**{k: v for k, v in config.items() if k in known}), name=name)
 
-
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.dit import DIT, DiTSpec
-from dmd2_mega.models.dit_checkpoints import diffusers_spec, is_diffusers_config, is_our_config, read_json, spec_from_ours
+from dmd2_mega.models.diffusers_folder import read_json
+from dmd2_mega.models.dit_checkpoints import diffusers_spec, is_diffusers_config, is_our_config, spec_from_ours
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
 from dmd2_mega.models.wan import WAN, WanSpec
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS

@@ -11,26 +11,19 @@ spec builds); everything else is the same name and the same tensor:
 A folder is a model folder (config.json + diffusion_pytorch_model.safetensors, or sharded with
 diffusion_pytorch_model.safetensors.index.json) or a pipeline folder holding one under transformer/
 (Wan 2.2 A14B: transformer/ and transformer_2/). `read_state` streams the shards one at a time into our
-names (one full copy in host memory); `write_folder` writes a model folder diffusers loads.
+names (one full copy in host memory); `write_folder` writes a model folder diffusers loads (the family-neutral
+file handling: `models/diffusers_folder.py`).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-from typing import Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from dmd2_mega.atomic import atomic_write
 from dmd2_mega.errors import CheckpointError, ConfigError
+from dmd2_mega.models.diffusers_folder import iter_tensors, read_json, shard_files, write_model_folder
 from dmd2_mega.models.wan import DIFFUSERS_CLASS, WanSpec
-
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = WEIGHTS + ".index.json"
-SHARD_BYTES = 5 * 2**30  # export shards at most this large (diffusers' own default is 10 GB)
 
 _RULES = [  # (ours, diffusers), applied in order to a parameter name
     (r"^condition_embedder\.(time|text)_embedder\.0\.", r"condition_embedder.\1_embedder.linear_1."),
@@ -68,42 +61,7 @@ def model_dir(path: str, subfolder: str = "transformer") -> str:
 
 
 def read_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-
-
-def shard_files(folder: str) -> list[str]:
-    index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-        for name in files:
-            if not os.path.isfile(os.path.join(folder, name)):
-                raise CheckpointError(f"{os.path.join(folder, name)}: shard listed in {INDEX} is missing")
-        return [os.path.join(folder, n) for n in files]
-    if os.path.isfile(os.path.join(folder, WEIGHTS)):
-        return [os.path.join(folder, WEIGHTS)]
-    found = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".safetensors")))
-    raise CheckpointError(f"{folder}: no {WEIGHTS} nor {INDEX}" + (f" (found {found}; only safetensors "
-                          f"weights are read)" if found else ""))
-
-
-def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors' own errors for truncated / corrupt files
-        raise CheckpointError(f"{path}: cannot read as safetensors (truncated or corrupt?): {e}") from None
+    return read_json(os.path.join(folder, "config.json"))
 
 
 def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
@@ -136,35 +94,3 @@ def write_folder(out: str, state: dict, spec: WanSpec, dtype: torch.dtype | None
     """A diffusers WanTransformer3DModel folder from our TP=1 state dict."""
     tensors = {diffusers_name(n): to_diffusers_tensor(n, t, spec) for n, t in state.items()}
     write_model_folder(out, tensors, spec.diffusers_config(), dtype)
-
-
-def write_model_folder(out: str, tensors: dict, config: dict, dtype: torch.dtype | None = None) -> None:
-    """A diffusers model folder from {diffusers name: tensor}: config.json + safetensors (sharded past SHARD_BYTES)."""
-    os.makedirs(out, exist_ok=True)
-    tensors = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in tensors.items()}
-    shards, cur, size = [], {}, 0
-    for k, v in tensors.items():
-        nbytes = v.numel() * v.element_size()
-        if cur and size + nbytes > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k], size = v, size + nbytes
-    shards.append(cur)
-    if len(shards) == 1:
-        _save(shards[0], os.path.join(out, WEIGHTS))
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save(shard, os.path.join(out, name))
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        atomic_write(os.path.join(out, INDEX), lambda f: json.dump(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1), text=True)
-    atomic_write(os.path.join(out, "config.json"), lambda f: json.dump(config, f, indent=1), text=True)
-
-
-def _save(tensors: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
