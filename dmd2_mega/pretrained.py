@@ -54,14 +54,6 @@ from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, w
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
 
-TEXT_LEN = 512
-"""Wan's text length (UMT5 tokens, zero-padded): the negative buffer's length when no data gives one."""
-
-
-def _wan_shape(spec: WanSpec) -> DataShape:
-    return DataShape(spec.in_channels, spec.patch_size, cond_shape=(TEXT_LEN, spec.text_dim))
-
-
 def _extra_states(model: torch.nn.Module) -> dict:
     """The non-tensor `_extra_state` entries megatron-core's linears add to a state dict (None here)."""
     return {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
@@ -73,7 +65,7 @@ def _family(spec: WanSpec):
 
 def _meta_model(spec: WanSpec) -> FamilyModel:
     with torch.device("meta"):
-        return _family(spec).build(spec, _wan_shape(spec), 1)
+        return _family(spec).build(spec, spec.data_shape(), 1)
 
 
 def _one_process() -> ParallelState:
@@ -374,13 +366,12 @@ def load_model(path: str, ema: bool = True, parameterization: Optional[str] = No
         size = checkpoint_spec(path, payload)
         family, spec = size.family, size.spec
         info = payload.get("data_info")
-        default = _wan_shape(spec) if family.name != "dit" else spec.data_shape()
-        model = family.build(spec, default if info is None else DataShape.from_info(info), 1)
+        model = family.build(spec, spec.data_shape() if info is None else DataShape.from_info(info), 1)
         state = {**payload["model"], **payload["ema"]} if ema and "ema" in payload else payload["model"]
         load_model_weights(model, state, path)
         return model.float().eval()
     spec, folders = _source(path, None)
-    model = _family(spec).build(spec, _wan_shape(spec), 1)
+    model = _family(spec).build(spec, spec.data_shape(), 1)
     state = _read_source(spec, folders, {n: tuple(p.shape) for n, p in model.named_parameters()})
     load_model_weights(model, {**state, **_extra_states(model)}, path)
     return model.float().eval()

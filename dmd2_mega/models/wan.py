@@ -59,6 +59,10 @@ from dmd2_mega.parallel import mark_sequence_parallel
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 
 
+TEXT_LEN = 512
+"""Wan's text length (UMT5 tokens, zero-padded): the negative buffer's length when no data gives one."""
+
+
 @dataclass(frozen=True)
 class WanSpec:
     """A Wan transformer's sizes: the fields of diffusers' `WanTransformer3DModel` config.json that we support."""
@@ -89,6 +93,11 @@ class WanSpec:
     @property
     def hidden_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    def data_shape(self) -> DataShape:
+        """The shape to build a converted Wan with when no data gives one (`pretrained.load_model`, the meta model
+        of a conversion): one latent frame of one patch, Wan's TEXT_LEN tokens of text."""
+        return DataShape(self.in_channels, self.patch_size, cond_shape=(TEXT_LEN, self.text_dim))
 
     def __post_init__(self):
         if self.head_dim % 2 or self.head_dim < 6:
