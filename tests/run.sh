@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # THE test command: creates or reuses .venv, installs torch==2.13.0 first where torch is missing
 # (the CPU build on local disk; an unpinned torch would pull GBs of CUDA), then the package with
-# its test extras, then runs the whole suite. Usage: bash tests/run.sh [pytest args]
+# its test extras, then runs the suite (docs/testing.md).
+#   bash tests/run.sh [pytest args]          the whole suite (what .ci/run runs)
+#   bash tests/run.sh --fast [pytest args]   the fast tier: no test that launches a process (-m "not integration")
+# Test files are spread over DMD2_TEST_WORKERS pytest-xdist workers (default: the CPU count, at least 2, at most 4),
+# a file to one worker, so a module's fixtures run once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
@@ -10,4 +14,19 @@ export TORCH_COMPILE_DISABLE=1 OMP_NUM_THREADS=1
 if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     export TRITON_INTERPRET=1
 fi
-exec python -m pytest -q -p no:cacheprovider --timeout 900 tests "$@"
+tier=()
+args=()
+for a in "$@"; do
+    if [ "$a" = "--fast" ]; then
+        export DMD2_TEST_TIER=fast
+        tier=(-m "not integration")
+    else
+        args+=("$a")
+    fi
+done
+workers="${DMD2_TEST_WORKERS:-$(nproc)}"
+if [ -z "${DMD2_TEST_WORKERS:-}" ]; then
+    workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
+fi
+exec python -m pytest -q -p no:cacheprovider --timeout 900 -n "$workers" --dist loadfile ${tier[@]+"${tier[@]}"} \
+    tests ${args[@]+"${args[@]}"}

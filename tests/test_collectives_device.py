@@ -9,6 +9,7 @@ import pytest
 from tests.utils import MP_SCRIPTS, torchrun
 
 pytestmark = pytest.mark.timeout(400)
+INTEGRATION_FIXTURES = ("logs",)  # fixtures that launch processes: their tests are marked integration
 SCRIPT = os.path.join(MP_SCRIPTS, "collectives_on_device.py")
 
 

@@ -18,6 +18,8 @@ from tests.test_dit_import import HEADS, official_state
 from tests.test_fid import (_fid_scipy, _printed_fid, _regenerated_stats, _run_in_process, write_net_file,
                             write_ref_file)
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, launch, read_trace
+
+INTEGRATION_FIXTURES = ("runs",)  # fixtures that launch processes: their tests are marked integration
 GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "gan-logit-gap", "actor-gan-loss")
 
 

@@ -24,6 +24,8 @@ from launch.convert_checkpoint import main as convert_main
 from launch.convert_checkpoint import parse_args as convert_args
 from tests.utils import MP_SCRIPTS, REPO, python, torchrun
 
+INTEGRATION_FIXTURES = ("converted",)  # fixtures that launch processes: their tests are marked integration
+
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 HIDDEN, HEADS, LAYERS, PATCH, SIZE, CLASSES = 32, 4, 2, 2, 8, 10
 
@@ -202,6 +204,7 @@ def test_converted_checkpoint_builds_by_model_size_and_checks_the_data(converted
         build_model(ckpt, DataShape(1, 8, num_classes=7))
 
 
+@pytest.mark.integration
 def test_exports_round_trip_to_the_layout_they_came_from(converted, tmp_path):
     d = converted["dir"]
     r = python(CONVERT, ["--load", str(d / "sit_tp2"), "--to-official", str(tmp_path / "sit.pt")])
@@ -228,6 +231,7 @@ def test_exports_round_trip_to_the_layout_they_came_from(converted, tmp_path):
         export_official(str(d / "dit_tp2"), str(tmp_path / "nope.pt"), log=lambda *_: None)
 
 
+@pytest.mark.integration
 def test_bad_checkpoints_and_flags_are_one_line_errors(tmp_path):
     state = official_state()
     torch.save(state, tmp_path / "ok.pt")

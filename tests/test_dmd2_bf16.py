@@ -43,6 +43,7 @@ def test_bf16_casts_every_role_keeps_fp32_masters_and_computes_in_bf16(debug_tea
         assert all(math.isfinite(v) for v in vals.values()), vals
 
 
+@pytest.mark.integration
 def test_bf16_trace_tracks_fp32_and_differs(tmp_path, debug_teacher):
     traces = {}
     for name, extra in (("fp32", []), ("bf16", ["--bf16"])):

@@ -42,6 +42,7 @@ from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_clo
                          read_trace)
 
 pytestmark = pytest.mark.timeout(400)
+INTEGRATION_FIXTURES = ("runs", "golden_runs",)  # fixtures that launch processes: their tests are marked integration
 
 GOLDEN = os.path.join(REPO, "tests", "golden", "dmd2_debug_trace.json")
 REGEN = os.environ.get("DMD2_REGEN_GOLDEN") == "1"

@@ -28,6 +28,7 @@ from dmd2_mega.errors import ConfigError
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, launch, python, read_trace
 
 pytestmark = pytest.mark.timeout(400)
+INTEGRATION_FIXTURES = ("runs",)  # fixtures that launch processes: their tests are marked integration
 GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "gan-logit-gap", "actor-gan-loss")
 
 
@@ -122,6 +123,7 @@ def test_resume_restores_ema_and_gan_head_exactly(runs):
     assert any(not torch.equal(ema[n], model[n].float()) for n in ema), "EMA should differ from the weights"
 
 
+@pytest.mark.integration
 def test_sample_uses_ema_unless_no_ema(runs, tmp_path):
     from dmd2_mega.checkpoint import load_model_weights
     from dmd2_mega.config import ModelConfig
@@ -146,6 +148,7 @@ def test_sample_uses_ema_unless_no_ema(runs, tmp_path):
             np.testing.assert_allclose(outs[name], want.numpy(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_gan_mismatch_on_resume_is_named(runs, tmp_path):
     runs["res"]["split_b"].check("GAN + EMA resume")
     args = [a for a in runs["base"] if a != "--dmd2-gan"]
@@ -153,6 +156,7 @@ def test_gan_mismatch_on_resume_is_named(runs, tmp_path):
     assert r.returncode != 0 and "saved with the GAN head" in r.stderr + r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_bad_feature_layer_named(runs):
     r = python(PRETRAIN_DMD2, runs["base"] + ["--train-iters", "1", "--dmd2-gan-feature-layer", "9"], timeout=120)
     assert r.returncode != 0 and "--dmd2-gan-feature-layer must be in [0, 1]" in r.stderr + r.stdout

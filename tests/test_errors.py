@@ -40,11 +40,13 @@ def assert_fails(res, *needles):
 
 # ---- flags -------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_unknown_model_size_end_to_end():
     res = python(PRETRAIN, ["--model-size", "nope", "--train-iters", "1"], timeout=90)
     assert_fails(res, "ConfigError", "--model-size 'nope' is unknown", "debug")
 
 
+@pytest.mark.integration
 def test_tp_not_dividing_world_size_end_to_end():
     res = python(PRETRAIN, FAST + ["--tensor-model-parallel-size", "2"], timeout=90)
     assert_fails(res, "ConfigError", "--tensor-model-parallel-size 2 does not divide the world size 1")
@@ -130,6 +132,7 @@ def test_missing_load_directory(tmp_path):
         load_payload(missing, ps_of())
 
 
+@pytest.mark.integration
 def test_missing_load_directory_end_to_end(tmp_path):
     missing = str(tmp_path / "no_such_ckpt")
     res = python(PRETRAIN, FAST + ["--load", missing], timeout=90)
@@ -204,6 +207,7 @@ def test_save_under_a_regular_file(tmp_path):
     assert os.listdir(tmp_path / "fine") == []  # the probe file is removed
 
 
+@pytest.mark.integration
 def test_save_under_a_regular_file_end_to_end(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -136,6 +136,7 @@ def test_input_validation(cache, heldout):
         evaluate_digits(x, y[:-1])
 
 
+@pytest.mark.integration
 def test_cli_prints_json(cache, heldout, tmp_path):
     x, y = heldout
     f = tmp_path / "samples.npz"

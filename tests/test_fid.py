@@ -35,6 +35,8 @@ from launch import eval_fid
 from tests.test_media import kl_latent_teacher
 from tests.utils import REPO, torchrun, world_of_one
 
+INTEGRATION_FIXTURES = ("student",)  # fixtures that launch processes: their tests are marked integration
+
 EVAL_FID = os.path.join(REPO, "launch", "eval_fid.py")
 WIDTH = 16  # the tiny network's feature width
 N = 21      # samples: odd, split unevenly by the ranks and the batch sizes
@@ -229,6 +231,7 @@ def _run_in_process(capsys, argv: list) -> str:
     return out
 
 
+@pytest.mark.integration
 def test_eval_fid_teacher_one_and_two_ranks(debug_teacher, net_file, ref_file, tmp_path, capsys):
     common = ["--load", debug_teacher, "--ref-stats", ref_file, "--inception-weights", net_file,
               "--num-samples", str(N), "--steps", "2", "--guidance", "1.5", "--seed", "3"]

@@ -67,6 +67,7 @@ def test_no_trainable_parameters_is_an_error():
         GradBuffer(frozen)
 
 
+@pytest.mark.integration
 def test_dp_reduction_matches_float64(tmp_path):
     torchrun(2, os.path.join(MP_SCRIPTS, "grad_buffer_dp.py"), ["--out", str(tmp_path)], timeout=150).check(
         "GradBuffer DP=2")

@@ -23,6 +23,7 @@ from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import REPO, child_env, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
+INTEGRATION_FIXTURES = ("student",)  # fixtures that launch processes: their tests are marked integration
 FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5"]
 DMD2 = ["--model-size", "debug", "--micro-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2",
         "--lr-decay-iters", "10", "--log-interval", "1"]
@@ -184,6 +185,7 @@ def _start(save: str, iters: str = "100000") -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+@pytest.mark.integration
 def test_second_run_on_one_save_fails_naming_the_first(tmp_path):
     save = str(tmp_path / "t")
     first = _start(save)

@@ -33,6 +33,7 @@ from launch import sample as sample_script
 from tests.utils import PRETRAIN, REPO, python, signal_when_logged, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
+INTEGRATION_FIXTURES = ("ckpt", "interrupted",)  # fixtures that launch processes: their tests are marked integration
 
 FLOW = ["--model-size", "debug", "--micro-batch-size", "4", "--train-iters", "0", "--log-interval", "1"]
 DMD2 = FLOW + ["--teacher-load", "no/such/teacher"]  # every case fails before the teacher is read
@@ -133,6 +134,7 @@ def test_plan_memory_flag_is_one_line(argv, needle, capsys):
     one_line(capsys, plan_memory.main(["--model-size", "8b"] + argv), "ConfigError", needle)
 
 
+@pytest.mark.integration
 def test_plan_memory_process_patch_0_exits_1_without_traceback():
     res = python(os.path.join(REPO, "launch", "plan_memory.py"), ["--patch", "0"], timeout=60)
     assert res.returncode == 1 and res.stderr == "ConfigError: --patch must be >= 1, got 0\n", res.tail()

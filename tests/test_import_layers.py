@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,12 +18,14 @@ def lint(root: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_import_contracts_hold():
     res = lint(REPO)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "4 kept, 0 broken" in res.stdout, res.stdout[-2000:]
 
 
+@pytest.mark.integration
 def test_contracts_catch_a_cycle_and_a_forbidden_import(tmp_path):
     """A copy of the tree with flow -> config (config imports flow: a cycle) and kernels -> dmd2_mega."""
     root = tmp_path / "tree"

@@ -11,6 +11,8 @@ from kernels import _utils
 from test_kernels_utils import DEVICE, IMPLS, TOL, assert_close, dtype_id, f64
 from tests.utils import MP_SCRIPTS, torchrun
 
+INTEGRATION_FIXTURES = ("tp2",)  # fixtures that launch processes: their tests are marked integration
+
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
 # (B, S, heads, head_dim): odd sizes; HL = 36 and 192 are not powers of two (3 column tiles of 16 / 64);

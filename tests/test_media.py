@@ -43,6 +43,7 @@ from launch import sample as sample_script
 from tests.utils import find_tmp, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
+INTEGRATION_FIXTURES = ("wan_run",)  # they encode media with ffmpeg, a process
 TEXTS = ["A red fox runs", "two cats!"]
 TB_IMAGES = {"images": 0}  # EventAccumulator: keep every image event
 
@@ -74,6 +75,7 @@ def smooth_clip(t: int, c: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
     (5, 3, 13, 21, 10, (130, 210)),    # odd sides, upscaled to even ones
     (2, 3, 129, 131, 1, (130, 132)),   # large enough: no upscale, the MP4 pads to even sides
 ], ids=["T4-grey-8x8", "T5-rgb-13x21", "T2-rgb-129x131"])
+@pytest.mark.integration
 def test_mp4_and_gif_read_back(tmp_path, t, c, h, w, u, mp4_size):
     assert media.viewable_scale(h, w) == u
     clip = smooth_clip(t, c, h, w)
@@ -192,11 +194,13 @@ def check_eval_media(save: str, tb: str) -> None:
         assert ev.step == 1 and ev.encoded_image_string == open(os.path.join(root, n + ".gif"), "rb").read()
 
 
+@pytest.mark.integration
 def test_teacher_eval_writes_media_and_video_summaries(wan_run):
     check_eval_media(f"{wan_run}/teacher", f"{wan_run}/tb")
     assert os.path.isfile(f"{wan_run}/teacher/samples/iter_0000001.png")  # the latent grid as before
 
 
+@pytest.mark.integration
 def test_student_eval_writes_media_and_video_summaries(wan_run, tmp_path):
     d, save = wan_run, str(tmp_path / "student")
     argv = flow_argv(d, **{"--save": save, "--tensorboard-dir": str(tmp_path / "tb"), "--eval-guidance": None,
@@ -209,6 +213,7 @@ def test_student_eval_writes_media_and_video_summaries(wan_run, tmp_path):
     assert os.path.isfile(f"{save}/samples/cycle_0000001.png")
 
 
+@pytest.mark.integration
 def test_sample_vae_decodes_like_diffusers(wan_run, tmp_path, monkeypatch):
     from diffusers import AutoencoderKLWan
     d, out = wan_run, str(tmp_path / "out")
@@ -256,6 +261,7 @@ def test_sample_prompts_negative_is_cfg_negative(wan_run, tmp_path):
     assert np.abs(runs["neg"] - runs["none"]).max() > 1e-3
 
 
+@pytest.mark.integration
 def test_sample_pixel_video_gets_media_without_vae(tmp_path):
     """--data moving-digits (1-channel pixel clips [1, 4, 16, 16]): sample.py writes an MP4 + GIF for each of the
     first --num-media samples with no VAE, named by the (digit, direction) prompt; the grey GIF's frames are exactly

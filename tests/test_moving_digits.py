@@ -210,6 +210,7 @@ def test_report_table_and_gif(cache, held, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- d. smoke: train + sample in-process
+@pytest.mark.integration
 def test_pretrain_flow_and_sample_smoke(cache, tmp_path, capsys):
     from launch import pretrain_flow, sample
     save = str(tmp_path / "teacher")

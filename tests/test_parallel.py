@@ -24,6 +24,7 @@ from tests.utils import (MP_SCRIPTS, PRETRAIN, SAMPLE, assert_traces_close, find
                          read_trace, run_parallel, torchrun)
 
 pytestmark = pytest.mark.timeout(300)
+INTEGRATION_FIXTURES = ("forward_backward", "runs", "samples",)  # fixtures that launch processes: their tests are marked integration
 
 FB_SCRIPT = os.path.join(MP_SCRIPTS, "tp_forward_backward.py")
 ITERS = 5
@@ -173,6 +174,7 @@ def test_sample_tp2_checkpoint_at_tp1_matches_tp2(samples):
     assert np.abs(a["images"] - noise).max() > 0.05
 
 
+@pytest.mark.integration
 def test_resume_optimizer_at_other_tp_fails(runs, tmp_path):
     _checked(runs["tp2"], "TP=2 training")
     res = python(PRETRAIN, TRAIN[:2] + ["--train-iters", str(ITERS + 2), "--micro-batch-size", "8",

@@ -45,6 +45,7 @@ from launch import plan_memory
 from tests.utils import torchrun, world_of_one
 
 pytestmark = pytest.mark.timeout(120)
+INTEGRATION_FIXTURES = ("layout_reports",)  # fixtures that launch processes: their tests are marked integration
 ACT_FACTOR = 1.25
 # (size, in_channels, spatial, cond_shape): labels (10 classes) when cond_shape is None; an int spatial is a
 # DiT image side (recorded as the old `image_size` data_info), a tuple Wan's (T, H, W) (as `latent_shape`)

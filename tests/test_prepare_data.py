@@ -43,6 +43,7 @@ from dmd2_mega.prep.vae import LatentVAE
 from launch import prepare_data
 
 pytestmark = pytest.mark.timeout(240)
+INTEGRATION_FIXTURES = ("setup", "video_run",)  # they encode media with ffmpeg, a process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "prepare_data.py")
@@ -159,6 +160,7 @@ def _wan_latent(vae, frames_uint8):
     return ((raw - mean) / std)[0]
 
 
+@pytest.mark.integration
 def test_video_shards_match_diffusers(setup, video_run):
     out, printed = video_run
     pipe = _wan_pipe(setup)
@@ -239,6 +241,7 @@ def test_image_shards_match_autoencoder_kl(setup, tmp_path):
     assert ShardDataset(str(out)).spatial == (2, 2)
 
 
+@pytest.mark.integration
 def test_sample_posterior_is_per_clip(setup, video_run, tmp_path):
     mean_rows = _rows(video_run[0])
     runs = []
@@ -371,6 +374,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.integration
 def test_killed_two_rank_run_resumes_to_the_same_output(setup, video_run, tmp_path):
     """Rank 1 of a 2-rank job (gloo; the environment torchrun gives: RANK, WORLD_SIZE, MASTER_ADDR/PORT) owns
     shard 1; it is SIGKILLed halfway through writing it, after rank 0 wrote shards 0 and 2 and went to the

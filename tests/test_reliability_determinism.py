@@ -18,6 +18,7 @@ from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN, PRETRAIN_DMD2, read_trace, run, world_of_one
 
 pytestmark = pytest.mark.timeout(240)
+INTEGRATION_FIXTURES = ("traces",)  # fixtures that launch processes: their tests are marked integration
 
 FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "3e-3",
         "--log-interval", "1", "--seed", "9", "--train-iters", "4", "--deterministic"]

@@ -237,6 +237,7 @@ def test_dmd2_flag_out_of_range(ckpts, tmp_path, capsys, flags, needle):
 
 # ---- the real processes --------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_processes_exit_1_with_one_line(ckpts, tmp_path):
     data = _shards(tmp_path / "data")
     shard = _damage(data, "nonfinite")

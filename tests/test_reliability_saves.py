@@ -32,6 +32,7 @@ from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, PRETRAIN_DMD2, find_tmp, run, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
+INTEGRATION_FIXTURES = ("killed",)  # fixtures that launch processes: their tests are marked integration
 
 # a fixed --lr-decay-iters: resumes with another --train-iters keep the LR schedule (else an error, issue 13)
 FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5",

@@ -20,6 +20,7 @@ from dmd2_mega.checkpoint import iter_dir, rank_file
 from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace, run_parallel
 
 pytestmark = pytest.mark.timeout(240)
+INTEGRATION_FIXTURES = ("runs",)  # fixtures that launch processes: their tests are marked integration
 
 COMMON = ["--model-size", "debug", "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "3e-3",
           "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "2", "--seed", "11"]

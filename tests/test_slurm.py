@@ -25,7 +25,7 @@ from torch.distributed.run import get_args_parser
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from tests.utils import REPO
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # every test runs a batch script
 SCRIPTS = {"flow": ("launch/slurm/pretrain_flow.sbatch", "launch/pretrain_flow.py", parse_flow_args),
            "dmd2": ("launch/slurm/pretrain_dmd2.sbatch", "launch/pretrain_dmd2.py", parse_dmd2_args)}
 

@@ -45,6 +45,7 @@ def test_step_flops_are_forward_flops_times_passes():
     assert throughput.dmd2_cycle_flops(f, b, m, k, n, 1.0, "original") == pytest.approx(original * f * b * m)
 
 
+@pytest.mark.integration
 def test_logged_tflops_is_step_flops_over_elapsed_time(tmp_path):
     res = python(PRETRAIN, ["--model-size", "debug", "--train-iters", "4", "--micro-batch-size", "8",
                             "--global-batch-size", "16", "--log-interval", "2"])

@@ -35,6 +35,7 @@ from tests.utils import (DMD2_TRACE_KEYS, MP_SCRIPTS, PRETRAIN, PRETRAIN_DMD2, a
                          converted_wan_teacher, launch, python, read_trace, torchrun)
 
 pytestmark = pytest.mark.timeout(600)
+INTEGRATION_FIXTURES = ("fb", "wan4",)  # fixtures that launch processes: their tests are marked integration
 SCRIPT = os.path.join(MP_SCRIPTS, "wan_token_parallel.py")
 KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "actor-gan-loss")
 
@@ -110,6 +111,7 @@ def test_bad_layouts_are_clear_errors():
     assert get_spec("wan-debug").num_heads == 2
 
 
+@pytest.mark.integration
 def test_world_not_divisible_names_both_flags():
     r = python(PRETRAIN, ["--model-size", "debug", "--train-iters", "1", "--tensor-model-parallel-size", "2",
                           "--context-parallel-size", "2"])
@@ -135,6 +137,7 @@ def dmd2_args(teacher, data, out, iters):
             "--loss-trace", out + ".jsonl"]
 
 
+@pytest.mark.integration
 def test_dmd2_everything_on_equals_world_of_one_and_cp_checkpoints_move(wan4, tmp_path):
     teacher, data = wan4
     d = str(tmp_path)
@@ -165,6 +168,7 @@ def test_dmd2_everything_on_equals_world_of_one_and_cp_checkpoints_move(wan4, tm
     resume("ref", "cp1_to_cp2", 2, ["--context-parallel-size", "2"])
 
 
+@pytest.mark.integration
 def test_teacher_trainer_cp2_equals_cp1(wan4, tmp_path):
     teacher, data = wan4
     base = ["--model-size", teacher, "--data", data, "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -121,6 +121,7 @@ def test_bf16_forward_within_tolerance(world, tmp_path):
     assert rel(got, want) <= 3e-2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["L2-H3-T5-6x10-txt7", "L1-H2-T3-4x6-txt1"])
 def test_tp2_matches_diffusers_and_round_trip_is_bit_exact(world, tmp_path, name):
     if name.startswith("L2-H3"):  # 3 heads do not split over 2 ranks: an error naming the flag, nothing written

@@ -26,6 +26,7 @@ from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, assert_traces_clo
                          python, read_trace, run_parallel, world_of_one)
 
 pytestmark = pytest.mark.timeout(600)
+INTEGRATION_FIXTURES = ("setup", "runs",)  # fixtures that launch processes: their tests are marked integration
 CONVERT = os.path.join(REPO, "launch", "convert_checkpoint.py")
 SAMPLE = os.path.join(REPO, "launch", "sample.py")
 GAN_KEYS = DMD2_TRACE_KEYS + ("gan-disc-loss", "actor-gan-loss")
@@ -69,6 +70,7 @@ def test_tp2_and_dp2_equal_tp1(runs):
     assert_traces_close(read_trace(runs["dp2"] + ".jsonl"), ref, 1e-5, "Wan DMD2 DP=2 vs DP=1", keys=GAN_KEYS)
 
 
+@pytest.mark.integration
 def test_resume_is_exact(setup, runs, tmp_path):
     teacher, data, _ = setup
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
@@ -80,6 +82,7 @@ def test_resume_is_exact(setup, runs, tmp_path):
                         "Wan DMD2 2 + resume + 1 vs 3 straight", keys=GAN_KEYS)
 
 
+@pytest.mark.integration
 def test_export_runs_in_a_diffusers_few_step_loop(setup, runs, tmp_path):
     teacher, data, _ = setup
     out = tmp_path / "export"
@@ -108,6 +111,7 @@ def test_export_runs_in_a_diffusers_few_step_loop(setup, runs, tmp_path):
         assert "samples [4, 3, 4, 6]" in r.check("sample").stdout
 
 
+@pytest.mark.integration
 def test_cfg_negative_branch_is_the_datas_negative_prompt(setup, runs, tmp_path):
     teacher, _, noneg = setup
     run = str(tmp_path / "noneg")

@@ -102,6 +102,7 @@ def test_tp_that_does_not_divide_the_heads(tmp_path):
         build_model("wan-debug", DataShape(4, (1, 2, 2), cond_shape=(3, 16)), tp_size=4)
 
 
+@pytest.mark.integration
 def test_text_width_and_model_size_path(tmp_path):
     d = tiny_wan(tmp_path / "wan")
     import_diffusers(str(d), str(tmp_path / "teacher"), log=lambda *_: None)

@@ -74,6 +74,7 @@ def test_routing_matches_the_pipeline_rule(pipeline):
             assert float((ours - p.grad).abs().max()) <= 1e-5 * max(float(p.grad.abs().max()), 1e-6), n
 
 
+@pytest.mark.integration
 def test_two_expert_round_trip_and_dmd2(pipeline, tmp_path):
     d, _ = pipeline
     ckpt = tmp_path / "teacher"

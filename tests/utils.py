@@ -111,10 +111,11 @@ def python(script: str, args: Sequence = (), timeout: float = 120) -> Result:
     return run([sys.executable, script, *args], timeout=timeout)
 
 
-def torchrun(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
+def torchrun(nproc: int, script: str, args: Sequence = (), timeout: float = 180,
+             extra_env: Optional[dict] = None) -> Result:
     """`torchrun --standalone --nproc-per-node nproc script args` with the venv's interpreter."""
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "--monitor-interval=0.1", script, *args], timeout=timeout)
+                "--monitor-interval=0.1", script, *args], timeout=timeout, extra_env=extra_env)
 
 
 def launch(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
