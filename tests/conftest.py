@@ -24,10 +24,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.forkserver import ForkedRun  # noqa: E402
 from tests.utils import train_debug_teacher  # noqa: E402
 
 INTEGRATION = "integration"
-_popen_init = subprocess.Popen.__init__
+_STARTS = ((subprocess.Popen, subprocess.Popen.__init__), (ForkedRun, ForkedRun.__init__))  # what starts a process
 
 
 def pytest_configure(config):
@@ -48,20 +49,26 @@ def _no_processes(what: str):
     def refuse(self, args, *a, **kw):
         raise AssertionError(f"{what} started a process ({args!r}): mark the test @pytest.mark.{INTEGRATION} "
                              "(tests/conftest.py)")
-    saved, subprocess.Popen.__init__ = subprocess.Popen.__init__, refuse
+    saved = [cls.__init__ for cls, _ in _STARTS]
+    for cls, _ in _STARTS:
+        cls.__init__ = refuse
     try:
         yield
     finally:
-        subprocess.Popen.__init__ = saved
+        for (cls, _), init in zip(_STARTS, saved):
+            cls.__init__ = init
 
 
 @contextlib.contextmanager
 def _processes_allowed():
-    saved, subprocess.Popen.__init__ = subprocess.Popen.__init__, _popen_init
+    saved = [cls.__init__ for cls, _ in _STARTS]
+    for cls, init in _STARTS:
+        cls.__init__ = init
     try:
         yield
     finally:
-        subprocess.Popen.__init__ = saved
+        for (cls, _), init in zip(_STARTS, saved):
+            cls.__init__ = init
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from tests import forkserver
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP_SCRIPTS = os.path.join(REPO, "tests", "mp_scripts")
 PRETRAIN = os.path.join(REPO, "launch", "pretrain_flow.py")
@@ -61,11 +63,15 @@ class Result:
 
 
 def run(cmd: Sequence[str], timeout: float = 120, extra_env: Optional[dict] = None) -> Result:
-    """Run `cmd` from the repo root; on timeout kill its whole process group and fail."""
+    """Run `cmd` from the repo root; on timeout kill its whole process group and fail. A `python [-u] script.py`
+    run is forked from the tests' fork server where a fork is the same process (tests/forkserver.py)."""
     cmd = [str(c) for c in cmd]
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(extra_env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if forkserver.forkable(cmd, extra_env):
+        proc = forkserver.ForkedRun(cmd, child_env(extra_env), REPO)
+    else:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(extra_env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
