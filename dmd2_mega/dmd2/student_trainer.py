@@ -48,6 +48,7 @@ from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
+from dmd2_mega.megatron_jit import fuser_state
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
@@ -102,7 +103,8 @@ class DMD2Trainer(RunStateTrainer):
                       "critic": self._role("critic", self._build_model("critic", teacher_payload)),
                       "teacher": self._role("teacher", self._build_model("teacher", teacher_payload))}
         nparams = count_parameters(student, ps.tp_group, ps.device)
-        print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); {ps.layout}; "
+        print_rank0(f"> DMD2: {cfg.model.size} ({nparams:,} parameters per role, 3 roles); {ps.layout} "
+                    f"megatron-jit={fuser_state()}; "
                     f"B={t.micro_batch_size} K={d.critic_steps_per_rollout} M={self.num_micro_batches}; student sigmas "
                     f"{[round(s, 4) for s in self.settings.student_sigmas.tolist()]}; scoring {d.critic_scoring}; "
                     f"teacher guidance {d.teacher_guidance_scale}; offload {'+'.join(sorted(self.offload)) or 'none'} "
