@@ -45,30 +45,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def _no_processes(what: str):
-    def refuse(self, args, *a, **kw):
-        raise AssertionError(f"{what} started a process ({args!r}): mark the test @pytest.mark.{INTEGRATION} "
-                             "(tests/conftest.py)")
+def _starts(inits: list):
+    """Each of _STARTS' classes gets the matching __init__ while the block runs."""
     saved = [cls.__init__ for cls, _ in _STARTS]
-    for cls, _ in _STARTS:
-        cls.__init__ = refuse
-    try:
-        yield
-    finally:
-        for (cls, _), init in zip(_STARTS, saved):
-            cls.__init__ = init
-
-
-@contextlib.contextmanager
-def _processes_allowed():
-    saved = [cls.__init__ for cls, _ in _STARTS]
-    for cls, init in _STARTS:
+    for (cls, _), init in zip(_STARTS, inits):
         cls.__init__ = init
     try:
         yield
     finally:
         for (cls, _), init in zip(_STARTS, saved):
             cls.__init__ = init
+
+
+def _no_processes(what: str):
+    def refuse(self, args, *a, **kw):
+        raise AssertionError(f"{what} started a process ({args!r}): mark the test @pytest.mark.{INTEGRATION} "
+                             "(tests/conftest.py)")
+    return _starts([refuse] * len(_STARTS))
+
+
+def _processes_allowed():
+    return _starts([init for _, init in _STARTS])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -63,6 +63,7 @@ def server_path(env: dict) -> str:
         if proc is not None and proc.poll() is None:
             return _server["path"]
         path = os.path.join(tempfile.mkdtemp(prefix="dmd2_forkserver_"), "sock")
+        env = {k: v for k, v in env.items() if not k.startswith(RUNTIME_ENV_PREFIX)}  # one run's hooks, not the server's
         proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", path], cwd=REPO, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready = proc.stdout.readline()  # the server prints "ready" once it has imported everything and listens

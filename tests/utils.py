@@ -5,7 +5,8 @@ Every subprocess runs with OMP_NUM_THREADS=1, TORCH_COMPILE_DISABLE=1, no inheri
 variables (RANK, WORLD_SIZE, MASTER_PORT, ...: `init_distributed` writes them into os.environ of
 an in-process world of one, and a child that inherited them would try to bind the parent's port),
 in its own process group, and under a timeout after which the whole group is killed, so a hung
-rank fails the test instead of hanging it. Failures quote the tail of stdout and stderr.
+rank fails the test instead of hanging it. Failures quote the tail of stdout and stderr. A world-of-one
+`python script.py` run is a fork of the tests' fork server (tests/forkserver.py) where a fork is the same process.
 """
 from __future__ import annotations
 
