@@ -1,4 +1,4 @@
-"""A fork server for the tests' world-of-one script runs: `python launch/X.py args` without paying the imports again.
+"""A fork server for the tests' script runs: `python launch/X.py args` and torchruns without paying the imports again.
 
 Every fresh interpreter of a launch script spends 6-8 s of CPU importing torch, megatron-core and the package before
 its first line of work (a debug DMD2 run then trains in under a second). One server per pytest process imports them
@@ -12,10 +12,14 @@ each run is then a fork of it that becomes the script's process:
 The server reaps each child and sends its wait status back on the run's connection, so `ForkedRun` reads like a
 `subprocess.Popen` (`pid`, `stdout`, `stderr`, `communicate`, `send_signal`, `returncode`).
 
-What a fork cannot give, a fresh interpreter does (`tests.utils.run` decides, `forkable`): a command other than
-`python [-u] script.py ...`, an environment that differs from the tests' in anything but the runtime test hooks
-(`DMD2_MEGA_TEST_*`; e.g. PYTHONHASHSEED, ATEN_CPU_CAPABILITY, DMD2_MEGA_MEGATRON_JIT act at start-up), and every
-torchrun (its ranks are its own children). `DMD2_TEST_FORKSERVER=0` runs every script fresh.
+A `torchrun --standalone --nproc-per-node N script.py ...` of the tests is the same with N ranks: the fork becomes a
+small agent that forks the ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / PORT, ...)
+in its session and, as torchrun does, stops the others when one fails and exits 1 (`_agent`).
+
+What a fork cannot give, a fresh interpreter does (`tests.utils.run` decides: `forkable`, `torchrun_ranks`): a
+command other than those two, and an environment that differs from the tests' in anything but the runtime test hooks
+(`DMD2_MEGA_TEST_*`; e.g. PYTHONHASHSEED, ATEN_CPU_CAPABILITY, DMD2_MEGA_MEGATRON_JIT act at start-up).
+`DMD2_TEST_FORKSERVER=0` runs every command fresh (tests/test_forkserver.py compares the two).
 
 Usage by the server itself: `python -m tests.forkserver SOCKET_PATH` (started by `server()`).
 """
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from typing import Optional
 
@@ -49,6 +54,21 @@ def forkable(cmd: list, extra_env: Optional[dict]) -> bool:
     if not rest or not rest[0].endswith(".py") or not os.path.isfile(rest[0]):
         return False
     return all(k.startswith(RUNTIME_ENV_PREFIX) for k in (extra_env or {}))
+
+
+def torchrun_ranks(cmd: list, extra_env: Optional[dict]):
+    """(nproc, the ranks' `python script args`) for `python -m torch.distributed.run --standalone
+    --nproc-per-node=N [--monitor-interval=S] script args` whose ranks a fork can run, else None."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if cmd[:4] != head or len(cmd) < 6 or not cmd[4].startswith("--nproc-per-node="):
+        return None
+    rest = cmd[5:]
+    if rest and rest[0].startswith("--monitor-interval="):
+        rest = rest[1:]
+    ranks = [sys.executable, *rest]
+    if not rest or rest[0].startswith("-") or not forkable(ranks, extra_env):
+        return None
+    return int(cmd[4].split("=", 1)[1]), ranks
 
 
 # ---- the client side (in the pytest process) ---------------------------------------------------------------------
@@ -78,13 +98,13 @@ def server_path(env: dict) -> str:
 class ForkedRun:
     """One script run forked from the server, read like a `subprocess.Popen(..., text=True)` with pipes."""
 
-    def __init__(self, cmd: list, env: dict, cwd: str):
+    def __init__(self, cmd: list, env: dict, cwd: str, nproc: int = 0):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.conn.connect(server_path(env))
-            header = json.dumps({"argv": cmd[1:], "env": env, "cwd": cwd}).encode()
+            header = json.dumps({"argv": cmd[1:], "env": env, "cwd": cwd, "nproc": nproc}).encode()
             socket.send_fds(self.conn, [len(header).to_bytes(8, "little") + header], [out_w, err_w])
         finally:
             os.close(out_w)
@@ -145,8 +165,7 @@ def _preload() -> None:
 
 
 def _child(conn: socket.socket, lsock: socket.socket, fds: list, header: dict) -> None:
-    """In the fork: become the script's process and never return."""
-    code = 1
+    """In the fork: its own session on the run's pipes, then the script (or, for a torchrun, the ranks' agent)."""
     try:
         lsock.close()
         conn.close()
@@ -158,8 +177,64 @@ def _child(conn: socket.socket, lsock: socket.socket, fds: list, header: dict) -
         for fd in (null, *fds):
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if header.get("nproc"):
+            _agent(header, header["nproc"])
+        _run_script(header, {})
+    except BaseException:  # noqa: BLE001  (the set-up itself failed: say so on the run's stderr)
+        traceback.print_exc()
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(header: dict, nproc: int) -> None:
+    """`torchrun --standalone --nproc-per-node nproc` for one host: the ranks are forks of this process (so of the
+    server: nothing imported again) in its session, with torchrun's environment; rank 0 hosts the rendezvous store
+    on a free port (env://). As torchrun does, the first rank to fail gets the others SIGTERMed (SIGKILLed 5 s later)
+    and the run exits 1; a rank killed by a signal counts as failed."""
+    port = _free_port()
+    ranks = {}
+    for i in range(nproc):
+        env = {"RANK": i, "LOCAL_RANK": i, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "GROUP_RANK": 0,
+               "GROUP_WORLD_SIZE": 1, "ROLE_RANK": i, "ROLE_WORLD_SIZE": nproc, "ROLE_NAME": "default",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": 0,
+               "TORCHELASTIC_MAX_RESTARTS": 0, "TORCHELASTIC_RUN_ID": f"forkserver-{os.getpid()}"}
+        pid = os.fork()
+        if pid == 0:
+            _run_script(header, {k: str(v) for k, v in env.items()})
+        ranks[pid] = i
+    code, deadline = 0, None
+    while ranks:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if deadline is not None and time.time() > deadline:
+                for p in ranks:
+                    os.kill(p, signal.SIGKILL)
+                deadline = None
+            time.sleep(0.02)
+            continue
+        rank, rc = ranks.pop(pid, None), os.waitstatus_to_exitcode(status)
+        if rc != 0 and code == 0:
+            code = 1
+            print(f"[tests/forkserver.py torchrun] rank {rank} exited with {rc}; stopping the other ranks",
+                  file=sys.stderr, flush=True)
+            for p in ranks:
+                os.kill(p, signal.SIGTERM)
+            deadline = time.time() + 5
+    os._exit(code)
+
+
+def _run_script(header: dict, extra_env: dict) -> None:
+    """Become the script's process (environment, cwd, stdio, argv) and never return."""
+    code = 1
+    try:
         os.environ.clear()
         os.environ.update(header["env"])
+        os.environ.update(extra_env)
         os.chdir(header["cwd"])
         argv = header["argv"]
         unbuffered = argv[0] == "-u" or bool(os.environ.get("PYTHONUNBUFFERED"))

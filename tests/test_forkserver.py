@@ -81,3 +81,38 @@ def test_what_a_fork_cannot_reproduce_runs_fresh(tmp_path):
     assert not forkserver.forkable([py, "-c", "pass"], None)
     assert not forkserver.forkable([py, "-m", "torch.distributed.run", script], None)
     assert not forkserver.forkable(["bash", script], None)
+
+
+RANKS = r'''
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+sys.stdout.write(f"rank {dist.get_rank()} of {dist.get_world_size()} local {os.environ['LOCAL_RANK']} sum {t.item()}\n")
+sys.stdout.flush()  # one write per line: the ranks share the pipe
+if sys.argv[1] == "fail":
+    if dist.get_rank() == 1:
+        sys.exit(3)
+    time.sleep(60)  # torchrun stops the rank that outlives a failed one
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("case", ["ok", "fail"])
+def test_forked_torchrun_ranks_behave_as_torchruns(tmp_path, case):
+    """3 gloo ranks: each sees its RANK / LOCAL_RANK / WORLD_SIZE and the all-reduced sum; when one rank exits 3 the
+    others are stopped and the run exits 1, as torchrun does (the fresh torchrun is the reference)."""
+    from tests.utils import run, torchrun
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           "--monitor-interval=0.1", str(script), case]
+    assert forkserver.torchrun_ranks(cmd, None) == (3, [sys.executable, str(script), case])
+    forked = torchrun(3, str(script), [case], timeout=60)
+    fresh = run(cmd, timeout=60, extra_env={"DMD2_TEST_FORKSERVER_OFF": "1"})  # not a runtime hook: runs fresh
+    assert forked.returncode == fresh.returncode == (0 if case == "ok" else 1), (forked.tail(), fresh.tail())
+    lines = sorted(ln for ln in forked.stdout.splitlines() if ln.startswith("rank"))
+    assert lines == sorted(ln for ln in fresh.stdout.splitlines() if ln.startswith("rank")), (forked.tail(), fresh.tail())
+    assert lines == [f"rank {r} of 3 local {r} sum 6.0" for r in range(3)], forked.tail()
+    assert forked.seconds < 50, forked.tail()  # the sleeping ranks were stopped, not waited for

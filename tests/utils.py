@@ -68,7 +68,10 @@ def run(cmd: Sequence[str], timeout: float = 120, extra_env: Optional[dict] = No
     run is forked from the tests' fork server where a fork is the same process (tests/forkserver.py)."""
     cmd = [str(c) for c in cmd]
     start = time.time()
-    if forkserver.forkable(cmd, extra_env):
+    ranks = forkserver.torchrun_ranks(cmd, extra_env)
+    if ranks is not None:
+        proc = forkserver.ForkedRun(ranks[1], child_env(extra_env), REPO, nproc=ranks[0])
+    elif forkserver.forkable(cmd, extra_env):
         proc = forkserver.ForkedRun(cmd, child_env(extra_env), REPO)
     else:
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(extra_env), stdout=subprocess.PIPE,
