@@ -10,7 +10,7 @@ each run is then a fork of it that becomes the script's process:
   * the script executed as `__main__`; SystemExit, an uncaught exception (traceback, exit 1) and an uncaught
     KeyboardInterrupt (re-raised as SIGINT, as CPython does) end it as they end a fresh interpreter; atexit runs.
 The server reaps each child and sends its wait status back on the run's connection, so `ForkedRun` reads like a
-`subprocess.Popen` (`pid`, `stdout`, `stderr`, `communicate`, `send_signal`, `returncode`).
+`subprocess.Popen` (`pid`, `stdout`, `stderr`, `communicate`, `returncode`; signal it with os.killpg(pid, ...)).
 
 A `torchrun --standalone --nproc-per-node N script.py ...` of the tests is the same with N ranks: the fork becomes a
 small agent that forks the ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / PORT, ...)
@@ -115,13 +115,6 @@ class ForkedRun:
         self.pid = json.loads(self._reply.readline())["pid"]
         self.returncode = None
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
             self.conn.settimeout(timeout)
@@ -132,9 +125,6 @@ class ForkedRun:
             status = json.loads(line)["status"]
             self.returncode = os.waitstatus_to_exitcode(status)
             self.conn.close()
-        return self.returncode
-
-    def poll(self) -> Optional[int]:
         return self.returncode
 
     def communicate(self, timeout: Optional[float] = None):

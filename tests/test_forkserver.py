@@ -100,7 +100,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", ["ok", "fail"])
-def test_forked_torchrun_ranks_behave_as_torchruns(tmp_path, case):
+def test_forked_torchrun_ranks_behave_as_torchruns(tmp_path, monkeypatch, case):
     """3 gloo ranks: each sees its RANK / LOCAL_RANK / WORLD_SIZE and the all-reduced sum; when one rank exits 3 the
     others are stopped and the run exits 1, as torchrun does (the fresh torchrun is the reference)."""
     from tests.utils import run, torchrun
@@ -110,7 +110,8 @@ def test_forked_torchrun_ranks_behave_as_torchruns(tmp_path, case):
            "--monitor-interval=0.1", str(script), case]
     assert forkserver.torchrun_ranks(cmd, None) == (3, [sys.executable, str(script), case])
     forked = torchrun(3, str(script), [case], timeout=60)
-    fresh = run(cmd, timeout=60, extra_env={"DMD2_TEST_FORKSERVER_OFF": "1"})  # not a runtime hook: runs fresh
+    monkeypatch.setenv(forkserver.ENV_SWITCH, "0")  # the same command, as a real torchrun
+    fresh = run(cmd, timeout=60)
     assert forked.returncode == fresh.returncode == (0 if case == "ok" else 1), (forked.tail(), fresh.tail())
     lines = sorted(ln for ln in forked.stdout.splitlines() if ln.startswith("rank"))
     assert lines == sorted(ln for ln in fresh.stdout.splitlines() if ln.startswith("rank")), (forked.tail(), fresh.tail())
