@@ -14,10 +14,10 @@ payloads always carried `role`).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
-from dmd2_mega.errors import CheckpointError, ConfigError
+from dmd2_mega.errors import CheckpointError
+from dmd2_mega.path_guard import check_outputs_apart
 
 LEGACY_ROLE = "teacher"  # the role of a payload that records none
 
@@ -48,19 +48,13 @@ def check_family(payload: dict, family: str, flag: str, root: str) -> None:
         raise CheckpointError(f"{flag} {root} holds a {saved} model, but this run's --model-size is a {family} model")
 
 
-def _overlap(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
-
-
 def check_save_dirs(saves: Sequence[tuple[str, str, str]], loads: Sequence[tuple[str, Optional[str], str]]) -> None:
     """saves: (what, directory, role written there); loads: (flag, directory or None, role it is loaded into).
-    ConfigError when a save directory is, contains or lies inside a directory loaded into another role."""
+    ConfigError (path_guard's) when a save directory is, contains or lies inside a directory loaded into another
+    role; a role may load from where it saves (a resume)."""
     for what, s_dir, s_role in saves:
-        for flag, l_dir, l_role in loads:
-            if l_dir and l_role != s_role and _overlap(s_dir, l_dir):
-                raise ConfigError(f"{what} {s_dir} (where the {s_role} is saved) overlaps {flag} {l_dir} (loaded as "
-                                  f"the {l_role}): the run would write into it; choose another --save")
+        check_outputs_apart([(what, s_dir, f"where the {s_role} is saved")],
+                            [(flag, l_dir, f"loaded as the {l_role}") for flag, l_dir, l_role in loads if l_role != s_role])
 
 
 def _get(args: dict, path: tuple):

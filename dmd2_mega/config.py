@@ -16,6 +16,7 @@ from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.family import BuildOptions
 from dmd2_mega.models.registry import get_size
+from dmd2_mega.path_guard import check_outputs_apart
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -212,6 +213,16 @@ class TrainConfig:
                f"--loss-trace {self.loss_trace!r} is an existing directory; expected a file path for the JSON lines")
         _check(self.tensorboard_dir is None or not os.path.isfile(self.tensorboard_dir),
                f"--tensorboard-dir {self.tensorboard_dir!r} is an existing file; expected a directory")
+
+    def check_paths_apart(self, outputs=(), inputs=()) -> None:
+        """`path_guard`: --save, --tensorboard-dir, --loss-trace (and the trainer's `outputs`) never over --data,
+        --eval-prompts, --vae, --load (unless --load is --save: a resume) or the trainer's `inputs`."""
+        resume = self.load and self.save and os.path.realpath(self.load) == os.path.realpath(self.save)
+        check_outputs_apart(
+            [("--save", self.save), ("--tensorboard-dir", self.tensorboard_dir), ("--loss-trace", self.loss_trace),
+             *outputs],
+            [("--data", self.data), ("--eval-prompts", self.eval_prompts), ("--vae", self.vae),
+             ("--load", None if resume else self.load), *inputs])
 
     def resolve_batches(self, dp_size: int) -> int:
         """Fill in the global batch and return the number of micro-batches per rank per step."""

@@ -68,6 +68,7 @@ class FlowTrainer(RunStateTrainer):
             enable_determinism()
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
+        t.check_paths_apart()
         if t.save:
             check_writable(t.save)
             lock_run_dirs([("--save", t.save)], ps)

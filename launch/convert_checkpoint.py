@@ -39,6 +39,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError  # noqa: E402
+from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.pretrained import export_diffusers, export_official, import_diffusers, import_dit  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 
@@ -73,6 +74,8 @@ def main(a: argparse.Namespace) -> None:
     if len(sources) != 1:
         raise ConfigError("give one of --from-diffusers DIR / --from-official FILE (with --save DIR), or --load DIR "
                           "(with --to-diffusers DIR or --to-official FILE)")
+    check_outputs_apart([("--save", a.save), ("--to-diffusers", a.to_diffusers), ("--to-official", a.to_official)],
+                        [("--from-diffusers", a.from_diffusers), ("--from-official", a.from_official), ("--load", a.load)])
     if a.num_heads is not None and a.num_heads < 1:
         raise ConfigError(f"--num-heads must be >= 1, got {a.num_heads}")
     if a.from_diffusers or a.from_official:

@@ -44,6 +44,7 @@ from dmd2_mega.eval.inception import check_inception_file, load_inception  # noq
 from dmd2_mega.eval.media import check_vae, holds_pixels  # noqa: E402
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
@@ -97,6 +98,9 @@ def parse(argv=None) -> argparse.Namespace:
         if os.path.isdir(a.save_stats):
             raise ConfigError(f"--save-stats {a.save_stats} is a directory; expected a file name (.npz)")
         check_out_dir(os.path.dirname(os.path.abspath(a.save_stats)), "--save-stats", "the statistics .npz")
+    check_outputs_apart([("--out", a.out), ("--save-stats", a.save_stats)],
+                        [("--load", a.load), ("--ref-stats", a.ref_stats), ("--inception-weights", a.inception_weights),
+                         ("--vae", a.vae), ("--data", a.data)])
     return a
 
 

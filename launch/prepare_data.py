@@ -23,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
+from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.run import DTYPES, PrepConfig, prepare, prepare_prompts  # noqa: E402
 from dmd2_mega.prep.text import DEFAULT_NEGATIVE  # noqa: E402
 
@@ -103,6 +104,9 @@ def to_config(a: argparse.Namespace) -> PrepConfig:
 
 def main(a: argparse.Namespace) -> None:
     cfg = to_config(a)
+    check_outputs_apart([("--out", a.out)], [("--pipeline", a.pipeline), ("--vae", cfg.vae),
+                                             ("--text-encoder", cfg.text_encoder), ("--tokenizer", cfg.tokenizer),
+                                             ("--media", a.media), ("--captions", a.captions), ("--prompts", a.prompts)])
     if a.prompts_only:
         prepare_prompts(cfg)
     else:

@@ -51,6 +51,7 @@ from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_
                                   write_samples)
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
@@ -85,6 +86,8 @@ def parse(argv=None):
     if a.out is None:
         raise ConfigError("--out is required (the output directory for samples.npz and grid.png)")
     check_out_dir(a.out)
+    check_outputs_apart([("--out", a.out)], [("--load", a.load), ("--data", a.data), ("--prompts", a.prompts),
+                                              ("--vae", a.vae)])
     if a.num_samples is not None and a.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {a.num_samples}")
     check_sampler_flags(a.steps, a.guidance, a.shift)

@@ -64,7 +64,9 @@ def student(debug_teacher, tmp_path_factory):
 def test_save_never_overlaps_the_teacher(teacher, where):
     save = {"same": teacher, "inside": os.path.join(teacher, "run"), "contains": os.path.dirname(teacher)}[where]
     before = tree_hash(teacher)
-    with world_of_one(), pytest.raises(ConfigError, match=r"overlaps --teacher-load .* \(loaded as the teacher\)"):
+    how = {"same": "is", "inside": "lies inside", "contains": "contains"}[where]
+    with world_of_one(), pytest.raises(ConfigError, match=rf"\(where the student is saved\) {how} --teacher-load "
+                                                          r".* \(loaded as the teacher\), .*nothing was written"):
         DMD2Trainer(parse_dmd2_args(DMD2 + ["--teacher-load", teacher, "--train-iters", "1", "--save", save]))
     assert tree_hash(teacher) == before
 
@@ -74,7 +76,7 @@ def test_critic_sibling_never_overlaps_a_load(teacher, tmp_path):
     save = str(tmp_path / "run")
     os.rename(teacher, save + "_critic")
     with world_of_one(), pytest.raises(ConfigError, match=r"--save's critic directory .*run_critic \(where the "
-                                                          r"critic is saved\) overlaps --teacher-load"):
+                                                          r"critic is saved\) is --teacher-load"):
         DMD2Trainer(parse_dmd2_args(DMD2 + ["--teacher-load", save + "_critic", "--train-iters", "1", "--save", save]))
 
 

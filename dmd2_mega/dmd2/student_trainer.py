@@ -70,10 +70,13 @@ class DMD2Trainer(RunStateTrainer):
             enable_determinism()
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
+        critic_save = t.save and critic_dir(t.save)
+        t.check_paths_apart([("--save's critic directory", critic_save)])
+        check_save_dirs([("--save", t.save, "student"), ("--save's critic directory", critic_save, "critic"),
+                         ("--tensorboard-dir", t.tensorboard_dir, "log"), ("--loss-trace", t.loss_trace, "log")],
+                        [("--teacher-load", d.teacher_load, "teacher"), ("--student-load", d.student_load, "student"),
+                         ("--critic-load", d.critic_load, "critic")])
         if t.save:
-            check_save_dirs([("--save", t.save, "student"), ("--save's critic directory", critic_dir(t.save), "critic")],
-                            [("--teacher-load", d.teacher_load, "teacher"), ("--student-load", d.student_load, "student"),
-                             ("--critic-load", d.critic_load, "critic")])
             check_writable(t.save)
             check_writable(critic_dir(t.save))
             lock_run_dirs([("--save", t.save), ("--save (its critic directory)", critic_dir(t.save))], ps)
