@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_payload, rank_file, save_offline
-from dmd2_mega.eval.fid import FeatureStats, pixels_to_uint8, shard_indices, stream_stats
+from dmd2_mega.eval.fid import FeatureStats, pixels_to_uint8, shard_indices, stats_problem, stream_stats
 from dmd2_mega.eval.frechet import gaussian_frechet
 from dmd2_mega.sampling import checkpoint_sampler, keyed_noise, load_sampling_model
 from launch import eval_fid
@@ -139,6 +139,49 @@ def test_streaming_fid_matches_closed_form():
                                                     rot @ np.diag(lam_b) @ rot.T), rel=1e-9)
     with pytest.raises(ValueError, match="at least 2 samples"):
         FeatureStats(d).mean_cov()
+
+
+def _tol(d: int, dtype) -> float:
+    """stats_problem's relative rounding tolerance, restated: D eps_64 + sqrt(D) eps of the stored dtype."""
+    return d * np.finfo(np.float64).eps + np.sqrt(d) * np.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("d", [16, 257])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_ref_stats_checks_follow_the_rounding_of_their_dtype(d, dtype):
+    """Real covariances of too few ReLU features (rank 4 of D: eigenvalues ~0 up to rounding), stored in each dtype,
+    pass; the same matrix pushed by 4x the tolerance below 0 along a null vector, or made asymmetric by 4x it,
+    is refused naming the eigenvalue / the entry; at 1/4 of the tolerance it still passes (the check is neither
+    exact nor loose)."""
+    g = np.random.default_rng(d)
+    f = np.maximum(g.normal(size=(5, d)), 0) * 3
+    mu, sigma = f.mean(0), np.cov(f, rowvar=False)
+    assert stats_problem(mu, sigma.astype(dtype)) is None
+    w, v = np.linalg.eigh(sigma)
+    tol = _tol(d, dtype)
+    null = np.abs(w).max() * np.outer(v[:, 0], v[:, 0])  # along an eigenvector of a (near) 0 eigenvalue
+    assert stats_problem(mu, (sigma - 0.25 * tol * null).astype(dtype)) is None
+    bad = stats_problem(mu, (sigma - 4 * tol * null).astype(dtype))
+    assert bad is not None and "not positive semi-definite" in bad and "smallest eigenvalue is -" in bad, bad
+    off = np.zeros((d, d))
+    off[2, 5] = np.abs(sigma).max()
+    assert stats_problem(mu, (sigma + 0.25 * tol * off).astype(dtype)) is None
+    bad = stats_problem(mu, (sigma + 4 * tol * off).astype(dtype))
+    assert bad is not None and "not symmetric: sigma[2, 5]" in bad, bad
+
+
+def test_ref_stats_shapes_values_and_dtypes_are_named():
+    mu, sigma = np.zeros(4), np.eye(4)
+    assert stats_problem(mu, sigma) is None and stats_problem(mu, np.zeros((4, 4))) is None
+    assert "'mu' has shape [4, 1] and 'sigma' [4, 4]" in stats_problem(mu[:, None], sigma)
+    assert "expected [D] and [D, D] with D >= 1" in stats_problem(np.zeros(0), np.zeros((0, 0)))
+    s = sigma.copy()
+    s[1, 2] = s[2, 1] = np.nan
+    s[3, 3] = np.inf
+    assert stats_problem(mu, s) == "'sigma' holds 3 NaN / inf value(s) (the first at [1, 2])"
+    assert stats_problem(np.array([0, np.nan, 0, 0]), sigma).startswith("'mu' holds 1 NaN / inf value(s)")
+    assert "'sigma' has dtype <U1" in stats_problem(mu, np.full((4, 4), "a"))
+    assert stats_problem(np.zeros(2, np.int64), np.eye(2, dtype=np.int64)) is None
 
 
 # ---- b. pixels, noise, sharded streams -------------------------------------------------------------------
@@ -336,6 +379,27 @@ def _mistake(case: str, d, net_file: str, ref_file: str) -> tuple:
     if case == "ref-shapes":
         np.savez(d / "ref.npz", mu=np.zeros(WIDTH), sigma=np.eye(WIDTH + 1))
         return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), "[16] and 'sigma' [17, 17]"]
+    if case == "ref-negative-definite":  # printed "FID 0.0000"
+        np.savez(d / "ref.npz", mu=np.zeros(WIDTH), sigma=-100 * np.eye(WIDTH))
+        return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), "'sigma' is not positive semi-definite",
+                                                     "smallest eigenvalue is -100"]
+    if case == "ref-asymmetric":
+        a = np.random.default_rng(0).normal(size=(WIDTH, WIDTH))
+        np.savez(d / "ref.npz", mu=np.zeros(WIDTH), sigma=a @ a.T + np.triu(a, 1))
+        return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), "'sigma' is not symmetric: sigma["]
+    if case == "ref-nan":
+        np.savez(d / "ref.npz", mu=np.full(WIDTH, np.nan), sigma=np.eye(WIDTH))
+        return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), f"'mu' holds {WIDTH} NaN / inf"]
+    if case == "ref-truncated":  # was a zipfile.BadZipFile traceback
+        raw = open(ref_file, "rb").read()
+        open(d / "ref.npz", "wb").write(raw[:len(raw) // 2])
+        return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), "is not a readable .npz", "BadZipFile"]
+    if case == "ref-npy":  # was a TypeError traceback (np.load returns the array)
+        np.save(d / "ref.npy", np.zeros(WIDTH))
+        return ["--ref-stats", str(d / "ref.npy")], [str(d / "ref.npy"), "is a single .npy array", "'mu' [D]"]
+    if case == "ref-dir":  # said "does not exist"
+        os.makedirs(d / "stats")
+        return ["--ref-stats", str(d / "stats")], [str(d / "stats"), "is a directory; expected a file"]
     if case == "ref-width":
         np.savez(d / "ref.npz", mu=np.zeros(8), sigma=np.eye(8))
         return ["--ref-stats", str(d / "ref.npz")], [str(d / "ref.npz"), "8-dim", net_file, f"{WIDTH}-dim"]
@@ -346,7 +410,8 @@ def _mistake(case: str, d, net_file: str, ref_file: str) -> tuple:
 
 
 @pytest.mark.parametrize("case", ["inception-missing", "inception-state-dict", "ref-keys", "ref-shapes", "ref-width",
-                                  "vae-on-pixels"])
+                                  "ref-negative-definite", "ref-asymmetric", "ref-nan", "ref-truncated", "ref-npy",
+                                  "ref-dir", "vae-on-pixels"])
 def test_eval_fid_mistake_is_one_line(case, debug_teacher, net_file, ref_file, tmp_path, capsys):
     flags, needles = _mistake(case, tmp_path, net_file, ref_file)
     defaults = {"--load": debug_teacher, "--ref-stats": ref_file, "--inception-weights": net_file}

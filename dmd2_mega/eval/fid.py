@@ -21,7 +21,10 @@ FID = ||mu - mu_ref||^2 + tr(Sigma + Sigma_ref - 2 (Sigma Sigma_ref)^{1/2}), `ev
 
 Reference statistics: an .npz with `mu` [D] and `sigma` [D, D] (ADM's VIRTUAL_imagenet256_labeled.npz, the
 reference batches DMD2 reports against, and clean-fid's stats files); other arrays in it (ADM's `arr_0` images,
-`mu_s` / `sigma_s`) are never read. `save_stats` writes the same keys.
+`mu_s` / `sigma_s`) are never read. `save_stats` writes the same keys. `load_ref_stats` refuses, naming the file
+and what is wrong, anything else: a directory, a cut or non-zip file, missing keys, other shapes, NaN / inf, or a
+sigma that is not symmetric positive semi-definite within its dtype's rounding (`stats_problem`), which would
+otherwise give a meaningless FID (a negative-definite sigma printed FID 0.0000).
 
 Sharding: of P ranks, rank r takes sample indices r, r + P, r + 2P, ... (`shard_indices`); with noise keyed by
 sample index (`sampling.keyed_noise`) the statistics do not depend on P or on the batch size, up to the
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 import os
 import time
+import zipfile
+import zlib
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -109,29 +114,74 @@ class FeatureStats:
 
 
 def load_ref_stats(path: str, flag: str = "--ref-stats") -> Tuple[np.ndarray, np.ndarray]:
-    """(mu [D], sigma [D, D]) float64 from an .npz; ConfigError naming the file (and the keys it holds) when it is
-    missing, unreadable, lacks `mu` / `sigma`, or their shapes disagree or hold NaN / inf."""
-    if not path or not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path} does not exist (expected an .npz with 'mu' [D] and 'sigma' [D, D], e.g. "
-                          f"ADM's VIRTUAL_imagenet256_labeled.npz)")
+    """(mu [D], sigma [D, D]) float64 from an .npz; ConfigError naming the flag, the file and what is wrong when it
+    is missing, a directory, not an .npz (a truncated archive, a bare .npy), lacks `mu` / `sigma`, or they are not
+    Gaussian statistics (`stats_problem`)."""
+    expected = "an .npz with 'mu' [D] and 'sigma' [D, D], e.g. ADM's VIRTUAL_imagenet256_labeled.npz"
+    if not path or not os.path.exists(path):
+        raise ConfigError(f"{flag} {path} does not exist (expected {expected})")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; expected a file: {expected}")
     try:
+        with open(path, "rb") as f:  # np.load would hand back a bare .npy as an array, not an archive
+            magic = f.read(6)
+        if not magic.startswith(b"PK\x03\x04"):
+            what = "a single .npy array" if magic == b"\x93NUMPY" else "not a zip archive (empty, cut or another format)"
+            raise ConfigError(f"{flag} {path} is {what}; expected {expected}")
         with np.load(path, allow_pickle=False) as z:
             keys = list(z.keys())
             missing = [k for k in ("mu", "sigma") if k not in keys]
             if missing:
                 raise ConfigError(f"{flag} {path} has no {' / '.join(repr(k) for k in missing)} array (found keys "
                                   f"{keys}); expected 'mu' [D] and 'sigma' [D, D] (ADM / clean-fid convention)")
-            mu, sigma = np.asarray(z["mu"], np.float64), np.asarray(z["sigma"], np.float64)
+            mu, sigma = z["mu"], z["sigma"]
     except ConfigError:
         raise
-    except (OSError, ValueError, EOFError) as e:
-        raise ConfigError(f"{flag} {path} is not a readable .npz ({' '.join(str(e).split())[:200]})") from e
-    if mu.ndim != 1 or sigma.shape != (mu.shape[0], mu.shape[0]):
-        raise ConfigError(f"{flag} {path}: 'mu' has shape {list(mu.shape)} and 'sigma' {list(sigma.shape)} (keys "
-                          f"{keys}); expected [D] and [D, D]")
-    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
-        raise ConfigError(f"{flag} {path}: 'mu' or 'sigma' holds NaN or inf")
-    return mu, sigma
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise ConfigError(f"{flag} {path} is not a readable .npz (truncated or corrupt? "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
+    problem = stats_problem(mu, sigma)
+    if problem is not None:
+        raise ConfigError(f"{flag} {path}: {problem}")
+    return np.asarray(mu, np.float64), np.asarray(sigma, np.float64)
+
+
+def stats_problem(mu: np.ndarray, sigma: np.ndarray) -> Optional[str]:
+    """What keeps (mu, sigma) from being a Gaussian's statistics, in one phrase, or None. In order: real dtypes;
+    shapes [D] and [D, D], D >= 1; finite values; sigma symmetric and positive semi-definite up to rounding:
+        max |sigma - sigma^T| <= tol * max |sigma|,   min eig(sigma) >= -tol * max |eig(sigma)|,
+        tol = D eps_64 + sqrt(D) eps,
+    with eps the machine epsilon of the stored dtype (storing a PSD matrix rounds each entry by eps / 2, which moves
+    its eigenvalues by about sqrt(D) eps max |sigma|) and D eps_64 the float64 arithmetic (eigh's backward error).
+    Without the check a negative-definite sigma makes FID's trace terms negative and the FID prints as 0."""
+    for name, x in (("mu", mu), ("sigma", sigma)):
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            return f"'{name}' has dtype {x.dtype}; expected real numbers"
+    if mu.ndim != 1 or mu.shape[0] < 1 or sigma.shape != (mu.shape[0], mu.shape[0]):
+        return (f"'mu' has shape {list(mu.shape)} and 'sigma' {list(sigma.shape)}; expected [D] and [D, D] "
+                f"with D >= 1")
+    for name, x in (("mu", mu), ("sigma", sigma)):
+        bad = ~np.isfinite(x)
+        if bad.any():
+            first = [int(i) for i in np.argwhere(bad)[0]]
+            return f"'{name}' holds {int(bad.sum())} NaN / inf value(s) (the first at {first})"
+    d = mu.shape[0]
+    eps = np.finfo(sigma.dtype).eps if np.issubdtype(sigma.dtype, np.floating) else 0.0
+    tol = d * np.finfo(np.float64).eps + np.sqrt(d) * eps
+    s = sigma.astype(np.float64)
+    asym = np.abs(s - s.T)
+    scale = np.abs(s).max()
+    if asym.max() > tol * scale:
+        i, j = (int(k) for k in np.unravel_index(asym.argmax(), asym.shape))
+        return (f"'sigma' is not symmetric: sigma[{i}, {j}] = {s[i, j]:.6g} but sigma[{j}, {i}] = {s[j, i]:.6g} "
+                f"(|difference| {asym.max():.3g} > {tol:.2g} x max |sigma| for {d}-dim {sigma.dtype}); a covariance "
+                f"is symmetric")
+    w = np.linalg.eigvalsh((s + s.T) / 2)
+    if w[0] < -tol * np.abs(w).max():
+        return (f"'sigma' is not positive semi-definite: its smallest eigenvalue is {w[0]:.6g} (largest "
+                f"{w[-1]:.6g}; rounding allows down to -{tol:.2g} x {np.abs(w).max():.6g} for {d}-dim "
+                f"{sigma.dtype}); a covariance has no negative eigenvalues")
+    return None
 
 
 def check_ref_width(mu: np.ndarray, width: int, ref_path: str, net_path: str) -> None:
