@@ -175,6 +175,50 @@ def test_directory_and_index_errors(tmp_path):
     assert ShardDataset(str(tmp_path / "video")).spatial == (3, 2, 6)
 
 
+S0, S1, S2 = (f"shard_0000{i}.safetensors" for i in range(3))
+
+
+@pytest.mark.parametrize("files, links, needle", [
+    ([S0, S1, S0, S2], {}, f"lists the shard {{d}}/{S0} twice (entries 0 {S0!r} and 2 {S0!r})"),
+    ([S0, S1, f"./{S0}", S2], {}, f"lists the shard {{d}}/{S0} twice (entries 0 {S0!r} and 2 './{S0}')"),
+    ([S0, S1, "alias.safetensors", S2], {"alias.safetensors": S0},
+     f"lists the shard {{d}}/{S0} twice (entries 0 {S0!r} and 2 'alias.safetensors')"),
+    ([S0, "{other}/" + S1, S2], {}, "entry 1 '{other}/" + S1 + "' is an absolute path"),
+    ([S0, "../other/" + S1, S2], {}, "entry 1 '../other/" + S1 + "' resolves to {other}/" + S1 + ", outside the data "
+     "directory {d}"),
+    ([S0, "link.safetensors", S2], {"link.safetensors": "{other}/" + S1},
+     "entry 1 'link.safetensors' resolves to {other}/" + S1 + ", outside the data directory {d}"),
+    ([S0, "sub/" + S1, S2], {"sub": "{other}"}, "entry 1 'sub/" + S1 + "' resolves to {other}/" + S1 + ", outside"),
+], ids=["twice", "twice-spelt-otherwise", "twice-through-a-symlink", "absolute", "dot-dot", "symlink-out",
+        "symlinked-folder-out"])
+def test_index_entries_inside_the_directory_and_once(tmp_path, files, links, needle):
+    """index.json may list each shard once and only files inside the data directory (after resolving '..' and
+    symlinks): a shard listed twice would be read twice as often as the others, an entry outside reads a file the
+    set does not hold. Refused at start-up with the index file and the entry; the same shards listed properly
+    (also from a symlinked data directory, or a subfolder of it) open."""
+    lat, lab = _labelled()
+    d, other = tmp_path / "data", tmp_path / "other"
+    write_shards(str(d), lat, labels=lab, shard_size=3)
+    write_shards(str(other), lat, labels=lab, shard_size=3)
+    index = json.loads((d / "index.json").read_text())
+    sizes = {e["file"]: e["num_samples"] for e in index["shards"]}
+    for name, target in links.items():
+        os.symlink(target.format(other=other), d / name)
+    index["shards"] = [{"file": f.format(other=other), "num_samples": sizes.get(os.path.basename(f), 3)}
+                       for f in files]  # an alias names a 3-sample shard
+    (d / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError) as e:
+        ShardDataset(str(d))
+    assert str(e.value).startswith(f"{d}/index.json: "), str(e.value)
+    assert needle.format(d=d, other=other) in str(e.value), str(e.value)
+    (d / "part").mkdir()
+    os.rename(d / S2, d / "part" / S2)
+    index["shards"] = [{"file": f, "num_samples": sizes[os.path.basename(f)]} for f in (S0, S1, "part/" + S2)]
+    (d / "index.json").write_text(json.dumps(index))
+    os.symlink(d, tmp_path / "data_link")
+    assert torch.equal(ShardDataset(str(tmp_path / "data_link")).get_batch(torch.arange(7))[0], lat)
+
+
 def test_build_dataset_errors(tmp_path):
     assert isinstance(build_dataset("digits", "heldout"), DigitsDataset)
     with pytest.raises(DataError, match="--data"):

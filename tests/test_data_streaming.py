@@ -3,6 +3,7 @@
 itself, and header-only start-up checks (a truncated shard is caught at open)."""
 import json
 import os
+import shutil
 import threading
 
 import psutil
@@ -101,6 +102,53 @@ def test_truncated_shard_caught_at_open(tmp_path):
     os.truncate(shard, os.path.getsize(shard) - 5)
     with pytest.raises(DataError, match=f"{shard}: cannot read as safetensors \\(truncated"):
         ShardDataset(str(tmp_path))
+
+
+def _change(shard: str, how: str) -> str:
+    """Change one shard as another process would during a run; returns what the DataError must say changed."""
+    st = os.stat(shard)
+    if how == "deleted":
+        os.remove(shard)
+        return f"deleted ({st.st_size} bytes at start-up)"
+    if how == "truncated":
+        os.truncate(shard, st.st_size - 40)
+        return f"truncated to {st.st_size - 40} bytes (its header needs {st.st_size}; {st.st_size} at start-up)"
+    if how == "grown":
+        with open(shard, "ab") as f:
+            f.write(bytes(16))
+        return f"now {st.st_size + 16} bytes, {st.st_size} at start-up"
+    if how == "rewritten":  # same size and file, other bytes; the clock may not have ticked, so the mtime is set
+        with open(shard, "r+b") as f:
+            f.seek(st.st_size - 8)
+            f.write(bytes(8))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return "modified (same size; mtime "
+    shutil.copy(shard, shard + ".new")  # "replaced": another file renamed over it (a reader holding the old one
+    os.replace(shard + ".new", shard)  # open still reads the old bytes)
+    return f"replaced by another file (inode {st.st_ino} at start-up, now {os.stat(shard).st_ino})"
+
+
+@pytest.mark.parametrize("workers,max_open", [(0, 1), (0, 8), (2, 8)], ids=["reopened", "open", "workers"])
+@pytest.mark.parametrize("how", ["deleted", "truncated", "grown", "rewritten", "replaced"])
+def test_shard_changed_during_the_run(tmp_path, capfd, how, workers, max_open):
+    """A shard changed after start-up (while the reader holds it open, or when it reopens it: max_open=1 closes it
+    after each batch) stops the read with ONE DataError in the training process, raised from the first batch read
+    after the change (with workers: once the batches read ahead before it are used up), naming the shard and what
+    changed; a worker prints nothing."""
+    write_shards(str(tmp_path), torch.randn(12, 1, 2, 2), labels=torch.arange(12) % 3, shard_size=6)
+    shard = os.path.join(tmp_path, "shard_00001.safetensors")
+    ds = ShardDataset(str(tmp_path), max_open=max_open)
+    sampler = GlobalBatchSampler(len(ds), 12, 12, seed=0)  # every batch reads both shards
+    loader = MicroBatchLoader(ds, sampler, CPU, num_workers=workers, prefetch_factor=1)
+    loader.next_iteration()
+    what = _change(shard, how)
+    with pytest.raises(DataError) as e:
+        for _ in range(1 + workers):  # the read-ahead's batches (workers x prefetch_factor), then the changed read
+            loader.next_iteration()
+    loader.close()
+    assert str(e.value).startswith(f"{shard}: the shard changed during the run: {what}"), str(e.value)
+    assert "resume" in str(e.value)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def _big_set(path: str, shards: int, per_shard: int, shape: tuple) -> int:

@@ -214,6 +214,38 @@ def test_nonfinite_latents_stop_the_run_where_read(tmp_path, capsys, workers):
     assert latest_iteration(str(tmp_path / "s")) == (done or None), out
 
 
+@pytest.mark.parametrize("how,workers", [("deleted", 0), ("truncated", 2)])
+def test_shard_changed_mid_run_stops_with_one_line(tmp_path, capsys, monkeypatch, how, workers):
+    """A shard deleted or truncated after iteration 2's save: the run stops at the first batch read from it after
+    the change (with workers, after the batches they had read ahead) with ONE line naming the shard and what
+    changed, exit 1; the checkpoints saved before stay complete and untouched and the last is the last iteration
+    run."""
+    data = _shards(tmp_path / "data")
+    shard = os.path.join(data, "shard_00001.safetensors")
+    size, save, saved = os.path.getsize(shard), str(tmp_path / "s"), {}
+    real_save = FlowTrainer.save
+
+    def save_then_change(self):
+        real_save(self)
+        if self.iteration == 2:
+            saved.update(tree_hash(iter_dir(save, 1), iter_dir(save, 2)))
+            os.remove(shard) if how == "deleted" else os.truncate(shard, size - 40)
+
+    monkeypatch.setattr(FlowTrainer, "save", save_then_change)
+    with world_of_one():
+        rc = MAIN["flow"]([str(a) for a in FLOW + ["--train-iters", "12", "--data", data, "--save", save,
+                                                   "--save-interval", "1", "--num-workers", str(workers)]])
+    out, err = capsys.readouterr()
+    what = f"deleted ({size} bytes" if how == "deleted" else f"truncated to {size - 40} bytes"
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"DataError: {shard}: the shard changed during the run: {what}"), err
+    done = len(re.findall(r" iteration +\d+/", out))
+    assert 2 <= done < 12 and latest_iteration(save) == done, out  # read ahead: at most 2 workers x 2 batches late
+    iters = sorted(f for f in os.listdir(save) if f.startswith("iter_"))
+    assert iters == [os.path.basename(iter_dir(save, i)) for i in range(1, done + 1)], iters  # no iter_N.tmp
+    assert tree_hash(iter_dir(save, 1), iter_dir(save, 2)) == saved, "a checkpoint saved before the change changed"
+
+
 def test_empty_data_directory(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     fails(capsys, "flow", FLOW + ["--train-iters", "2", "--data", tmp_path / "empty"],

@@ -8,6 +8,10 @@ iteration the loader checks that the read-ahead batches are the sampler's (index
 read-ahead at the sampler's position when they are not (after a resume, or anything else that moved the
 sampler). Host memory is O(micro-batch x workers x prefetch), independent of the data set's size.
 
+A DataError in a worker (a bad value, a shard changed since start-up) comes back as the batch's result, not as
+a worker exception (which torch would re-raise wrapped in the worker's traceback): the loader stops the workers
+and raises it in the training process, once, before the batch's step.
+
 In-memory sets (the embedded digits), and shard sets with `num_workers=0`, are read in the training process.
 Batches reach the device in their stored dtype and are cast to float32 there; labels stay int64.
 """
@@ -102,10 +106,12 @@ class MicroBatchLoader:
         out = []
         for j, idx in micro:
             got = next(self._it)
-            if isinstance(got, DataError):
+            if isinstance(got, DataError):  # a worker's: raised here, once, with the workers stopped
+                self.close()
                 raise DataError(str(got))
             read_idx, x, cond = got
             if not torch.equal(read_idx, idx):  # cannot happen unless the read-ahead lost step with the sampler
+                self.close()
                 raise DataError(f"{self.dataset.source}: the data loader read samples {read_idx.tolist()[:4]}... "
                                 f"where the sampler expects {idx.tolist()[:4]}...")
             out.append((j, *device_batch(x, cond, self.device)))

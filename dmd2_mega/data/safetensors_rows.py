@@ -6,18 +6,26 @@ then the data; a tensor's bytes are `8 + n + begin .. 8 + n + end`, row-major. R
 therefore starts at `8 + n + begin + i * row_bytes`.
 
 `read_header(path)` parses and checks the header (offsets inside the file, sizes consistent with dtype x
-shape, a truncated file caught here) without reading tensor data. `RowFile.read_into(name, rows, out, at)` reads
+shape, a truncated file caught here) without reading tensor data, and stamps the version of the file it read
+(`FileStamp`: device and inode, size, mtime, from the open file). `RowFile.read_into(name, rows, out, at)` reads
 the given rows straight into a preallocated tensor of the stored dtype with one `os.preadv` per run of
 consecutive rows: no intermediate copy, no memory map, so host memory holds exactly the rows read (a memory map would keep every page it
 touched resident until closed), and positional reads are safe in forked DataLoader workers.
+
+A file must stay the version its header was read from: a `RowFile` given the stamp compares it with an `fstat` of
+its descriptor when it opens and on every `check()` (one system call, no data read), and after a short read,
+and raises `FileChanged` saying what differs: deleted (unlinked, even while open), replaced by another file
+under its name, truncated or grown, or modified in place (same size, another mtime). Without the check a file
+deleted while open would still be read from the old inode, and one rewritten in place would be read mixed.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -29,6 +37,11 @@ MAX_HEADER = 100 * 2**20  # the format's own limit
 
 class HeaderError(ValueError):
     """A file that is not a well-formed safetensors file; the caller names it."""
+
+
+class FileChanged(ValueError):
+    """A file that is no longer the version its header was read from; the message says what differs, the caller
+    names the file."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +58,49 @@ class TensorInfo:
         return n
 
 
-def read_header(path: str) -> Dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header only; HeaderError if malformed or truncated."""
-    size = os.path.getsize(path)
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns // 10**9)) + f".{ns % 10**9:09d}"
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """One version of a file: what `os.fstat` says of it when its header is read."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    needed: int  # the bytes its header needs (<= size)
+
+    @classmethod
+    def of(cls, st: os.stat_result, needed: int) -> "FileStamp":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, needed)
+
+    def change(self, path: str, fd: Optional[int] = None) -> Optional[str]:
+        """What differs now in the file `path` (read through the open descriptor `fd`, if given), in words, or
+        None when it is still this version."""
+        try:
+            now = os.fstat(fd) if fd is not None else os.stat(path)
+            if now.st_nlink == 0:  # unlinked while open: gone, or another file under its name
+                now = os.stat(path)
+        except FileNotFoundError:
+            return f"deleted ({self.size} bytes at start-up)"
+        if (now.st_dev, now.st_ino) != (self.dev, self.ino):
+            return f"replaced by another file (inode {self.ino} at start-up, now {now.st_ino})"
+        if now.st_size < self.needed:
+            return f"truncated to {now.st_size} bytes (its header needs {self.needed}; {self.size} at start-up)"
+        if now.st_size != self.size:
+            return f"now {now.st_size} bytes, {self.size} at start-up"
+        if now.st_mtime_ns != self.mtime_ns:
+            return f"modified (same size; mtime {_when(self.mtime_ns)} at start-up, now {_when(now.st_mtime_ns)})"
+        return None
+
+
+def read_header(path: str) -> Tuple[Dict[str, TensorInfo], FileStamp]:
+    """The tensors of one safetensors file, from its header only, and the stamp of the version read; HeaderError
+    if malformed or truncated."""
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        size = st.st_size
         head = f.read(8)
         if len(head) < 8:
             raise HeaderError(f"{size} bytes, shorter than the 8-byte header length")
@@ -78,15 +130,32 @@ def read_header(path: str) -> Dict[str, TensorInfo]:
         end_max = max(end_max, end)
     if 8 + n + end_max > size:
         raise HeaderError(f"truncated: the header needs {8 + n + end_max} bytes, the file has {size}")
-    return out
+    return out, FileStamp.of(st, 8 + n + end_max)
 
 
 class RowFile:
-    """One open safetensors file read by rows (see the module docstring)."""
+    """One open safetensors file read by rows (see the module docstring); with `stamp`, only while it is still
+    that version of the file (FileChanged otherwise)."""
 
-    def __init__(self, path: str, tensors: Dict[str, TensorInfo]):
-        self.path, self.tensors = path, tensors
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: str, tensors: Dict[str, TensorInfo], stamp: Optional[FileStamp] = None):
+        self.path, self.tensors, self.stamp, self.fd = path, tensors, stamp, None
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if stamp is None:
+                raise
+            raise FileChanged(stamp.change(path) or f"deleted ({stamp.size} bytes at start-up)") from None
+        try:
+            self.check()
+        except FileChanged:
+            self.close()
+            raise
+
+    def check(self) -> None:
+        """FileChanged if the file is no longer the stamped version (one fstat; nothing without a stamp)."""
+        what = self.stamp.change(self.path, self.fd) if self.stamp is not None else None
+        if what is not None:
+            raise FileChanged(what)
 
     def read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """rows int64 [k] (any order) -> tensor [k, *shape[1:]] in the stored dtype."""
@@ -116,6 +185,7 @@ class RowFile:
         while done < len(buf):  # Linux returns at most ~2 GiB per call
             got = os.preadv(self.fd, [buf[done:]], offset + done)
             if got <= 0:
+                self.check()
                 raise OSError(f"{self.path}: short read of {name!r} at byte {offset + done} (file changed?)")
             done += got
 

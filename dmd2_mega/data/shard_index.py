@@ -1,7 +1,10 @@
 """The shard format's checks: index.json, each shard's safetensors header, and the values of what is read.
 
-Start-up (`read_index`, `check_shard`) reads index.json and each shard's header only: the listed files
-exist and are whole (not truncated), hold the named tensors with the expected shapes and dtypes. The values
+Start-up (`read_index`, `check_shard`) reads index.json and each shard's header only: each listed file lies
+inside the data directory (a relative name; no '..' or symlink out of it) and is listed once (after resolving
+both), exists and is whole (not truncated), and holds the named tensors with the expected shapes and dtypes;
+`check_shard` returns the stamp of the version whose header it read, which the reader holds the file to for
+the rest of the run (`safetensors_rows.FileStamp`). The values
 (finite floats, labels in range) are checked on every batch as it is read (`bad_values`), so a
 terabyte-sized set opens in the time it takes to read its headers. Every failure is one `DataError` line that
 names the file and what was expected vs found. The format itself is documented in `shards.py`.
@@ -13,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dmd2_mega.errors import DataError
-from .safetensors_rows import HeaderError, RowFile, TensorInfo, read_header
+from .safetensors_rows import FileStamp, HeaderError, RowFile, TensorInfo, read_header
 
 INDEX = "index.json"
 NEGATIVE = "negative.safetensors"
@@ -53,6 +56,7 @@ def read_index(path: str) -> dict:
                 and isinstance(s.get("num_samples"), int) and s["num_samples"] > 0):
             raise DataError(f"{index_path}: bad shard entry {s!r}; expected "
                             f"{{'file': str, 'num_samples': positive int}}")
+    _check_files(path, index_path, [s["file"] for s in shards])
     shape = _int_list(index.get("latent_shape"), None, index_path, "latent_shape")
     if len(shape) not in (3, 4):
         raise DataError(f"{index_path}: 'latent_shape' must be [C, H, W] or [C, T, H, W], found {shape}")
@@ -68,6 +72,25 @@ def read_index(path: str) -> dict:
     return index
 
 
+def _check_files(path: str, index_path: str, files: List[str]) -> None:
+    """Each shard file lies inside the directory `path` (symlinks and '..' resolved) and is listed once."""
+    root = os.path.realpath(path)
+    seen: Dict[str, int] = {}
+    for i, name in enumerate(files):
+        if os.path.isabs(name):
+            raise DataError(f"{index_path}: shard entry {i} {name!r} is an absolute path; entries are file names "
+                            f"relative to the data directory {path}")
+        real = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, real]) != root:
+            raise DataError(f"{index_path}: shard entry {i} {name!r} resolves to {real}, outside the data "
+                            f"directory {root}; a set lists only its own files (no '..', no symlink out of it)")
+        if real in seen:
+            j = seen[real]
+            raise DataError(f"{index_path}: lists the shard {real} twice (entries {j} {files[j]!r} and {i} "
+                            f"{name!r}); each shard may be listed once")
+        seen[real] = i
+
+
 def cond_key(index: dict) -> str:
     return "labels" if index["cond"] == "labels" else "cond"
 
@@ -81,8 +104,9 @@ def _check_info(info: TensorInfo, shape: Sequence[int], floating: bool, where: s
         raise DataError(f"{where}: '{key}' expected an integer dtype (int64), found {info.dtype}")
 
 
-def header(where: str) -> Dict[str, TensorInfo]:
-    """The tensors of one safetensors file from its header; a missing, unreadable or truncated file is a DataError."""
+def header(where: str) -> Tuple[Dict[str, TensorInfo], FileStamp]:
+    """The tensors of one safetensors file from its header, and the stamp of the version read; a missing,
+    unreadable or truncated file is a DataError."""
     if not os.path.isfile(where):
         raise DataError(f"{where}: shard listed in {INDEX} is missing")
     try:
@@ -91,10 +115,11 @@ def header(where: str) -> Dict[str, TensorInfo]:
         raise DataError(f"{where}: cannot read as safetensors ({e})") from e
 
 
-def check_shard(path: str, entry: dict, index: dict) -> Dict[str, TensorInfo]:
-    """One shard's header against index.json (names, shapes, dtypes, whole file); reads no tensor data."""
+def check_shard(path: str, entry: dict, index: dict) -> Tuple[Dict[str, TensorInfo], FileStamp]:
+    """One shard's header against index.json (names, shapes, dtypes, whole file), and the stamp of the version
+    checked; reads no tensor data."""
     where = os.path.join(path, entry["file"])
-    tensors = header(where)
+    tensors, stamp = header(where)
     key, n = cond_key(index), entry["num_samples"]
     for name in ("latents", key):
         if name not in tensors:
@@ -106,7 +131,7 @@ def check_shard(path: str, entry: dict, index: dict) -> Dict[str, TensorInfo]:
         _check_info(tensors["cond"], [n, *index["cond_shape"]], True, where, "cond")
     if TEXT_LEN in tensors:
         _check_info(tensors[TEXT_LEN], [n], False, where, TEXT_LEN)
-    return tensors
+    return tensors, stamp
 
 
 def bad_values(t: torch.Tensor, key: str, num_classes: Optional[int] = None) -> Optional[Tuple[int, str]]:
@@ -129,7 +154,7 @@ def bad_values(t: torch.Tensor, key: str, num_classes: Optional[int] = None) -> 
 def read_negative(path: str, cond_shape: Sequence[int]) -> torch.Tensor:
     """<path>/negative.safetensors' tensor 'cond' [*cond_shape] (the negative-prompt embedding), checked."""
     where = os.path.join(path, NEGATIVE)
-    tensors = header(where)
+    tensors, _ = header(where)
     if "cond" not in tensors:
         raise DataError(f"{where}: expected tensor 'cond', found keys {sorted(tensors)}")
     _check_info(tensors["cond"], list(cond_shape), True, where, "cond")

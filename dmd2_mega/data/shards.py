@@ -20,9 +20,12 @@ All floating values must be finite. Null condition: class id K; for embeddings t
 embedding <dir>/negative.safetensors (tensor 'cond' [*cond_shape]), else all zeros: CFG's negative branch
 (teacher sampling and the DMD2 teacher score) uses it, as Wan's recipes do.
 
-`ShardDataset(path)` reads index.json and every shard's header at open time (`shard_index.py`: names, shapes,
-dtypes, whole files; no tensor data), then reads only the rows a batch asks for (`safetensors_rows.py`),
-keeping at most `max_open` shards open (least recently used closed first). Batches come back in the stored
+`ShardDataset(path)` reads index.json and every shard's header at open time (`shard_index.py`: files inside
+<dir>, each listed once; names, shapes, dtypes, whole files; no tensor data), then reads only the rows a batch
+asks for (`safetensors_rows.py`), keeping at most `max_open` shards open (least recently used closed first).
+Every read is of the shard version checked at start-up: a shard deleted, replaced, truncated, grown or modified
+since (checked with one fstat per shard a batch touches, in whichever process reads it, a DataLoader worker
+included) is a DataError naming the shard and what changed. Batches come back in the stored
 dtype (a bf16 set stays bf16 until it reaches the device: `loader.py` casts there); their values are checked
 as they are read. Host memory is the batch, independent of the set's size. `load_shards(path)` is the
 in-memory reader (every shard read whole, float32), kept as the reference and baseline of the streaming one.
@@ -37,7 +40,7 @@ from torch.utils.data import get_worker_info
 
 from dmd2_mega.errors import DataError
 from .dataset import ImageDataset, LatentDataset
-from .safetensors_rows import RowFile
+from .safetensors_rows import FileChanged, RowFile
 from .shard_index import INDEX, NEGATIVE, TEXT_LEN, bad_values, check_shard, cond_key, read_index, read_negative
 
 
@@ -58,7 +61,9 @@ class ShardDataset(LatentDataset):
         index = read_index(path)
         self.path, self.max_open, self.key = path, max(1, max_open), cond_key(index)
         self.files = [os.path.join(path, e["file"]) for e in index["shards"]]
-        self.headers = [check_shard(path, e, index) for e in index["shards"]]
+        checked = [check_shard(path, e, index) for e in index["shards"]]
+        self.headers = [tensors for tensors, _ in checked]
+        self.stamps = [stamp for _, stamp in checked]  # the version of each shard every later read must find
         sizes = torch.tensor([e["num_samples"] for e in index["shards"]], dtype=torch.int64)
         self.ends = sizes.cumsum(0)
         self.starts = self.ends - sizes
@@ -81,13 +86,40 @@ class ShardDataset(LatentDataset):
         return int(self.ends[-1])
 
     def _file(self, s: int) -> RowFile:
+        """Shard s open, and still the version checked at start-up."""
         f = self._open.pop(s, None)
         if f is None:
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()
-            f = RowFile(self.files[s], self.headers[s])
+            f = RowFile(self.files[s], self.headers[s], self.stamps[s])
+        else:
+            f.check()
         self._open[s] = f  # most recently used last
         return f
+
+    def _read_shard(self, s: int, local: torch.Tensor, names: Tuple[str, ...], outs: List[torch.Tensor],
+                    pos: torch.Tensor) -> None:
+        """Rows `local` of shard s into outs[...][pos]; a shard changed since start-up, or unreadable, is a
+        DataError naming it."""
+        try:
+            f = self._file(s)
+            for name, out in zip(names, outs):
+                if f.tensors[name].dtype == out.dtype:  # straight into the batch
+                    f.read_into(name, local, out, pos)
+                else:  # a shard stored in another dtype than the set's common one
+                    out[pos] = f.read(name, local).to(out.dtype)
+        except FileChanged as e:
+            self._drop(s)
+            raise DataError(f"{self.files[s]}: the shard changed during the run: {e}; restore it as it was (or "
+                            f"rebuild the set) and resume from the last checkpoint") from None
+        except OSError as e:
+            self._drop(s)
+            raise DataError(f"{self.files[s]}: cannot read the shard ({e})") from None
+
+    def _drop(self, s: int) -> None:
+        f = self._open.pop(s, None)
+        if f is not None:
+            f.close()
 
     def _rows(self, indices: torch.Tensor, names: Tuple[str, ...]) -> List[torch.Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
@@ -98,12 +130,7 @@ class ShardDataset(LatentDataset):
         outs = [_empty((idx.numel(), *self.headers[0][n].shape[1:]), self.dtypes.get(n, torch.int64)) for n in names]
         for s in torch.unique(shard).tolist():  # one pass per shard the batch touches
             pos = (shard == s).nonzero().squeeze(1)
-            f = self._file(s)
-            for name, out in zip(names, outs):
-                if f.tensors[name].dtype == out.dtype:  # straight into the batch
-                    f.read_into(name, local[pos], out, pos)
-                else:  # a shard stored in another dtype than the set's common one
-                    out[pos] = f.read(name, local[pos]).to(out.dtype)
+            self._read_shard(s, local[pos], names, outs, pos)
         for name, out in zip(names, outs):
             bad = bad_values(out, name, self.num_classes if name == "labels" else None)
             if bad is not None:
