@@ -149,6 +149,33 @@ def test_shard_changed_during_the_run(tmp_path, capfd, how, workers, max_open):
     assert str(e.value).startswith(f"{shard}: the shard changed during the run: {what}"), str(e.value)
     assert "resume" in str(e.value)
     assert "Traceback" not in capfd.readouterr().err
+    assert not [fd for fd in _fds() if fd.startswith(shard)], "the changed shard was left open"
+
+
+def _fds() -> list:
+    """What this process's open file descriptors point to (Linux)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor listdir itself used, closed since
+            pass
+    return out
+
+
+def test_read_error_names_the_shard(tmp_path, monkeypatch):
+    """An I/O error reading an unchanged shard is a DataError naming the shard and the OS error."""
+    write_shards(str(tmp_path), torch.randn(6, 1, 2, 2), labels=torch.arange(6) % 2, shard_size=3)
+    ds = ShardDataset(str(tmp_path))
+
+    def eio(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", eio)
+    with pytest.raises(DataError) as e:
+        ds.get_batch(torch.tensor([4]))
+    shard = os.path.join(tmp_path, "shard_00001.safetensors")
+    assert str(e.value) == f"{shard}: cannot read the shard ([Errno 5] Input/output error)", str(e.value)
 
 
 def _big_set(path: str, shards: int, per_shard: int, shape: tuple) -> int:

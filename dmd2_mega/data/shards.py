@@ -87,14 +87,14 @@ class ShardDataset(LatentDataset):
 
     def _file(self, s: int) -> RowFile:
         """Shard s open, and still the version checked at start-up."""
-        f = self._open.pop(s, None)
+        f = self._open.get(s)
         if f is None:
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()
-            f = RowFile(self.files[s], self.headers[s], self.stamps[s])
+            f = self._open[s] = RowFile(self.files[s], self.headers[s], self.stamps[s])  # checked as it opens
         else:
+            self._open.move_to_end(s)  # most recently used last
             f.check()
-        self._open[s] = f  # most recently used last
         return f
 
     def _read_shard(self, s: int, local: torch.Tensor, names: Tuple[str, ...], outs: List[torch.Tensor],
