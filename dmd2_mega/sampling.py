@@ -9,6 +9,8 @@ not depend on the DP size); each DP rank integrates its contiguous slice, TP ran
 the same slice together (their layers are sharded), and the slices are all-gathered over DP.
 Outputs: images [N, C, H, W] float32 on the CPU, clamped to the data range [-1, 1].
 
+`sample_batches` (launch/sample.py) makes the same samples batch by batch, reading that noise with `SeededNoise`
+in O(batch) memory.
 Streaming evaluation (launch/eval_fid.py) draws noise per sample instead: `keyed_noise` gives sample i the
 draws of its own generator, seeded by (seed, i) through numpy's SeedSequence, so a sample does not depend on
 the number of ranks, on the batch it runs in or on the other samples, and nothing of size N is ever held.
@@ -32,14 +34,15 @@ from dmd2_mega import flow
 from dmd2_mega.errors import CheckpointError, ConfigError
 
 
-def eval_conditions(dataset, n: int) -> torch.Tensor:
-    """Class-balanced labels 0..K-1 repeated, the data's own balanced prompts (`balanced_conditions(n)`, e.g.
-    moving digits: all (digit, direction) pairs in turn), or the first n condition embeddings of the data."""
+def eval_conditions(dataset, n: int, start: int = 0) -> torch.Tensor:
+    """The conditions of samples start .. start + n - 1: class-balanced labels 0..K-1 repeated, the data's own
+    balanced prompts (`balanced_conditions(n, start)`, e.g. moving digits: all (digit, direction) pairs in turn),
+    or the data's condition embeddings in order, repeated."""
     if dataset.num_classes is not None:
-        return torch.arange(n) % dataset.num_classes
+        return torch.arange(start, start + n) % dataset.num_classes
     if hasattr(dataset, "balanced_conditions"):
-        return dataset.balanced_conditions(n)
-    idx = torch.arange(n) % len(dataset)
+        return dataset.balanced_conditions(n, start)
+    idx = torch.arange(start, start + n) % len(dataset)
     return dataset.get_batch(idx)[1].float()  # shard sets keep their stored dtype (e.g. bf16)
 
 
@@ -108,6 +111,82 @@ def generate_student(model, cond: torch.Tensor, sigmas: torch.Tensor, *, shape: 
                                                  sigmas.to(device)), n, shape, device, dp_rank, dp_size, dp_group)
     model.train(was)
     return out
+
+
+class SeededNoise:
+    """`torch.randn((draws, n, *shape), generator=torch.Generator().manual_seed(seed))`, the noise `generate` and
+    `generate_student` draw up front, read batch by batch (`take`) while holding O(batch) values.
+
+    How torch fills a float32 CPU tensor of M >= 16 normals: M uniforms u_0 .. u_{M-1} from the generator, turned
+    into normals 16 at a time (Box-Muller within each aligned block of 16); when 16 does not divide M, the last 16
+    values are redrawn from 16 further uniforms. So a value at position p < L (L = M, or the last aligned position
+    at least 16 before M) depends only on its block, and `torch.randn(k)` from a generator that has consumed an
+    aligned p0 <= L uniforms gives positions p0 .. p0 + k (k a multiple of 16), or for p0 = L and k = M - L the
+    exact tail. Each of the `draws` rows [n, *shape] is read by its own cursor: a generator advanced once, in
+    bounded chunks, to the row's block. tests/test_sampling_stream.py checks the equality bit for bit."""
+
+    CHUNK = 1 << 20  # values drawn at a time while advancing a generator (a multiple of 16)
+
+    def __init__(self, seed: int, n: int, shape: tuple, draws: int = 1):
+        self.n, self.shape, self.draws, self.row = n, tuple(shape), draws, n * math.prod(shape)
+        self.total = draws * self.row
+        self.safe = self.total if self.total % 16 == 0 else max(self.total // 16 * 16 - 16, 0)
+        walker, pos = torch.Generator().manual_seed(seed), 0
+        self.cursors = []
+        for d in range(draws):  # one pass: cursor d starts at row d's block
+            start = d * self.row
+            aligned = min(start // 16 * 16, self.safe)
+            while pos < aligned:
+                k = min(self.CHUNK, aligned - pos)
+                torch.randn(k, generator=walker)
+                pos += k
+            gen = torch.Generator()
+            gen.set_state(walker.get_state())
+            cursor = [gen, pos, torch.empty(0)]  # generator, its position, the values drawn past the reads
+            self._read(cursor, start - aligned)  # skip into the row
+            self.cursors.append(cursor)
+        self.done = 0
+
+    def _read(self, cursor: list, k: int) -> torch.Tensor:
+        gen, pos, buf = cursor
+        parts, have = [buf], buf.numel()
+        while have < k:
+            if pos < self.safe:  # plain blocks
+                m = min(self.safe - pos, -(-(k - have) // 16) * 16)
+            else:  # the tail, in one draw as the full tensor makes it
+                m = self.total - pos
+            parts.append(torch.randn(m, generator=gen))
+            pos, have = pos + m, have + m
+        out = torch.cat(parts)
+        cursor[1], cursor[2] = pos, out[k:].clone()
+        return out[:k]
+
+    def take(self, b: int) -> torch.Tensor:
+        """The next b samples' noise [draws, b, *shape] (samples done .. done + b - 1)."""
+        if self.done + b > self.n:
+            raise RuntimeError(f"noise for {self.n} samples: {self.done} taken, {b} more asked")
+        self.done += b
+        size = b * math.prod(self.shape)
+        return torch.stack([self._read(c, size).view(b, *self.shape) for c in self.cursors])
+
+
+@torch.no_grad()
+def sample_batches(model, sampler: "Sampler", n: int, cond_of, *, shape: tuple, seed: int, batch_size: int,
+                   device: torch.device, dp_rank: int = 0, dp_size: int = 1, dp_group=None):
+    """Yield (lo, samples [hi - lo, *shape] float32 on the CPU, in [-1, 1]) for samples lo .. hi - 1 in order,
+    `batch_size` per DP rank at a time; `cond_of(lo, hi)` gives their conditions. The noise is `SeededNoise`, so
+    the samples are `generate` / `generate_student`'s (bit for bit when one batch holds all n; otherwise up to
+    float rounding of forwards at another batch size) and memory is O(batch), whatever n."""
+    noise = SeededNoise(seed, n, shape, sampler.draws)
+    was = _eval_mode(model)
+    try:
+        for lo in range(0, n, batch_size * dp_size):
+            hi = min(lo + batch_size * dp_size, n)
+            z, c = noise.take(hi - lo), cond_of(lo, hi)
+            yield lo, _dp_map(lambda a, b: sampler(model, z[:, a:b].to(device), c[a:b].to(device)), hi - lo, shape,
+                              device, dp_rank, dp_size, dp_group)
+    finally:
+        model.train(was)
 
 
 # ---- checkpoints and samplers shared by launch/sample.py and launch/eval_fid.py -------------------------

@@ -26,8 +26,12 @@ is written as <name>.mp4 (H.264) + <name>.gif, an image as <name>.png, and grid.
 Pixel-space video data (--data moving-digits) needs no decoding and gets the MP4 + GIF too; latents without --vae
 get samples.npz + grid.png only. The VAE's config (latent channels, video or image) is checked against the model
 before any sampling, and its weights are loaded before sampling as well.
-A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, a --vae or
---prompts that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
+Samples are made --batch-size per rank at a time (`sampling.sample_batches`: the noise is the one seeded draw
+`generate` / `generate_student` make up front, read batch by batch) and samples.npz is written as they come
+(`eval.npz_stream`), so memory is O(batch + the first samples kept for grid.png and the media), whatever
+--num-samples; results do not depend on --batch-size up to float rounding (bit for bit when one batch holds all).
+A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, a --vae,
+--prompts or --data that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
 import os
@@ -43,10 +47,11 @@ from dmd2_mega.builders import data_info  # noqa: E402
 from dmd2_mega.checkpoint import load_payload  # noqa: E402
 from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
-from dmd2_mega.errors import ConfigError  # noqa: E402
+from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
 from dmd2_mega.data.prompts import read_prompts  # noqa: E402
 from dmd2_mega.data.moving_digits import DIRECTIONS  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
+from dmd2_mega.eval.npz_stream import NpzStream  # noqa: E402
 from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
                                   write_samples)
 from dmd2_mega.models import DataShape  # noqa: E402
@@ -55,7 +60,7 @@ from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
-                                eval_conditions, generate, generate_student, load_sampling_model)
+                                eval_conditions, load_sampling_model, sample_batches)
 
 
 def parse(argv=None):
@@ -68,6 +73,8 @@ def parse(argv=None):
     p.add_argument("--guidance", type=float, default=1.25)
     p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="samples per rank at a time (memory is O(batch), whatever --num-samples)")
     p.add_argument("--out", help="output directory for samples.npz and grid.png; required")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--data", default=None, help="condition source for embedding-conditioned models")
@@ -90,6 +97,8 @@ def parse(argv=None):
                                               ("--vae", a.vae)])
     if a.num_samples is not None and a.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {a.num_samples}")
+    if a.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {a.batch_size}")
     check_sampler_flags(a.steps, a.guidance, a.shift)
     if a.iteration is not None and a.iteration < 0:
         raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
@@ -117,6 +126,8 @@ def sample(a: argparse.Namespace) -> None:
             raise ConfigError(f"--load {a.load} was converted from diffusers and records no data: give --data DIR "
                               f"(the text embeddings to sample, and the latent shape)")
         dataset = build_dataset(data)
+        if info is not None:
+            check_conditions(dataset, info, data, a.load)
         info = info or data_info(dataset)
     prompts = None
     if a.prompts:
@@ -133,49 +144,77 @@ def sample(a: argparse.Namespace) -> None:
     model, weights = load_sampling_model(payload, info, ps, no_ema=a.no_ema, bf16=a.bf16, source=f"--load {a.load}",
                                          negative=negative)  # a DMD2 student: its EMA unless --no-ema
     sampler = checkpoint_sampler(payload, a.steps, a.guidance, a.shift)
-    if prompts is not None:  # sample i: prompt i % P
-        cond = prompts.cond.float()[torch.arange(a.num_samples) % len(prompts.texts)]
-    elif info["num_classes"] is not None:
-        cond = torch.arange(a.num_samples) % info["num_classes"]
-    else:
-        cond = eval_conditions(dataset, a.num_samples)
-    dp = dict(device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
-    if sampler.student:  # a DMD2 student: its few-step sampler, no CFG
-        images = generate_student(model, cond, sampler.sigmas, shape=shape, seed=a.seed, **dp)
-    else:
-        images = generate(model, cond, shape=shape, steps=sampler.steps, guidance=sampler.guidance,
-                          shift=sampler.shift, seed=a.seed, **dp)
-    a.steps, a.guidance = sampler.steps, sampler.guidance
-    del model  # the VAE decodes next
+    n, k = a.num_samples, 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
+    n_media = min(n, a.num_media if a.num_media is not None else
+                  len(prompts.texts) if prompts is not None else DEFAULT_MEDIA if len(shape) == 4 else k)
+    media = media and n_media > 0
+    head = min(n, max(k if len(shape) == 3 else 16, n_media if media else 0))  # kept for the grid and media
+
+    def cond_of(lo: int, hi: int) -> torch.Tensor:  # samples lo .. hi - 1; prompts: sample i gets prompt i % P
+        if prompts is not None:
+            return prompts.cond.float()[torch.arange(lo, hi) % len(prompts.texts)]
+        if info["num_classes"] is not None:
+            return torch.arange(lo, hi) % info["num_classes"]
+        return eval_conditions(dataset, hi - lo, lo)
+
+    scored = prompts is None and hasattr(dataset, "condition_labels")  # moving digits: `digits`, `directions` [N]
+    arrays = {"images": ((n, *shape), np.float32), "labels": ((n,), np.int64)}
+    if prompts is not None:
+        arrays["prompts"] = ((n,), f"<U{max(1, *(len(t) for t in prompts.texts[:n]))}")
+    if scored:
+        arrays.update((key, ((n,), np.int64)) for key in dataset.condition_labels(cond_of(0, 1)))
+    batches = sample_batches(model, sampler, n, cond_of, shape=shape, seed=a.seed, batch_size=a.batch_size,
+                             device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
+    kept = []
+
+    def write(f) -> None:  # samples.npz, batch by batch (module docstring)
+        stream = NpzStream(f, arrays, a.out)
+        try:
+            for lo, x in batches:
+                hi = lo + x.shape[0]
+                c = cond_of(lo, hi)
+                stream.write("images", x.numpy())
+                # class labels are the condition; text: the index of the prompt / data condition
+                stream.write("labels", c.numpy() if c.dim() == 1 else
+                             np.arange(lo, hi) % (len(prompts.texts) if prompts is not None else n))
+                if prompts is not None:
+                    stream.write("prompts", np.array([prompts.texts[i % len(prompts.texts)] for i in range(lo, hi)]))
+                if scored:
+                    for key, values in dataset.condition_labels(c).items():
+                        stream.write(key, values)
+                if lo < head:
+                    kept.append(x[:head - lo])
+            stream.close()
+        except BaseException:
+            stream.abort()
+            raise
+
     if ps.is_main:
         try:
             os.makedirs(a.out, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {a.out!r}: cannot create the output directory: {e.strerror}") from e
-        labels = (cond.long().numpy() if cond.dim() == 1 else  # text: the index of the prompt / data condition
-                  np.arange(a.num_samples) % (len(prompts.texts) if prompts is not None else a.num_samples))
-        texts = {"prompts": np.array([prompts.texts[i] for i in labels])} if prompts is not None else {}
-        if prompts is None and hasattr(dataset, "condition_labels"):  # moving digits: `digits`, `directions` [N]
-            texts.update(dataset.condition_labels(cond))
-        atomic_write(os.path.join(a.out, "samples.npz"), lambda f: np.savez(
-            f, images=images.numpy().astype(np.float32), labels=labels.astype(np.int64), **texts))
-        k = 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
+        atomic_write(os.path.join(a.out, "samples.npz"), write)
+    else:
+        for _ in batches:  # the other ranks' shares of every batch
+            pass
+    a.steps, a.guidance = sampler.steps, sampler.guidance
+    del model, batches  # the VAE decodes next
+    if ps.is_main:
+        images = torch.cat(kept)  # the first `head` samples
         png = os.path.join(a.out, "grid.png")
-        n_media = min(a.num_samples, a.num_media if a.num_media is not None else
-                      len(prompts.texts) if prompts is not None else DEFAULT_MEDIA if len(shape) == 4 else k)
-        media = media and n_media > 0
         names = (prompts.names() if prompts is not None else
-                 media_labels(texts["digits"], texts["directions"]) if "directions" in texts else None)
+                 media_labels(**dataset.condition_labels(cond_of(0, n_media))) if scored and media else None)
         shown = (write_samples(os.path.join(a.out, "media"), images[:n_media], media_names(n_media, names),
                                vae, keep=k)[1] if media else [])
-        labels_k = cond[:k] if cond.dim() == 1 else None
+        labels_k = cond_of(0, min(n, k)) if info["num_classes"] is not None else None
         if shown:  # images decoded by --vae: the grid shows their pixels
             grid = save_grid(torch.stack(shown), labels_k, png, upscale=viewable_scale(*shown[0].shape[1:]))
         elif images.dim() == 4:
             grid = save_grid(images[:k], labels_k, png)
         else:  # video: one row per sample, frames along it (latents: channel 0)
             grid = save_video_grid(images[:16], png)
-        print(f"> wrote {a.num_samples} samples {list(images.shape[1:])} (iteration {payload['iteration']}, "
+        print(f"> wrote {n} samples {list(shape)} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
               + f" and {grid}" + (f"; media in {a.out}/media" if media else ""), flush=True)
 
@@ -183,6 +222,19 @@ def sample(a: argparse.Namespace) -> None:
 DEFAULT_MEDIA = 40
 """Videos written without --prompts (one clip per moving-digits prompt; each MP4 spawns an ffmpeg). Images
 default to the grid's count, whose decoded pixels grid.png shows."""
+
+
+def check_conditions(dataset, info: dict, data: str, load: str) -> None:
+    """DataError naming --data, --load and both condition shapes (the widths last) unless the data's conditions are
+    the text embeddings the model takes."""
+    want = tuple(info["cond_shape"])
+    if dataset.cond_shape is None:
+        raise DataError(f"--data {data} holds class labels ({dataset.num_classes} classes), but --load {load} takes "
+                        f"text embeddings {list(want)} (width {want[-1]})")
+    got = tuple(dataset.cond_shape)
+    if got != want:
+        raise DataError(f"--data {data} holds text embeddings {list(got)} (width {got[-1]}), but --load {load} takes "
+                        f"{list(want)} (width {want[-1]}); give the data encoded with the model's text encoder")
 
 
 def media_labels(digits: np.ndarray, directions: np.ndarray) -> list:

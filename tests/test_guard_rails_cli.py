@@ -177,6 +177,9 @@ def _sample_case(case: str, ckpt: str, d) -> tuple:
     if case == "num-samples-0":
         return (["--load", ckpt, "--out", out, "--num-samples", "0"], "ConfigError",
                 ["--num-samples must be >= 1, got 0"])
+    if case == "batch-size-0":
+        return (["--load", ckpt, "--out", out, "--batch-size", "0"], "ConfigError",
+                ["--batch-size must be >= 1, got 0"])
     if case == "steps-0":
         return ["--load", ckpt, "--out", out, "--steps", "0"], "ConfigError", ["--steps must be >= 1, got 0"]
     if case == "num-media-negative":
@@ -203,8 +206,8 @@ def _sample_case(case: str, ckpt: str, d) -> tuple:
 
 
 @pytest.mark.parametrize("case", ["no-load", "load-absent", "load-file", "load-empty", "iteration-missing",
-                                  "iteration-negative", "num-samples-0", "steps-0", "num-media-negative", "guidance",
-                                  "out-file", "out-under-file", "corrupt"])
+                                  "iteration-negative", "num-samples-0", "batch-size-0", "steps-0", "num-media-negative",
+                                  "guidance", "out-file", "out-under-file", "corrupt"])
 def test_sample_mistake_is_one_line(case, ckpt, tmp_path, capsys):
     argv, error, needles = _sample_case(case, ckpt, tmp_path)
     with world_of_one():

@@ -148,9 +148,10 @@ def decode_conditions(cond) -> Tuple[torch.Tensor, torch.Tensor]:
     return idx % NUM_CLASSES, idx // NUM_CLASSES
 
 
-def balanced_pairs(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(digit, direction) int64 [n] cycling through all 40 pairs: digit = k mod 10, direction = (k div 10) mod 4."""
-    k = torch.arange(n)
+def balanced_pairs(n: int, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(digit, direction) int64 [n] of samples k = start .. start + n - 1, cycling through all 40 pairs:
+    digit = k mod 10, direction = (k div 10) mod 4."""
+    k = torch.arange(start, start + n)
     return k % NUM_CLASSES, (k // NUM_CLASSES) % len(DIRECTIONS)
 
 
@@ -186,9 +187,10 @@ class MovingDigitsDataset(ImageDataset):
         self.image_index = index
         """int64 [N]: the source image in `load_digits()` order."""
 
-    def balanced_conditions(self, n: int) -> torch.Tensor:
-        """n prompt embeddings [n, L, D] cycling through all 40 (digit, direction) pairs (`balanced_pairs`)."""
-        return prompt_embedding(*balanced_pairs(n))
+    def balanced_conditions(self, n: int, start: int = 0) -> torch.Tensor:
+        """Samples start .. start + n - 1's prompt embeddings [n, L, D], cycling through all 40 (digit, direction)
+        pairs (`balanced_pairs`)."""
+        return prompt_embedding(*balanced_pairs(n, start))
 
     def condition_labels(self, cond: torch.Tensor) -> Dict[str, np.ndarray]:
         """The arrays samples.npz stores beside the clips so they can be scored: {"digits", "directions"}

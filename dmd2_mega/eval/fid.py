@@ -126,7 +126,8 @@ def load_ref_stats(path: str, flag: str = "--ref-stats") -> Tuple[np.ndarray, np
         with open(path, "rb") as f:  # np.load would hand back a bare .npy as an array, not an archive
             magic = f.read(6)
         if not magic.startswith(b"PK\x03\x04"):
-            what = "a single .npy array" if magic == b"\x93NUMPY" else "not a zip archive (empty, cut or another format)"
+            what = ("a single .npy array" if magic == b"\x93NUMPY" else
+                    "not a zip archive (empty, cut or another format)")
             raise ConfigError(f"{flag} {path} is {what}; expected {expected}")
         with np.load(path, allow_pickle=False) as z:
             keys = list(z.keys())
