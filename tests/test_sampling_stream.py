@@ -3,7 +3,8 @@
 
   a. `SeededNoise` read in batches equals torch.randn((draws, n, *shape)) from the seeded generator, bit for bit,
      at sizes where torch's 16-value blocks and its redrawn tail fall inside, across and at the end of batches.
-  b. `NpzStream`, arrays interleaved row block by row block, reads back as np.savez's; too few rows are refused.
+  b. `NpzStream`, arrays interleaved row block by row block, reads back as np.savez's; too few rows are refused;
+     an aborted stream leaves nothing that writes into the closed file.
   c. `sample_batches` at a batch that holds all n equals generate / generate_student bit for bit (teacher with CFG,
      student on 3 sigmas; a debug DiT with perturbed weights); at batch 3 to float32 rounding.
   d. sample.py: every samples.npz key (images, labels, prompts, digits, directions) at --batch-size 2 equals the one
@@ -68,6 +69,23 @@ def test_npz_stream_reads_back_as_savez(tmp_path):
             stream.close()
         with pytest.raises(ValueError, match="do not fit"):
             stream.write("labels", np.arange(2))
+
+
+def test_npz_stream_abort_leaves_nothing_to_finish(tmp_path, monkeypatch):
+    """An interrupted write (Ctrl-C in sample.py) aborts: the spools go, and nothing is left that writes into the
+    closed file when collected (was `Exception ignored in ZipFile.__del__: seek of closed file`)."""
+    import gc
+    import sys
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with open(tmp_path / "s.npz", "wb") as f:
+        stream = NpzStream(f, {"images": ((4, 2), np.float32), "labels": ((4,), np.int64)}, str(tmp_path))
+        stream.write("images", np.zeros((2, 2)))
+        stream.write("labels", np.arange(2))
+        stream.abort()
+    del stream
+    gc.collect()
+    assert unraisable == [] and sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]
 
 
 # ---- c. batches against the one-draw samplers -------------------------------------------------------------

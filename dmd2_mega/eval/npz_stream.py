@@ -9,6 +9,7 @@ O(rows per write + CHUNK), disk O(N). `np.load` reads the result as it reads np.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import zipfile
@@ -63,6 +64,11 @@ class NpzStream:
         self.zip.close()
 
     def abort(self) -> None:
-        """Drop the spooled rows (the caller removes the unfinished file)."""
+        """Drop the spooled rows and close the archive while its file is open (the caller removes the unfinished
+        file; a write that fails again here, e.g. on a full disk, is ignored)."""
         for spool in self.spools.values():
             spool.close()
+        with contextlib.suppress(Exception):
+            self.member.close()
+        with contextlib.suppress(Exception):
+            self.zip.close()
