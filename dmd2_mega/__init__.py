@@ -1,7 +1,8 @@
 """dmd2-mega: DMD2 distillation of flow-matching diffusion transformers on megatron-core.
 
 Layers, bottom up (`.importlinter` at the repo root enforces them; no module imports one above it):
-  megatron_jit      megatron-core's torch.compile fuser off before megatron-core loads (start-up time)
+  megatron_import   before megatron-core loads: its torch.compile fuser off (start-up time), its four
+                    "Transformer Engine and Apex are not installed" warnings filtered
   errors            every error type (`ConfigError`, `DataError`, `CheckpointError`, ...)
   atomic            the one all-or-nothing file write
   megatron_compat   megatron-core on a CPU-only torch (RNG tracker, TP gather)
@@ -18,6 +19,6 @@ The Triton kernels live in the top-level `kernels` package, which imports nothin
 """
 __version__ = "0.1.0"
 
-from dmd2_mega import megatron_jit  # noqa: E402  (before any module here imports megatron-core)
+from dmd2_mega import megatron_import  # noqa: E402  (before any module here imports megatron-core)
 
-megatron_jit.install()
+megatron_import.install()

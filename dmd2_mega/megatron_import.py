@@ -1,4 +1,5 @@
-"""megatron-core's jit fuser switched off before megatron-core is imported: half of every process's start-up.
+"""What importing megatron-core does to a process, set before it is imported: its jit fuser off (half of every
+process's start-up) and its warnings about optional GPU extras filtered.
 
 megatron-core 0.16 decorates its own fused bias-GeLU / GeGLU / SwiGLU / bias-dropout-add functions with
 `megatron.core.jit.jit_fuser`, which is `torch.compile` on torch >= 2.2. Applying `torch.compile` at import time
@@ -11,6 +12,13 @@ stay callable, eagerly), before any module applies the decorator.
 
 Nothing happens when megatron.core was imported before dmd2_mega, and `DMD2_MEGA_MEGATRON_JIT=1` keeps megatron-core's
 torch.compile fuser. `fuser_state()` says which of the three holds (the start-up line names it).
+
+megatron-core warns at import, from four modules (its optimizer, grad clipping, FSDP mixed precision), that
+"Transformer Engine and Apex are not installed. Falling back to ...": on every CPU run, for code paths dmd2-mega
+does not take (it uses its own optimizer and kernels). `install()` filters exactly those UserWarnings (that text,
+raised from a megatron module), once. A flag that asks for an extra which is missing (`--transformer-impl
+transformer_engine`, `--optimizer-impl apex`) is a one-line ConfigError of ours naming the package and the flag
+(`models/linears.py`, `optim.py`).
 """
 from __future__ import annotations
 
@@ -18,9 +26,11 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import warnings
 
 MODULE = "megatron.core.jit"
 ENV = "DMD2_MEGA_MEGATRON_JIT"
+EXTRAS_WARNING = r"Transformer Engine and Apex are not installed\. "
 
 
 class _DisableAfterLoad(importlib.abc.MetaPathFinder):
@@ -46,6 +56,7 @@ class _DisableAfterLoad(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Called by `dmd2_mega/__init__.py`, before any module of the package imports megatron-core."""
+    warnings.filterwarnings("ignore", message=EXTRAS_WARNING, category=UserWarning, module=r"megatron")
     if MODULE in sys.modules or os.environ.get(ENV) == "1":
         return
     if not any(isinstance(f, _DisableAfterLoad) for f in sys.meta_path):

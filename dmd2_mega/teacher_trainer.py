@@ -35,7 +35,7 @@ from dmd2_mega.eval.data_metrics import metrics_for_data
 from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.megatron_jit import fuser_state
+from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
@@ -81,7 +81,8 @@ class FlowTrainer(RunStateTrainer):
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
                     f"{ps.layout} backend={ps.backend} device={ps.device} megatron-jit={fuser_state()}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
-                    f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}", ps.rank)
+                    f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}; condition dropout to "
+                    f"{self.dataset.null_note}", ps.rank)
         self.grads, self.optimizer = build_grads_and_optimizer(self.model, cfg.optim, ps)
         per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.cp_size, ps.rank)
         self.flops_per_iter = (flow_step_flops(per_sample, t.micro_batch_size, self.num_micro_batches)

@@ -1,4 +1,5 @@
-"""dmd2_mega/megatron_jit.py: importing the package switches megatron-core's jit fuser off before megatron-core loads
+"""dmd2_mega/megatron_import.py: importing the package filters megatron-core's four "Transformer Engine and Apex are
+not installed" UserWarnings (and nothing else), and switches megatron-core's jit fuser off before megatron-core loads
 (no torch._dynamo / torch._inductor import: half of a process's start-up), megatron-core's fused functions stay
 callable and give their eager values, DMD2_MEGA_MEGATRON_JIT=1 keeps megatron-core's torch.compile fuser, and a
 megatron.core imported before dmd2_mega is left as it is. Each case is a fresh interpreter (this one has megatron-core
@@ -18,7 +19,7 @@ import json, sys
 import dmd2_mega.models  # imports megatron-core (the parallel linears)
 import torch
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
-from dmd2_mega.megatron_jit import fuser_state
+from dmd2_mega.megatron_import import fuser_state
 x, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
 y = x + b
 want = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))  # megatron's tanh GeLU, by hand
@@ -28,7 +29,7 @@ print(json.dumps({{"state": fuser_state(), "dynamo": "torch._dynamo" in sys.modu
 
 
 def probe(first: str = "", env=None) -> dict:
-    res = run([sys.executable, "-c", PROBE.format(first=first)], extra_env=env).check("megatron_jit probe")
+    res = run([sys.executable, "-c", PROBE.format(first=first)], extra_env=env).check("megatron_import probe")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -40,3 +41,21 @@ def test_fuser_off_by_default_kept_on_request_or_when_megatron_came_first():
     assert got["default"]["gelu_err"] <= 1e-12, got["default"]  # the decorated function runs, eagerly
     assert got["env"]["state"] == "torch.compile" and got["env"]["dynamo"], got["env"]
     assert got["first"]["state"] == "torch.compile", got["first"]
+
+
+WARNINGS_PROBE = """
+import warnings
+{first}
+import dmd2_mega.dmd2.student_trainer  # megatron-core's optimizer, clip_grads, FSDP mixed precision
+warnings.warn("Transformer Engine and Apex are not installed. (from __main__: not megatron's, still shown)")
+"""
+
+
+def test_megatron_extras_warnings_filtered_exactly():
+    env = {"PYTHONWARNINGS": "default"}  # the tests' children ignore warnings otherwise
+    got = run_parallel({k: lambda k=k: run([sys.executable, "-c", WARNINGS_PROBE.format(first=first)],
+                                           extra_env=env).check("warnings probe").stderr
+                        for k, first in (("ours", ""), ("megatron first", "import megatron.core.optimizer"))})
+    assert got["ours"].count("Transformer Engine and Apex are not installed") == 1, got["ours"]
+    assert "still shown" in got["ours"], got["ours"]
+    assert got["megatron first"].count("Transformer Engine and Apex are not installed") >= 3, got["megatron first"]

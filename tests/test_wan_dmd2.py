@@ -8,7 +8,8 @@ and a negative-prompt embedding stored with the data.
   c. the exported student (--to-diffusers) loaded by diffusers, run as a WanPipeline-style loop with the exported
      FlowMatchEulerDiscreteScheduler (stochastic sampling: predict x0, re-noise to the next sigma), equals our
      few-step sampler on the same noise; `launch/sample.py` samples the converted teacher and the student;
-  d. CFG's negative branch is the data's negative-prompt embedding: the same run with it removed scores differently.
+  d. CFG's negative branch is the data's negative-prompt embedding: the same run with it removed scores differently,
+     and the start-up line says which of the two it uses.
 """
 import json
 import os
@@ -58,9 +59,10 @@ def runs(setup, tmp_path_factory):
     jobs = {name: (lambda n=n, name=name, extra=extra: launch(n, PRETRAIN_DMD2, args(teacher, data, f"{d}/{name}",
                                                                                    extra=extra), timeout=300))
             for name, n, extra in (("ref", 1, ()), ("tp2", 2, ("--tensor-model-parallel-size", "2")), ("dp2", 2, ()))}
-    for name, res in run_parallel(jobs).items():
+    done = run_parallel(jobs)
+    for name, res in done.items():
         res.check(name)
-    return {name: f"{d}/{name}" for name in jobs}
+    return {name: f"{d}/{name}" for name in jobs} | {"ref-stdout": done["ref"].stdout}
 
 
 def test_tp2_and_dp2_equal_tp1(runs):
@@ -115,7 +117,11 @@ def test_export_runs_in_a_diffusers_few_step_loop(setup, runs, tmp_path):
 def test_cfg_negative_branch_is_the_datas_negative_prompt(setup, runs, tmp_path):
     teacher, _, noneg = setup
     run = str(tmp_path / "noneg")
-    python(PRETRAIN_DMD2, args(teacher, noneg, run, iters=1), timeout=300).check("no negative")
+    printed = python(PRETRAIN_DMD2, args(teacher, noneg, run, iters=1), timeout=300).check("no negative").stdout
+    data = os.path.dirname(runs["ref-stdout"].split("(negative: the negative prompt of ")[1].split(")")[0])
+    assert data == setup[1], runs["ref-stdout"]  # the start-up line names the negative it uses, and why
+    assert (f"teacher guidance 3.0 (negative: the zero embedding ({noneg} holds no negative.safetensors; "
+            f"launch/prepare_data.py writes one from --negative-prompt))") in printed, printed
     ref, other = read_trace(runs["ref"] + ".jsonl")[0], read_trace(run + ".jsonl")[0]
     assert ref["critic-loss"] == other["critic-loss"]  # the critic never sees the negative branch
     assert abs(ref["dmd-fake-real-gap"] - other["dmd-fake-real-gap"]) > 1e-4 * abs(ref["dmd-fake-real-gap"])

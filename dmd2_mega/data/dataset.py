@@ -24,6 +24,14 @@ class LatentDataset(ABC):
         self.negative = None
         """The negative-prompt embedding [*cond_shape] CFG uses (text data that stores one), else None."""
         self.source = source
+        self.null_note = (f"the learned null class (id {num_classes})" if num_classes is not None else
+                          f"the zero embedding ({source} stores no negative prompt)")
+        """Which null condition CFG uses and where it came from, in words (the trainers' start-up line)."""
+
+    def set_negative(self, emb: torch.Tensor, where: str) -> None:
+        """Text data's negative-prompt embedding [*cond_shape], read from `where` (named in `null_note`)."""
+        self.negative = emb
+        self.null_note = f"the negative prompt of {where}"
 
     @property
     def image_size(self):

@@ -178,7 +178,7 @@ class MovingDigitsDataset(ImageDataset):
         clips, digit, direction, speed, corners, index = make_clips(split)
         super().__init__(clips, prompt_embedding(digit, direction), num_classes=None,
                          cond_shape=(PROMPT_LEN, EMBED_DIM), source=f"moving-digits[{split}]")
-        self.negative = empty_prompt()
+        self.set_negative(empty_prompt(), f"{self.source} (the empty prompt)")
         self.split = split
         self.digit, self.direction, self.speed = digit, direction, speed
         """int64 [N] each: the digit class, direction id (DIRECTIONS) and speed (px / frame) of every clip."""

@@ -73,7 +73,10 @@ class ShardDataset(LatentDataset):
         self._set_shapes(index["latent_shape"][0], index["latent_shape"][1:], index["num_classes"] if labels else None,
                          None if labels else index["cond_shape"], os.path.join(path, INDEX))
         if not labels and os.path.exists(os.path.join(path, NEGATIVE)):
-            self.negative = read_negative(path, self.cond_shape)
+            self.set_negative(read_negative(path, self.cond_shape), os.path.join(path, NEGATIVE))
+        elif not labels:
+            self.null_note = (f"the zero embedding ({path} holds no {NEGATIVE}; launch/prepare_data.py writes one "
+                              f"from --negative-prompt)")
         self._open: "OrderedDict[int, RowFile]" = OrderedDict()
 
     def _common_dtype(self, name: str) -> torch.dtype:
@@ -176,6 +179,6 @@ def load_shards(path: str) -> ImageDataset:
     ds = ShardDataset(path, max_open=1)
     x, cond = ds.get_batch(torch.arange(len(ds)))
     out = ImageDataset(x, cond, ds.num_classes, ds.cond_shape, source=ds.source)
-    out.negative = ds.negative
+    out.negative, out.null_note = ds.negative, ds.null_note
     ds.close()
     return out

@@ -48,7 +48,7 @@ from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.logger import TrainLogger, print_rank0
 from dmd2_mega.loop import RunStateTrainer, train_loop
-from dmd2_mega.megatron_jit import fuser_state
+from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.optim import LRSchedule
 from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
@@ -110,7 +110,8 @@ class DMD2Trainer(RunStateTrainer):
                     f"megatron-jit={fuser_state()}; "
                     f"B={t.micro_batch_size} K={d.critic_steps_per_rollout} M={self.num_micro_batches}; student sigmas "
                     f"{[round(s, 4) for s in self.settings.student_sigmas.tolist()]}; scoring {d.critic_scoring}; "
-                    f"teacher guidance {d.teacher_guidance_scale}; offload {'+'.join(sorted(self.offload)) or 'none'} "
+                    f"teacher guidance {d.teacher_guidance_scale}{self._negative_note()}; "
+                    f"offload {'+'.join(sorted(self.offload)) or 'none'} "
                     f"({offload_note}); {self._extras()}",
                     ps.rank)
         k, b = d.critic_steps_per_rollout, t.micro_batch_size
@@ -190,6 +191,11 @@ class DMD2Trainer(RunStateTrainer):
         roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * gib * 2**30, gan=self.cfg.gan.enabled)
         note = f"memory plan: phase peak {max(totals.values()) / 2**30:.1f} GiB of {gib:g} GiB"
         return roles, note + ("" if fits else "; OVER the budget even with every role offloaded")
+
+    def _negative_note(self) -> str:
+        """The null condition the teacher's CFG uses (none at guidance 1: no negative forward)."""
+        g = self.cfg.dmd2.teacher_guidance_scale
+        return f" (negative: {self.dataset.null_note})" if g != 1 else " (no negative forward)"
 
     def _extras(self) -> str:
         g, e = self.cfg.gan, self.cfg.ema
