@@ -8,8 +8,8 @@ states, iteration, args, tp_size, and the TP partition dim of every parameter.
 
 Atomicity (a SIGKILL at any instant leaves the tracker pointing at a complete checkpoint):
   1. every rank writes its file into `iter_0000100.tmp/` (via `*.tmp` + fsync + os.replace);
-  2. after a barrier rank 0 renames the directory to `iter_0000100/` (re-saving an iteration moves
-     the previous `iter_0000100/` to `iter_0000100.old/` first; a load falls back to `.old`);
+  2. once every rank's file is written, rank 0 renames the directory to `iter_0000100/` (re-saving an
+     iteration moves the previous `iter_0000100/` to `iter_0000100.old/` first; a load falls back to `.old`);
   3. rank 0 replaces the tracker (`*.tmp` + fsync + os.replace): the commit point; then `.old` and
      any `iter_*.tmp/` left by a killed save go.
 `save_checkpoint` is 1-3 for one directory. `write_iteration` (1-2) and `commit` (3 for several
@@ -17,6 +17,13 @@ directories, the LAST one's tracker being the commit point) let DMD2 commit the 
 <save>_critic of one cycle together: both directories are written, then the critic's tracker, then
 the student's; a load reads the student's tracker and the critic at that same iteration. Older
 iterations are never deleted. `resilience.kill_point` marks the stages for the crash tests.
+
+Failure (a full disk, a read-only or vanished --save): each step is followed, in place of a barrier, by a
+collective vote on whether it succeeded on every rank, whatever exception the writer raised (an OSError, or
+torch's zip writer's `RuntimeError: ... unexpected pos A vs B` wrapping the ENOSPC). On a failure every rank
+raises the same one-line CheckpointError naming the file, the rank and the cause; iter_N.tmp/ is removed and the
+tracker still names the previous checkpoint (a failed tracker write leaves iter_N/ complete but not committed,
+as a kill at before-tracker does). No rank is left waiting in a collective for one that died.
 
 Integrity: torch.save writes a zip with a CRC-32 per member, which torch.load does not check; `_read`
 verifies every CRC first, so a truncated or bit-flipped file is a CheckpointError naming it, never a
@@ -28,18 +35,22 @@ resharded: resuming it at another TP degree is an error naming both degrees.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 import os
 import shutil
 import zipfile
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from dmd2_mega.atomic import atomic_write, fsync_dir
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.megatron_compat import rng_tracker_states, set_rng_tracker_states
-from dmd2_mega.parallel import ParallelState, any_rank, barrier, tp_partition_dim
+from dmd2_mega.parallel import ParallelState, any_rank, tp_partition_dim
 from dmd2_mega.resilience import kill_point
 
 @dataclass(frozen=True)
@@ -149,42 +160,101 @@ def check_writable(root: str) -> None:
         raise CheckpointError(f"--save directory {root!r} is not writable: {e}") from e
 
 
+def write_error_text(e: BaseException) -> str:
+    """A failed write in words: the OSError under any wrapper (torch's zip writer turns a full disk into
+    `RuntimeError: ... unexpected pos A vs B` whose context is the ENOSPC OSError), else the type and first line."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur.strerror or str(cur)
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _first_failure(steps: Iterable[tuple[str, Callable[[], None]]]) -> Optional[tuple[str, str]]:
+    """Run `steps` ((what, action) in order) until one raises: (its cause in words, its what), or None. Any
+    Exception counts, whatever the writer raised; an error in producing a step (a payload) propagates as it is,
+    and so does a kill or Ctrl-C (BaseException)."""
+    for what, action in steps:
+        try:
+            action()
+        except Exception as e:
+            return write_error_text(e), what
+    return None
+
+
+def _agree(steps: Sequence[tuple[str, Callable[[], None]]], ps: ParallelState) -> Optional[str]:
+    """Collective, in place of a barrier: run this rank's `steps` (none on a rank with nothing to do) and
+    return, alike on every rank, None if every rank's steps succeeded, else the lowest failing rank's
+    `<cause> (<what>[ on rank r])`."""
+    failure = _first_failure(steps)
+    reason = None
+    if failure is not None:
+        reason = f"{failure[0]} ({failure[1]}{f' on rank {ps.rank}' if ps.world_size > 1 else ''})"
+    if not any_rank(reason is not None, ps.device):
+        return None
+    if dist.is_initialized() and dist.get_world_size() > 1:  # only after a failure: every rank says the same
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, reason)
+        reason = next(r for r in reasons if r is not None)
+    return reason
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
+    fsync_dir(root)
+
+
 def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
     """Collective: steps 1-2 of the module docstring (the tracker is untouched); returns iter_N/.
 
-    A write that fails on any rank (a full disk: OSError ENOSPC) fails the save on every rank together:
-    iter_N.tmp/ is removed, the tracker still names the previous checkpoint, and a CheckpointError says so."""
+    A step that fails on any rank (a full disk, whatever exception the writer raises) fails the save on every
+    rank together: iter_N.tmp/ is removed, the tracker still names the previous checkpoint, and every rank
+    raises the same CheckpointError naming the file, the rank and the cause."""
     final, tmp = iter_dir(root, iteration), iter_dir(root, iteration) + ".tmp"
-    if ps.is_main:
+    path = rank_file(tmp, ps.tp_rank)
+
+    def fresh() -> None:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    error = None
-    if ps.writes_shards:  # one writer per TP shard (DP x CP ranks hold the same weights)
-        try:
-            atomic_write(rank_file(tmp, ps.tp_rank), lambda f: torch.save(payload, f),
-                         before_replace=lambda: kill_point("rank-file-tmp", iteration))
-        except OSError as e:
-            error = e
+
+    def write() -> None:
+        atomic_write(path, lambda f: torch.save(payload, f),
+                     before_replace=lambda: kill_point("rank-file-tmp", iteration))
         kill_point("rank-file", iteration)
-    if any_rank(error is not None, ps.device):  # in place of a barrier: every rank learns of a failed write
-        if ps.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        latest = _tracker_value(root)
-        raise CheckpointError(f"saving iteration {iteration} to {root} failed"
-                              f"{f': {error.strerror or error}' if error is not None else ' on another rank'}; "
-                              f"the partial {os.path.basename(tmp)}/ was removed and the latest checkpoint is "
-                              f"{'still iteration ' + str(latest) if latest is not None else 'none yet'}")
-    if ps.is_main:
-        kill_point("before-dir-rename", iteration)
-        if os.path.exists(final):  # re-saving an iteration: keep the old one until the commit
-            shutil.rmtree(final + ".old", ignore_errors=True)
-            os.replace(final, final + ".old")
-            kill_point("old-aside", iteration)
-        os.replace(tmp, final)
-        fsync_dir(root)
-    barrier()
+
+    stages = ([(f"creating {root}", fresh)] if ps.is_main else [],
+              [(f"writing {os.path.relpath(path, root)}", write)] if ps.writes_shards else [],  # one per TP shard
+              [(f"renaming {os.path.basename(tmp)}/ to {os.path.basename(final)}/",
+                lambda: _rename_into_place(root, tmp, final, iteration))] if ps.is_main else [])
+    for steps in stages:
+        reason = _agree(steps, ps)
+        if reason is not None:
+            if ps.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving iteration {iteration} to {root} failed: {reason}; the partial "
+                                  f"{os.path.basename(tmp)}/ was removed and the latest checkpoint is "
+                                  f"{_latest_text(root)}")
     return final
+
+
+def _rename_into_place(root: str, tmp: str, final: str, iteration: int) -> None:
+    """iter_N.tmp/ -> iter_N/ (a previous iter_N/ moved to iter_N.old/ first, and back if the rename fails)."""
+    kill_point("before-dir-rename", iteration)
+    aside = os.path.exists(final)
+    if aside:  # re-saving an iteration: keep the old one until the commit
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.replace(final, final + ".old")
+        kill_point("old-aside", iteration)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if aside:
+            os.replace(final + ".old", final)
+        raise
+    fsync_dir(root)
 
 
 def _tracker_value(root: str) -> Optional[int]:
@@ -196,21 +266,33 @@ def _tracker_value(root: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def _latest_text(root: str) -> str:
+    latest = _tracker_value(root)
+    return f"still iteration {latest}" if latest is not None else "none yet"
+
+
 def commit(roots: Sequence[str], iteration: int, ps: ParallelState) -> None:
-    """Collective: point each root's tracker at `iteration`, in order; the last is the commit point."""
-    if ps.is_main:
-        kill_point("before-tracker", iteration)
-        for i, root in enumerate(roots):
-            if i:
-                kill_point("between-trackers", iteration)
-            atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
-            fsync_dir(root)
-        for root in roots:  # the replaced copy, and left-overs of saves killed before their rename
+    """Collective: point each root's tracker at `iteration`, in order; the last is the commit point. A tracker
+    that cannot be written (a full disk) is the same CheckpointError on every rank; iter_N/ stays, complete but
+    not committed (as after a kill at before-tracker), and the last root's tracker names the latest checkpoint."""
+    def point(i: int, root: str) -> None:
+        kill_point("between-trackers" if i else "before-tracker", iteration)
+        _write_tracker(root, iteration)
+
+    steps = [(f"writing {os.path.join(root, TRACKER)}", lambda i=i, root=root: point(i, root))
+             for i, root in enumerate(roots)]
+    reason = _agree(steps if ps.is_main else [], ps)
+    if reason is not None:
+        raise CheckpointError(f"saving iteration {iteration} to {roots[-1]} failed: {reason}; "
+                              f"{os.path.basename(iter_dir(roots[-1], iteration))}/ is complete but not committed "
+                              f"and the latest checkpoint is {_latest_text(roots[-1])}")
+    if ps.is_main:  # best effort, after the commit: the replaced copy, and left-overs of saves killed before a rename
+        for root in roots:
             shutil.rmtree(iter_dir(root, iteration) + ".old", ignore_errors=True)
-            for name in os.listdir(root):
-                if name.startswith("iter_") and name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    barrier()
+            with contextlib.suppress(OSError):
+                for name in os.listdir(root):
+                    if name.startswith("iter_") and name.endswith(".tmp"):
+                        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def save_checkpoint(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
@@ -229,17 +311,32 @@ def save_offline(root: str, iteration: int, payloads: Iterable[dict]) -> str:
         raise CheckpointError(f"{final} exists already; write the conversion to a new directory")
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        for tp_rank, payload in enumerate(payloads):
-            atomic_write(rank_file(tmp, tp_rank), lambda f: torch.save(payload, f))
-    except OSError as e:
+
+    def replace_dir() -> None:
+        os.replace(tmp, final)
+        fsync_dir(root)
+
+    def discard() -> None:  # final/ was absent before (checked above): only this call's
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing {root} failed: {e.strerror or e}; nothing was kept") from None
-    os.replace(tmp, final)
-    fsync_dir(root)
-    atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
-    fsync_dir(root)
+        shutil.rmtree(final, ignore_errors=True)
+
+    writes = ((os.path.relpath(rank_file(tmp, r), root), functools.partial(_save_file, rank_file(tmp, r), payload))
+              for r, payload in enumerate(payloads))
+    steps = itertools.chain(writes, [(f"renaming {os.path.basename(tmp)}/", replace_dir),
+                                     (TRACKER, lambda: _write_tracker(root, iteration))])
+    try:
+        failure = _first_failure(steps)
+    except BaseException:  # an error making a payload, or a kill: nothing that looks like a checkpoint is left
+        discard()
+        raise
+    if failure is not None:
+        discard()
+        raise CheckpointError(f"writing {root} failed: {failure[0]} ({failure[1]}); nothing was kept")
     return final
+
+
+def _save_file(path: str, payload: dict) -> None:
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def latest_iteration(root: str, flag: str = "--load") -> Optional[int]:

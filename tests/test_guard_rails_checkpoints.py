@@ -170,7 +170,8 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with world_of_one():
         tr = FlowTrainer(parse_flow_args(FLOW + ["--train-iters", "4", "--save", save, "--save-interval", "2"]))
         monkeypatch.setattr(torch, "save", full_disk)
-        with pytest.raises(CheckpointError, match=r"saving iteration 4 to .* failed: No space left on device; the "
+        with pytest.raises(CheckpointError, match=r"saving iteration 4 to .* failed: No space left on device \(writing "
+                                                  r"iter_0000004.tmp/mp_rank_00/model_optim_rng.pt\); the "
                                                   r"partial iter_0000004.tmp/ was removed and the latest checkpoint is "
                                                   r"still iteration 2"):
             tr.train()

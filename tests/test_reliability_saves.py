@@ -2,8 +2,9 @@
 complete checkpoint, and the student and <save>_critic of one DMD2 cycle resume as a pair.
 
 In-process, every stage of `dmd2_mega.resilience.KILL_STAGES`: `checkpoint.kill_point` is replaced
-by one that raises `Crash` at the stage (nothing in the save path cleans up on an exception, so the
-disk is left exactly as a SIGKILL there would leave it; the rank file is fsync'd before each stage).
+by one that raises `Crash` at the stage (a BaseException: the save cleans up after an Exception, a failed
+write, but not after a kill, so the disk is left as a SIGKILL there would leave it; the rank file is fsync'd
+before each stage).
 Debug flow model, checkpoint at iteration 2, the save of iteration 3 crashes; then
   - the tracker still says 2 and its files pass the CRC check,
   - a resume (--load) starts at 2 with the iteration-2 weights, trains to 4 and leaves no *.tmp.
@@ -45,8 +46,8 @@ def dmd2_args(teacher: str) -> list:
             "--lr-decay-iters", "1000"]
 
 
-class Crash(Exception):
-    pass
+class Crash(BaseException):
+    """A kill, not an error: the save's failure handling (which catches any Exception) does not see it."""
 
 
 def crash_at(monkeypatch, stage: str, iteration: int) -> None:
