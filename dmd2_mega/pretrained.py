@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dmd2_mega.atomic import atomic_write
-from dmd2_mega.checkpoint import TRACKER, load_model_weights, load_payload, save_offline
+from dmd2_mega.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
 from dmd2_mega.config import ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import DataShape, FamilyModel, ModelSize, get_size
@@ -45,7 +45,7 @@ from dmd2_mega.models.registry import EXPERTS_FILE, boundary_ratio
 from dmd2_mega.models.wan import WAN, WanSpec
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.dit_checkpoints import DIFFUSERS_CLASS as DIT_DIFFUSERS
-from dmd2_mega.models.diffusers_folder import iter_tensors, read_json, shard_files, write_model_folder
+from dmd2_mega.models.diffusers_folder import iter_folder, read_json, write_model_folder
 from dmd2_mega.models.dit_checkpoints import (diffusers_config, diffusers_to_ours, is_diffusers_config, official_spec,
                                               official_to_ours, our_config, ours_to_diffusers, ours_to_official,
                                               read_official_file)
@@ -53,6 +53,10 @@ from dmd2_mega.models.parameterization import build_adapter
 from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
 from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
+from dmd2_mega.staging import check_free, staged_output
+
+NEW_CHECKPOINT = "convert into a new directory"  # how a taken --save / --to-* is refused
+NEW_FOLDER, NEW_FILE = "export into a new directory", "export to a new file"
 
 def _extra_states(model: torch.nn.Module) -> dict:
     """The non-tensor `_extra_state` entries megatron-core's linears add to a state dict (None here)."""
@@ -106,8 +110,7 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
     if spec.num_heads % tp_size or spec.ffn_dim % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
                           f"and ffn_dim {spec.ffn_dim} of {src}")
-    if os.path.exists(os.path.join(save, TRACKER)):
-        raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
+    check_free(save, "--save", True, NEW_CHECKPOINT)
     meta = _meta_model(spec)
     expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
     experts = f"two experts, boundary {spec.boundary_ratio}; " if spec.boundary_ratio is not None else ""
@@ -115,12 +118,13 @@ def import_diffusers(src: str, save: str, tp_size: int = 1, subfolder: Optional[
         f"{spec.head_dim}, {sum(map(math.prod, expected.values())):,} parameters)")
     state = _read_source(spec, folders, expected)
 
-    os.makedirs(save, exist_ok=True)
-    shutil.copyfile(os.path.join(next(iter(folders.values())), "config.json"), os.path.join(save, "config.json"))
-    if spec.boundary_ratio is not None:
-        atomic_write(os.path.join(save, EXPERTS_FILE), lambda f: json.dump(
-            {"boundary_ratio": spec.boundary_ratio, "experts": list(EXPERTS)}, f), text=True)
-    final = _write_converted(save, state, meta, tp_size, "wan", src, None)
+    with staged_output(save, "--save", True, NEW_CHECKPOINT, log) as where:
+        shutil.copyfile(os.path.join(next(iter(folders.values())), "config.json"), os.path.join(where, "config.json"))
+        if spec.boundary_ratio is not None:
+            atomic_write(os.path.join(where, EXPERTS_FILE), lambda f: json.dump(
+                {"boundary_ratio": spec.boundary_ratio, "experts": list(EXPERTS)}, f), text=True)
+        _write_converted(where, save, state, meta, tp_size, "wan", src, None)
+    final = iter_dir(save, 0)
     log(f"> wrote {final} at TP={tp_size} ({tp_size} file{'s' if tp_size > 1 else ''}) and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
 
@@ -153,7 +157,7 @@ def read_dit_source(src: str, parameterization: Optional[str] = None,
         spec = get_size(src).spec
         if parameterization is not None:
             spec = replace(spec, parameterization=parameterization)
-        state = diffusers_to_ours({k: t for f in shard_files(folder) for k, t in iter_tensors(f)}, spec, folder)
+        state = diffusers_to_ours({k: t for _, k, t in iter_folder(folder)}, spec, folder)
     expected = {n: tuple(p.shape) for n, p in _meta_dit(spec).named_parameters()}
     _check_state(state, expected, src)
     return spec, state
@@ -190,23 +194,24 @@ def import_dit(src: str, save: str, tp_size: int = 1, parameterization: Optional
     if spec.num_heads % tp_size or int(spec.hidden_size * spec.mlp_ratio) % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide the {spec.num_heads} attention heads "
                           f"and the MLP width of {src}")
-    if os.path.exists(os.path.join(save, TRACKER)):
-        raise ConfigError(f"--save {save} holds a checkpoint already; convert into a new directory")
+    check_free(save, "--save", True, NEW_CHECKPOINT)
     log(f"> read {src} ({spec.parameterization}: {spec.num_layers} layers, {spec.num_heads} heads, hidden "
         f"{spec.hidden_size}, patch {spec.patch_size}, {spec.in_channels} x {spec.sample_size}^2 latents, "
         f"{spec.num_classes} classes, {sum(t.numel() for t in state.values()):,} parameters)")
-    os.makedirs(save, exist_ok=True)
-    atomic_write(os.path.join(save, "config.json"), lambda f: json.dump(
-        our_config(replace(spec, name=os.path.abspath(save))), f, indent=1), text=True)
-    final = _write_converted(save, state, _meta_dit(spec), tp_size, "dit", src, _dit_info(spec))
+    with staged_output(save, "--save", True, NEW_CHECKPOINT, log) as where:
+        atomic_write(os.path.join(where, "config.json"), lambda f: json.dump(
+            our_config(replace(spec, name=os.path.abspath(save))), f, indent=1), text=True)
+        _write_converted(where, save, state, _meta_dit(spec), tp_size, "dit", src, _dit_info(spec))
+    final = iter_dir(save, 0)
     log(f"> wrote {final} at TP={tp_size} and {save}/config.json")
     return {"spec": spec, "parameters": sum(t.numel() for t in state.values()), "dir": final}
 
 
-def _write_converted(save: str, state: dict, meta: FamilyModel, tp_size: int, family: str, src: str,
+def _write_converted(where: str, save: str, state: dict, meta: FamilyModel, tp_size: int, family: str, src: str,
                      data_info: Optional[dict]) -> str:
     """Our teacher checkpoint at TP=tp_size from a full TP=1 state dict (the split of each parameter from the meta
-    model); `--model-size <save>` builds it from <save>/config.json, written by the caller."""
+    model), written at `where` (the staged --save); `--model-size <save>` builds it from <save>/config.json,
+    written by the caller."""
     dims = {n: tp_partition_dim(p) for n, p in meta.named_parameters()}
     args = {"model": {"size": os.path.abspath(save)}, "converted_from": os.path.abspath(src)}
 
@@ -217,7 +222,7 @@ def _write_converted(save: str, state: dict, meta: FamilyModel, tp_size: int, fa
                    "iteration": 0, "role": "teacher", "family": family, "args": args, "data_info": data_info,
                    "checkpoint_version": 1}
 
-    return save_offline(save, 0, payloads())
+    return save_offline(where, 0, payloads())
 
 
 def checkpoint_spec(root: str, payload: dict) -> ModelSize:
@@ -239,6 +244,7 @@ def _read_ours(root: str, flag: str) -> dict:
 
 def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
     """Export (module docstring); returns {"weights": "ema" | "model", "sigmas": [...] or None}."""
+    check_free(out, "--to-diffusers", True, NEW_FOLDER)
     payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)
     family, spec = size.family, size.spec
@@ -252,16 +258,15 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
         raise CheckpointError(f"--load {load}: its weights do not form a Wan transformer of its config "
                               f"(unexpected {extra[:3]}, missing {sorted(set(expected) - set(state))[:3]}); "
                               f"export the student (--save), not the critic")
-    if os.path.exists(os.path.join(out, "transformer", "config.json")):
-        raise ConfigError(f"--to-diffusers {out} holds a transformer/ already; export into a new directory")
     prefixes = ("high.", "low.") if spec.boundary_ratio is not None else ("",)
-    for prefix, sub in zip(prefixes, EXPERTS):
-        write_folder(os.path.join(out, sub), {n[len(prefix):]: t for n, t in state.items() if n.startswith(prefix)},
-                     spec)
-    sigmas = payload.get("student_sigmas")
-    _write_scheduler(os.path.join(out, "scheduler"), sigmas)
-    atomic_write(os.path.join(out, "README.md"), lambda f: f.write(_readme(load, which, sigmas, spec.boundary_ratio is not None)),
-                 text=True)
+    sigmas, info = payload.get("student_sigmas"), payload.get("data_info") or {}
+    readme = _readme(load, which, sigmas, spec.boundary_ratio is not None, info.get("latent_shape"))
+    with staged_output(out, "--to-diffusers", True, NEW_FOLDER, log) as where:
+        for prefix, sub in zip(prefixes, EXPERTS):
+            write_folder(os.path.join(where, sub), {n[len(prefix):]: t for n, t in state.items()
+                                                    if n.startswith(prefix)}, spec)
+        _write_scheduler(os.path.join(where, "scheduler"), sigmas)
+        atomic_write(os.path.join(where, "README.md"), lambda f: f.write(readme), text=True)
     log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
         f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
     return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
@@ -270,6 +275,7 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
 def export_official(load: str, out: str, ema: bool = True, log=print) -> dict:
     """A DiT imported from the official SiT / DiT layout -> an official-layout .pt state dict (learn_sigma=False:
     the variance channels were dropped on import)."""
+    check_free(out, "--to-official", False, NEW_FILE)
     payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)
     if size.family.name != "dit":
@@ -289,16 +295,14 @@ def _export_dit(load: str, out: str, payload: dict, spec: DiTSpec, ema: bool, la
     which = "ema" if ema and "ema" in payload else "model"
     state = {n: t.float() for n, t in payload[which].items() if not n.endswith("_extra_state")}
     _check_state(state, {n: tuple(p.shape) for n, p in _meta_dit(spec).named_parameters()}, f"--load {load}")
-    if layout == "official":
-        if os.path.exists(out):
-            raise ConfigError(f"--to-official {out} exists already; export to a new file")
-        atomic_write(out, lambda f: torch.save(ours_to_official(state, spec), f))
-        where = out
-    else:
-        if os.path.exists(os.path.join(out, "transformer", "config.json")):
-            raise ConfigError(f"--to-diffusers {out} holds a transformer/ already; export into a new directory")
-        write_model_folder(os.path.join(out, "transformer"), ours_to_diffusers(state, spec), diffusers_config(spec))
-        where = os.path.join(out, "transformer")
+    official = layout == "official"
+    with staged_output(out, f"--to-{layout}", not official, NEW_FILE if official else NEW_FOLDER, log) as where:
+        if official:
+            torch.save(ours_to_official(state, spec), where)
+        else:
+            write_model_folder(os.path.join(where, "transformer"), ours_to_diffusers(state, spec),
+                               diffusers_config(spec))
+    where = out if official else os.path.join(out, "transformer")
     sigmas = payload.get("student_sigmas")
     log(f"> wrote {where} ({which} weights of {load}, iteration {payload['iteration']}; a {spec.parameterization} "
         f"network" + (f"; the student's sigmas {sigmas}, its timesteps "
@@ -322,27 +326,50 @@ def _write_scheduler(folder: str, sigmas: Optional[list]) -> None:
     atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
 
 
-def _readme(load: str, which: str, sigmas, experts: bool) -> str:
-    """How to run the export in WanPipeline: a student on its own sigmas without CFG, a teacher as Wan samples."""
-    t2 = ("transformer_2 = WanTransformer3DModel.from_pretrained(\"<this folder>\", subfolder=\"transformer_2\",\n"
-          "                                                       torch_dtype=torch.bfloat16)\n") if experts else ""
+def _readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list]) -> str:
+    """How to run the export in WanPipeline, as written on a GPU (bf16) or the CPU (fp32): a student on its own
+    sigmas without CFG, a teacher as Wan samples; at the frame count and size of `latent` ([C, T, H, W], the
+    checkpoint's data_info; None: not recorded, a converted teacher). Only the two folder names are placeholders
+    (`tests/test_export_atomic.py` runs it)."""
+    load_t2 = ('transformer_2 = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer_2", '
+               'torch_dtype=dtype)\n') if experts else ""
     parts = "transformer=transformer, " + ("transformer_2=transformer_2, " if experts else "")
-    if sigmas:
-        run = (f"# WanPipeline calls scheduler.set_timesteps(num_inference_steps): pin it to the student's own sigmas\n"
-               f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
-               f"sigmas={[float(x) for x in sigmas]})\n"
-               f"# {len(sigmas)} steps, no CFG (the student was distilled with the teacher's guidance): each step predicts\n"
-               f"# x0 and re-noises it to the next sigma with fresh noise (stochastic_sampling), the student's sampler\n"
-               f"video = pipe(prompt=\"...\", guidance_scale=1.0, num_inference_steps={len(sigmas)}).frames[0]\n")
+    if latent is not None and len(latent) == 4:
+        _, t, h, w = (int(n) for n in latent)
+        size = (f"# the size it was trained at: latents [T, H, W] = [{t}, {h}, {w}], i.e. (T - 1) * 4 + 1 = {(t - 1) * 4 + 1} "
+                f"frames of {8 * h} x {8 * w} with Wan's VAE\n"
+                f"num_frames = {t - 1} * pipe.vae_scale_factor_temporal + 1\n"
+                f"height, width = {h} * pipe.vae_scale_factor_spatial, {w} * pipe.vae_scale_factor_spatial\n")
+        at = ", num_frames=num_frames, height=height, width=width"
     else:
-        run = "video = pipe(prompt=\"...\", num_inference_steps=50, guidance_scale=5.0).frames[0]\n"
-    return (f"# Exported by dmd2-mega from {load} ({which} weights)\n\n```python\nimport functools\nimport torch\n"
-            f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n"
-            f"transformer = WanTransformer3DModel.from_pretrained(\"<this folder>\", subfolder=\"transformer\", "
-            f"torch_dtype=torch.bfloat16)\n{t2}"
-            f"scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(\"<this folder>\", subfolder=\"scheduler\")\n"
-            f"pipe = WanPipeline.from_pretrained(\"<the base Wan pipeline folder>\", {parts}scheduler=scheduler,\n"
-            f"                                   torch_dtype=torch.bfloat16).to(\"cuda\")\n{run}```\n")
+        size = ("# the size it was trained at is not recorded (converted from a public checkpoint): give num_frames=,\n"
+                "# height= and width= to pipe(...) (WanPipeline's default is 81 x 480 x 832)\n")
+        at = ""
+    if sigmas:
+        run = (f"# the student's own sigmas: WanPipeline calls scheduler.set_timesteps(num_inference_steps), which gives\n"
+               f"# diffusers' {len(sigmas)}-step grid, not these; without this line it samples at the wrong noise levels\n"
+               f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+               f"sigmas={[float(x) for x in sigmas]})\n{size}"
+               f"# {len(sigmas)} steps, no CFG (the student was distilled with the teacher's guidance). Each step predicts x0\n"
+               f"# and re-noises it to the next sigma with fresh noise (stochastic_sampling, the student's sampler), which\n"
+               f"# WanPipeline draws from torch's global RNG (it passes no generator to scheduler.step): torch.manual_seed,\n"
+               f"# not generator=, makes a video repeatable\n"
+               f"torch.manual_seed(0)\n"
+               f'video = pipe(prompt="...", guidance_scale=1.0, num_inference_steps={len(sigmas)}{at}).frames[0]\n')
+    else:
+        run = (f"{size}torch.manual_seed(0)  # the initial noise (no generator=) comes from torch's global RNG\n"
+               f'video = pipe(prompt="...", num_inference_steps=50, guidance_scale=5.0{at}).frames[0]\n')
+    return (f"# Exported by dmd2-mega from {load} ({which} weights)\n\n"
+            f"Replace the two folder names; the rest runs as written, on a GPU in bf16 or on the CPU in fp32.\n\n"
+            f"```python\nimport functools\nimport torch\n"
+            f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n\n"
+            f'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
+            f"dtype = torch.bfloat16 if device == \"cuda\" else torch.float32\n"
+            f'transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", '
+            f"torch_dtype=dtype)\n{load_t2}"
+            f'scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")\n'
+            f'pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", {parts}scheduler=scheduler,\n'
+            f"                                   torch_dtype=dtype).to(device)\n{run}```\n")
 
 
 def _ensure_world() -> None:

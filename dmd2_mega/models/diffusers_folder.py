@@ -1,6 +1,11 @@
 """Diffusers model folders, whatever the model class: config.json, the safetensors weights (one file or shards
 with an index), read tensor by tensor and written sharded. The families' name and layout mappings are in
 `wan_diffusers.py` and `dit_checkpoints.py`.
+
+What a read refuses (a CheckpointError naming the file and the tensor; nothing is converted from such a folder):
+an index whose weight_map names a file outside the folder (absolute, or through ..), a tensor name held by two
+shards (the later one would silently replace the first), and a floating-point tensor with a NaN or inf
+(`check_finite`, also run on the official .pt files). A config file that is not a JSON object is a ConfigError.
 """
 from __future__ import annotations
 
@@ -21,12 +26,16 @@ SHARD_BYTES = 5 * 2**30  # export shards at most this large (diffusers' own defa
 
 
 def read_json(path: str) -> dict:
-    """A JSON file (a config); ConfigError naming it when it cannot be read."""
+    """A JSON object file (a config); ConfigError naming it when it cannot be read or holds anything else."""
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(config).__name__}; expected a JSON object of settings "
+                          f"({{\"key\": value, ...}})")
+    return config
 
 
 def shard_files(folder: str) -> list[str]:
@@ -34,9 +43,14 @@ def shard_files(folder: str) -> list[str]:
     if os.path.isfile(index):
         try:
             with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
+                raise CheckpointError(f"{index}: weight_map puts tensor {key!r} in {name!r}, outside {folder}; a "
+                                      f"shard is a file name inside the model folder")
         for name in files:
             if not os.path.isfile(os.path.join(folder, name)):
                 raise CheckpointError(f"{os.path.join(folder, name)}: shard listed in {INDEX} is missing")
@@ -48,15 +62,39 @@ def shard_files(folder: str) -> list[str]:
                           f"weights are read)" if found else ""))
 
 
+def check_finite(path: str, key: str, t: torch.Tensor) -> None:
+    """CheckpointError naming the file and the tensor when a floating-point tensor holds a NaN or an inf."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"{path}: tensor {key!r} holds {bad} NaN / inf values of {t.numel()} (a corrupt or "
+                              f"diverged checkpoint); only finite weights are converted")
+
+
 def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one safetensors file, each checked finite (`check_finite`)."""
     try:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                t = f.get_tensor(key)
+                check_finite(path, key, t)
+                yield key, t
     except CheckpointError:
         raise
     except Exception as e:  # safetensors' own errors for truncated / corrupt files
         raise CheckpointError(f"{path}: cannot read as safetensors (truncated or corrupt?): {e}") from None
+
+
+def iter_folder(folder: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, name, tensor) of every tensor of a model folder's weights, shard by shard (`shard_files`); a name
+    that a later shard holds again is a CheckpointError naming both files."""
+    seen = {}
+    for path in shard_files(folder):
+        for key, t in iter_tensors(path):
+            if key in seen:
+                raise CheckpointError(f"{path}: tensor {key!r} is also in {seen[key]}; a tensor belongs to one "
+                                      f"shard (reading both would let the later copy replace the first)")
+            seen[key] = path
+            yield path, key, t
 
 
 def write_model_folder(out: str, tensors: dict, config: dict, dtype: torch.dtype | None = None) -> None:

@@ -29,12 +29,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, fields, replace
+from dataclasses import MISSING, asdict, fields, replace
 from typing import Optional
 
 import torch
 
 from dmd2_mega.errors import CheckpointError, ConfigError
+from dmd2_mega.models.config_keys import REQUIRED, Key, count, positive, read_keys
+from dmd2_mega.models.diffusers_folder import check_finite
 from dmd2_mega.models.dit import DiTSpec
 from dmd2_mega.models.embeddings import dit_sincos_2d
 from dmd2_mega.models.parameterization import KINDS
@@ -112,6 +114,9 @@ def read_official_file(path: str) -> dict:
         state = state["model"]
     if not isinstance(state, dict) or "x_embedder.proj.weight" not in state:
         raise CheckpointError(f"{path}: not an official SiT / DiT state dict (no x_embedder.proj.weight)")
+    for key, t in state.items():
+        if isinstance(t, torch.Tensor):
+            check_finite(path, key, t)
     return state
 
 
@@ -151,15 +156,30 @@ def official_to_ours(state: dict, spec: DiTSpec, where: str) -> dict:
     out = {}
     for key, t in state.items():
         if key == "pos_embed":
-            table = dit_sincos_2d(spec.sample_size // spec.patch_size, spec.hidden_size)
-            if not torch.allclose(t.reshape(table.shape).float(), table, atol=1e-5):
-                raise CheckpointError(f"{where}: pos_embed is not the fixed sin-cos table of the DiT / SiT code")
+            _check_pos_table(t, spec, where)
             continue
         name = _rename(key, _OFFICIAL)
         if name is None:
             raise CheckpointError(f"{where}: tensor {key!r} has no place in a DiT / SiT model")
         out[name] = t.float()
     return _reshape_to_ours(out, spec)
+
+
+def _check_pos_table(t: torch.Tensor, spec: DiTSpec, where: str) -> None:
+    """CheckpointError unless `t` is the fixed table in its own dtype's precision: a table computed in float64 and
+    stored in dtype d is off by at most eps_d / 2 of the table's scale (1 for sin / cos); one computed in fp32 also
+    carries its arguments' rounding, at most eps_fp32 / 2 x the grid side (sin is 1-Lipschitz). Tolerance: the larger
+    of eps_d and eps_fp32 x grid, times the scale (an fp16 table: 9.8e-4; fp32 at grid 32: 3.8e-6)."""
+    grid = spec.sample_size // spec.patch_size
+    table = dit_sincos_2d(grid, spec.hidden_size)
+    if not t.is_floating_point() or t.numel() != table.numel():
+        raise CheckpointError(f"{where}: pos_embed is {t.dtype} {list(t.shape)}; the fixed sin-cos table of the DiT / "
+                              f"SiT code is floating-point [1, {grid * grid}, {spec.hidden_size}]")
+    atol = max(torch.finfo(t.dtype).eps, torch.finfo(torch.float32).eps * grid) * table.abs().max().item()
+    err = (t.reshape(table.shape).float() - table).abs().max().item()
+    if not err <= atol:
+        raise CheckpointError(f"{where}: pos_embed is not the fixed sin-cos table of the DiT / SiT code (off by "
+                              f"{err:.3g}; {t.dtype} rounding allows {atol:.2g})")
 
 
 def ours_to_official(state: dict, spec: DiTSpec) -> dict:
@@ -195,6 +215,21 @@ def _reshape_from_ours(state: dict, spec: DiTSpec) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the diffusers layout
+_BETA = Key(float, low=0, high=1)
+_DIFFUSERS_KEYS = {  # what diffusers_spec reads of a DiTTransformer2DModel config.json (defaults: diffusers' DiT-XL/2)
+    "num_attention_heads": count(16), "attention_head_dim": count(72), "in_channels": count(4),
+    "out_channels": count(None, nullable=True), "num_layers": count(28), "patch_size": count(2),
+    "norm_eps": positive(1e-5), "sample_size": count(32), "num_embeds_ada_norm": count(1000)}
+_SCHEDULER_KEYS = {"beta_start": replace(_BETA, default=1e-4), "beta_end": replace(_BETA, default=0.02),
+                   "num_train_timesteps": count(1000)}
+_OUR_KEYS = {  # every DiTSpec field but name, typed; the defaults are DiTSpec's own (spec_from_ours)
+    "hidden_size": count(), "num_layers": count(), "num_heads": count(), "patch_size": count(),
+    "mlp_ratio": positive(), "freq_dim": count(), "parameterization": Key(str, choices=KINDS), "beta_start": _BETA,
+    "beta_end": _BETA, "num_train_timesteps": count(), "pos_table": Key(str, choices=("ours", "dit")),
+    "freq_shift": Key(int, choices=(0, 1)), "mlp_norm_eps": positive(), "in_channels": count(nullable=True),
+    "sample_size": count(nullable=True), "num_classes": count(nullable=True)}
+
+
 def is_diffusers_config(config: dict) -> bool:
     return isinstance(config, dict) and config.get("_class_name") == DIFFUSERS_CLASS
 
@@ -210,9 +245,9 @@ def diffusers_spec(config: dict, name: str, scheduler: Optional[dict] = None,
                       ("norm_elementwise_affine", False), ("attention_bias", True)):
         if config.get(key, want) != want:
             raise ConfigError(f"{name}: config.json has {key} {config[key]!r}; the DiT family takes {want!r}")
-    heads, head_dim = int(config.get("num_attention_heads", 16)), int(config.get("attention_head_dim", 72))
-    channels = int(config.get("in_channels", 4))
-    out = config.get("out_channels") or channels
+    c = read_keys(config, _DIFFUSERS_KEYS, name, what=f"a {DIFFUSERS_CLASS}")
+    channels = c["in_channels"]
+    out = c["out_channels"] or channels
     if out not in (channels, 2 * channels):
         raise ConfigError(f"{name}: out_channels {out} for in_channels {channels} (expected {channels}, or "
                           f"{2 * channels} with learned sigma)")
@@ -224,13 +259,11 @@ def diffusers_spec(config: dict, name: str, scheduler: Optional[dict] = None,
             raise ConfigError(f"{name}: its scheduler predicts {scheduler.get('prediction_type')!r} on a "
                               f"{scheduler.get('beta_schedule')!r} beta schedule; the vp-eps adapter takes epsilon on "
                               f"linear betas")
-        vp = dict(beta_start=float(scheduler.get("beta_start", 1e-4)), beta_end=float(scheduler.get("beta_end", 0.02)),
-                  num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)))
-    return DiTSpec(name=name, hidden_size=heads * head_dim, num_layers=int(config.get("num_layers", 28)),
-                   num_heads=heads, patch_size=int(config.get("patch_size", 2)), freq_dim=256, parameterization=kind,
-                   pos_table="dit", freq_shift=1, mlp_norm_eps=float(config.get("norm_eps", 1e-5)),
-                   in_channels=channels, sample_size=int(config.get("sample_size", 32)),
-                   num_classes=int(config.get("num_embeds_ada_norm", 1000)), **vp)
+        vp = read_keys(scheduler, _SCHEDULER_KEYS, name, "scheduler_config.json", "a DDPM schedule")
+    return DiTSpec(name=name, hidden_size=c["num_attention_heads"] * c["attention_head_dim"],
+                   num_layers=c["num_layers"], num_heads=c["num_attention_heads"], patch_size=c["patch_size"],
+                   freq_dim=256, parameterization=kind, pos_table="dit", freq_shift=1, mlp_norm_eps=c["norm_eps"],
+                   in_channels=channels, sample_size=c["sample_size"], num_classes=c["num_embeds_ada_norm"], **vp)
 
 
 def diffusers_config(spec: DiTSpec) -> dict:
@@ -312,13 +345,12 @@ def our_config(spec: DiTSpec) -> dict:
 
 
 def spec_from_ours(config: dict, name: str) -> DiTSpec:
-    known = {f.name for f in fields(DiTSpec)}
-    unknown = sorted(set(config) - known - {OURS_KEY})
-    if unknown:
+    """The spec of our converted DiT's config.json (`our_config`), every field typed and range-checked."""
+    unknown = sorted(set(config) - set(_OUR_KEYS) - {"name", OURS_KEY})  # a DiTSpec field missing from _OUR_KEYS
+    if unknown:                                                          # is refused here too, not dropped
         raise ConfigError(f"{name}/config.json: unknown DiT spec keys {unknown} (written by a newer dmd2-mega?)")
-    if config.get("parameterization", "flow") not in KINDS:
-        raise ConfigError(f"{name}/config.json: parameterization {config['parameterization']!r} is none of {KINDS}")
-    if config.get("pos_table", "ours") not in ("ours", "dit"):
-        raise ConfigError(f"{name}/config.json: pos_table {config['pos_table']!r} is neither 'ours' nor 'dit'")
-    return replace(DiTSpec(**{k: v for k, v in config.items() if k in known}), name=name)
+    defaults = {f.name: REQUIRED if f.default is MISSING else f.default for f in fields(DiTSpec)}
+    c = read_keys(config, {k: replace(key, default=defaults[k]) for k, key in _OUR_KEYS.items()}, name,
+                  what="a converted DiT")
+    return DiTSpec(name=name, **c)
 

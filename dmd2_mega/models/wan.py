@@ -33,7 +33,6 @@ for the TP sum of their gradients under SP.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -50,6 +49,8 @@ import kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
+from dmd2_mega.models.config_keys import Key, count, positive, read_keys
+from dmd2_mega.models.diffusers_folder import read_json
 from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
 from dmd2_mega.models.rope import rope_tables
@@ -58,6 +59,12 @@ from dmd2_mega.parallel import mark_sequence_parallel
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 
+
+_CONFIG_KEYS = {  # what from_config reads of a WanTransformer3DModel config.json, typed (`models/config_keys.py`)
+    "num_attention_heads": count(), "attention_head_dim": count(), "num_layers": count(), "ffn_dim": count(),
+    "in_channels": count(), "out_channels": count(None, nullable=True), "text_dim": count(), "freq_dim": count(),
+    "patch_size": Key(int, low=1, length=3), "cross_attn_norm": Key(bool, True), "eps": positive(1e-6),
+    "rope_max_seq_len": count(1024)}
 
 TEXT_LEN = 512
 """Wan's text length (UMT5 tokens, zero-padded): the negative buffer's length when no data gives one."""
@@ -132,25 +139,16 @@ class WanSpec:
                                   f"the Wan family builds the text-to-video transformer")
         if config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
             raise ConfigError(f"{name}: qk_norm={config['qk_norm']!r} is not supported (rms_norm_across_heads only)")
-        try:
-            return cls(name=name, num_heads=int(config["num_attention_heads"]),
-                       head_dim=int(config["attention_head_dim"]), num_layers=int(config["num_layers"]),
-                       ffn_dim=int(config["ffn_dim"]), in_channels=int(config["in_channels"]),
-                       out_channels=int(config.get("out_channels") or config["in_channels"]),
-                       text_dim=int(config["text_dim"]), freq_dim=int(config["freq_dim"]),
-                       patch_size=tuple(int(p) for p in config["patch_size"]),
-                       cross_attn_norm=bool(config.get("cross_attn_norm", True)), eps=float(config.get("eps", 1e-6)),
-                       rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)))
-        except KeyError as e:
-            raise ConfigError(f"{name}: config.json lacks {e.args[0]!r}, which a {DIFFUSERS_CLASS} needs") from None
+        c = read_keys(config, _CONFIG_KEYS, name, what=f"a {DIFFUSERS_CLASS}")
+        return cls(name=name, num_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"],
+                   num_layers=c["num_layers"], ffn_dim=c["ffn_dim"], in_channels=c["in_channels"],
+                   out_channels=c["out_channels"] or c["in_channels"], text_dim=c["text_dim"], freq_dim=c["freq_dim"],
+                   patch_size=c["patch_size"], cross_attn_norm=c["cross_attn_norm"], eps=c["eps"],
+                   rope_max_seq_len=c["rope_max_seq_len"])
 
     @classmethod
     def from_file(cls, path: str, boundary_ratio: Optional[float] = None) -> "WanSpec":
-        try:
-            with open(path) as f:
-                spec = cls.from_config(json.load(f), os.path.dirname(path) or path)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read a diffusers config.json ({e})") from None
+        spec = cls.from_config(read_json(path), os.path.dirname(path) or path)
         return replace(spec, boundary_ratio=boundary_ratio) if boundary_ratio is not None else spec
 
 

@@ -11,7 +11,8 @@ spec builds); everything else is the same name and the same tensor:
 A folder is a model folder (config.json + diffusion_pytorch_model.safetensors, or sharded with
 diffusion_pytorch_model.safetensors.index.json) or a pipeline folder holding one under transformer/
 (Wan 2.2 A14B: transformer/ and transformer_2/). `read_state` streams the shards one at a time into our
-names (one full copy in host memory); `write_folder` writes a model folder diffusers loads (the family-neutral
+names (one full copy in host memory; `diffusers_folder.iter_folder` refuses a tensor two shards hold, a NaN / inf
+weight and an index pointing outside the folder); `write_folder` writes a model folder diffusers loads (the family-neutral
 file handling: `models/diffusers_folder.py`).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 import torch
 
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models.diffusers_folder import iter_tensors, read_json, shard_files, write_model_folder
+from dmd2_mega.models.diffusers_folder import iter_folder, read_json, write_model_folder
 from dmd2_mega.models.wan import DIFFUSERS_CLASS, WanSpec
 
 _RULES = [  # (ours, diffusers), applied in order to a parameter name
@@ -70,19 +71,18 @@ def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
     wrongly shaped tensor is a CheckpointError naming the file and key."""
     ours = {diffusers_name(n): n for n in expected}
     state = {}
-    for path in shard_files(folder):
-        for key, t in iter_tensors(path):
-            name = ours.get(key)
-            if name is None:
-                if key.startswith("norm_added_q"):  # diffusers ignores it too
-                    continue
-                raise CheckpointError(f"{path}: tensor {key!r} has no place in a {DIFFUSERS_CLASS} of this "
-                                      f"config.json (weights and config disagree)")
-            t = to_our_tensor(name, t)
-            if tuple(t.shape) != tuple(expected[name]):
-                raise CheckpointError(f"{path}: tensor {key!r} has shape {list(t.shape)}, config.json implies "
-                                      f"{list(expected[name])} (weights and config disagree)")
-            state[name] = t
+    for path, key, t in iter_folder(folder):
+        name = ours.get(key)
+        if name is None:
+            if key.startswith("norm_added_q"):  # diffusers ignores it too
+                continue
+            raise CheckpointError(f"{path}: tensor {key!r} has no place in a {DIFFUSERS_CLASS} of this "
+                                  f"config.json (weights and config disagree)")
+        t = to_our_tensor(name, t)
+        if tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(f"{path}: tensor {key!r} has shape {list(t.shape)}, config.json implies "
+                                  f"{list(expected[name])} (weights and config disagree)")
+        state[name] = t
     missing = [diffusers_name(n) for n in expected if n not in state]
     if missing:
         raise CheckpointError(f"{folder}: {len(missing)} tensors of the model are in none of its weight files, "
