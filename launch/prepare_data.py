@@ -12,9 +12,11 @@
     python launch/prepare_data.py --prompts-only --pipeline /models/Wan2.1-T2V-1.3B-Diffusers \
         --prompts prompts.txt --out eval_prompts.safetensors
 
-A re-run with the same flags keeps finished shards and does the rest. Unreadable and too-short files are
-skipped and listed in <out>/report.json. A bad flag or file exits 1 with one line naming it, before any
-encoding. Details: docs/prepare_data.md; the code: dmd2_mega/prep/.
+A re-run with the same flags keeps finished shards and does the rest; a second run on an --out that another
+run is writing exits 1 with one line naming it (the trainers' lock file, <out>/.dmd2_mega.lock). Unreadable and
+too-short files are skipped and listed in <out>/report.json. A bad flag or file, a malformed captions row (by
+line; --skip-bad-captions leaves such rows out and lists them in report.json) exits 1 with one line naming it,
+before any encoding. Details: docs/prepare_data.md; the code: dmd2_mega/prep/.
 """
 import argparse
 import os
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--num-classes", type=int, metavar="K", help="with --labels-from-folders: the number of class "
                                                                 "folders expected (1000 for ImageNet)")
     d.add_argument("--captions", metavar="FILE", help="CSV or JSONL with 'path' (relative to --media) and 'caption'")
+    d.add_argument("--skip-bad-captions", action="store_true",
+                   help="leave malformed captions rows out (listed in <out>/report.json) instead of refusing the file")
     d.add_argument("--out", metavar="PATH", help="the shard directory (or, with --prompts-only, the .safetensors file)")
     d.add_argument("--frames", type=int, help="frames per clip (Wan: 4k + 1; default 81 for Wan, 1 for an image VAE)")
     d.add_argument("--height", type=int, help="pixels, a multiple of the VAE's factor (default 480 Wan / 256; "
@@ -60,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE,
                    help="stored as negative.safetensors (default: WanPipeline's documented negative prompt)")
     t.add_argument("--prompts-only", action="store_true", help="encode --prompts only and write --out (no VAE)")
-    t.add_argument("--prompts", metavar="FILE", help="with --prompts-only: one prompt per line")
+    t.add_argument("--prompts", metavar="FILE", help="with --prompts-only: a text file, one prompt per line")
     r = p.add_argument_group("run")
     r.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="stored latents / embeddings")
     r.add_argument("--compute-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
@@ -99,7 +103,8 @@ def to_config(a: argparse.Namespace) -> PrepConfig:
         fps=a.fps, max_text_len=a.max_text_len, negative_prompt=a.negative_prompt, shard_size=a.shard_size,
         dtype=a.dtype, compute_dtype=a.compute_dtype, sample_posterior=a.sample_posterior, seed=a.seed,
         batch_size=a.batch_size, text_batch_size=a.text_batch_size, workers=a.workers, device=a.device,
-        labels_from_folders=a.labels_from_folders, num_classes=a.num_classes)
+        skip_bad_captions=a.skip_bad_captions, labels_from_folders=a.labels_from_folders,
+        num_classes=a.num_classes)
 
 
 def main(a: argparse.Namespace) -> None:

@@ -2,10 +2,12 @@
 `prepare_prompts(cfg)` (a prompts file -> the `--eval-prompts` safetensors file).
 
 `prepare` under torchrun: every rank runs the same checks (flags against the VAE config, the captions file or
-the class folders, shards already under --out) before any model loads; the process-group rendezvous (gloo:
-only a barrier is needed) then orders "look at --out" before "write to --out". Rank r encodes the shards k
-with k % world == r that have no file yet: clips are read by `--workers` DataLoader processes (uint8 frames),
-then per shard
+the class folders) before any model loads. Rank 0 then takes --out's lock (the trainers' `dir_lock`, released
+when `prepare` returns) before it looks at the shards already there: a second run on the same --out stops with
+one line naming the first (torchrun then stops its other ranks) instead of encoding the same shards and
+deleting the first's temporary files. The process-group rendezvous (gloo: only a barrier is needed) orders
+every rank's "look at --out" before any "write to --out". Rank r encodes the shards k with k % world == r
+that have no file yet: clips are read by `--workers` DataLoader processes (uint8 frames), then per shard
     latents  = vae.encode(pixels [B, 3, (T,) H, W], posterior mean, or mean + std * eps with eps drawn
                from a generator seeded by (--seed, clip index): the same on any number of ranks)
     cond, text_len = text.encode(captions, --max-text-len)      (captions), or
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dmd2_mega.data.prompts import write_prompts
+from dmd2_mega.dir_lock import DirLock
 from dmd2_mega.errors import ConfigError, DataError
 
 from .clips import Clip, read_captions
@@ -65,6 +68,7 @@ class PrepConfig:
     text_batch_size: int = 16               # captions per text-encoder call
     workers: int = 4                        # DataLoader processes reading media
     device: str = "auto"                    # cuda:LOCAL_RANK when CUDA is there, else cpu
+    skip_bad_captions: bool = False         # leave malformed caption rows out (listed in report.json)
     labels_from_folders: bool = False       # media = DIR/<class>/<image>: class labels, ADM crop, no text
     num_classes: Optional[int] = None       # labels_from_folders: the class folders expected
 
@@ -87,7 +91,8 @@ class PrepConfig:
             return
         given = [flag for flag, v in (("--captions", self.captions), ("--text-encoder", self.text_encoder),
                                       ("--tokenizer", self.tokenizer), ("--prompts", self.prompts), ("--fps", self.fps))
-                 if v is not None] + (["--negative-prompt"] if self.negative_prompt != DEFAULT_NEGATIVE else [])
+                 if v is not None] + (["--negative-prompt"] if self.negative_prompt != DEFAULT_NEGATIVE else []) + \
+            (["--skip-bad-captions"] if self.skip_bad_captions else [])
         if given:
             raise ConfigError(f"{' '.join(given)} with --labels-from-folders: the labels come from the class folders "
                               f"(no captions, no text encoder, images only); drop {' '.join(given)}")
@@ -190,21 +195,27 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         cond = {"cond": "labels", "num_classes": len(classes)}
         settings.update(crop="adm", num_classes=len(classes))
         listed = f"{len(clips)} images in {len(classes)} class folders ({folders.left_out} other files left out)"
-        cond_line = f"labels in [0, {len(classes)})"
+        cond_line, source = f"labels in [0, {len(classes)})", {}
     else:
-        clips, classes = read_captions(cfg.captions, spec.kind, frames), None
+        captions, classes = read_captions(cfg.captions, spec.kind, frames, cfg.skip_bad_captions), None
+        clips = captions.clips
         cond_shape = [cfg.max_text_len, text_config["d_model"]]
         cond = {"cond": "embedding", "cond_shape": cond_shape}
         settings.update(cond_shape=cond_shape, text_encoder=text_config["model_type"])
-        listed, cond_line = f"{len(clips)} clips", f"cond {cond_shape}"
+        source = {"caption_rows_read": captions.rows, "caption_rows_skipped": captions.bad}
+        bad = f", {len(captions.bad)} malformed left out (--skip-bad-captions)" if captions.bad else ""
+        listed, cond_line = f"{len(clips)} clips ({captions.rows} caption rows read{bad})", f"cond {cond_shape}"
     chunks = plan_shards(clips, cfg.shard_size)
-    done = finished_shards(cfg.out, settings, chunks)
-    os.makedirs(cfg.out, exist_ok=True)
 
     rank, world = _world()
-    if world > 1:  # the rendezvous is the barrier between every rank's look at --out and any write
-        dist.init_process_group("gloo", timeout=timedelta(hours=24))
+    lock = DirLock(cfg.out, "--out", DataError) if rank == 0 else None  # before this run looks at --out
     try:
+        if lock is not None and lock.note:
+            print(lock.note, flush=True)
+        done = finished_shards(cfg.out, settings, chunks)
+        os.makedirs(cfg.out, exist_ok=True)
+        if world > 1:  # the rendezvous is the barrier between every rank's look at --out and any write
+            dist.init_process_group("gloo", timeout=timedelta(hours=24))
         device, compute = _device_and_dtype(cfg)
         mine = [k for k in range(len(chunks)) if k % world == rank and k not in done]
         if rank == 0:
@@ -224,7 +235,7 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
             return None
         negative = None if labels else _encode_texts(text, [cfg.negative_prompt], cfg)[0][0]
         heads = read_shard_headers(cfg.out, len(chunks))
-        report = build_report(heads, done, time.perf_counter() - start, world)
+        report = build_report(heads, done, time.perf_counter() - start, world, source)
         index_error = None
         try:
             write_index(cfg.out, heads, latent_shape, cond)
@@ -241,6 +252,8 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 def _cond_tensors(cfg: PrepConfig, text: Optional[TextEncoder], clips: List[Clip]) -> dict:
@@ -295,6 +308,22 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
             bar.update(1)
 
 
+def read_prompt_lines(path: str) -> List[str]:
+    """The stripped non-blank lines of the text file `path`. A binary file (a NUL byte, or not UTF-8: an
+    eval-prompts .safetensors, an image) is a DataError saying what --prompts takes."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+        nul = next((n for n, line in enumerate(lines, 1) if "\0" in line), None)
+        why = None if nul is None else f"a NUL byte on line {nul}"
+    except UnicodeDecodeError as e:
+        why = f"not UTF-8: {e}"
+    if why:
+        raise DataError(f"--prompts {path}: not a text file ({why}); --prompts takes a text file, one prompt a line "
+                        f"(sample.py --prompts takes the .safetensors file that --prompts-only writes)")
+    return [line.strip() for line in lines if line.strip()]
+
+
 def prepare_prompts(cfg: PrepConfig) -> Optional[List[str]]:
     """`--prompts-only`: one prompt per non-blank line of cfg.prompts -> write_prompts(cfg.out, ...) with the
     negative prompt. Rank 0 only. Returns the prompts."""
@@ -304,8 +333,7 @@ def prepare_prompts(cfg: PrepConfig) -> Optional[List[str]]:
     if not cfg.out or os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out}: with --prompts-only, the safetensors file to write")
     resolve_folders(cfg.text_encoder, cfg.tokenizer)
-    with open(cfg.prompts, encoding="utf-8") as f:
-        texts = [line.strip() for line in f if line.strip()]
+    texts = read_prompt_lines(cfg.prompts)
     if not texts:
         raise DataError(f"--prompts {cfg.prompts}: no prompts (one per non-blank line)")
     if _world()[0] != 0:

@@ -141,23 +141,32 @@ def write_classes(out: str, classes: Sequence[str]) -> None:
                  text=True)
 
 
-def build_report(heads: Sequence[dict], resumed: Set[int], seconds: float, world: int) -> Dict:
+def build_report(heads: Sequence[dict], resumed: Set[int], seconds: float, world: int, source: Dict) -> Dict:
+    """report.json's fields from the shard headers; `source` adds what the captions file lost before any shard
+    ({"caption_rows_read": n, "caption_rows_skipped": [{"line", "reason"}, ...]}; {} for class folders)."""
     written = sum(h["shapes"]["latents"][0] for h in heads)
     new = sum(h["shapes"]["latents"][0] + len(h["skipped"]) for k, h in enumerate(heads) if k not in resumed)
     skipped = [{"path": p, "reason": r, "shard": shard_name(k)} for k, h in enumerate(heads) for p, r in h["skipped"]]
-    return {"clips_total": written + len(skipped), "clips_written": written, "clips_skipped": len(skipped),
-            "shards": len(heads), "shards_resumed": sorted(resumed), "clips_this_run": new,
-            "seconds_this_run": round(seconds, 3), "clips_per_s": round(new / seconds, 3) if seconds > 0 else None,
-            "world_size": world, "settings": heads[0]["settings"] if heads else None, "skipped": skipped}
+    return {**source, "clips_total": written + len(skipped), "clips_written": written,
+            "clips_skipped": len(skipped), "shards": len(heads), "shards_resumed": sorted(resumed),
+            "clips_this_run": new, "seconds_this_run": round(seconds, 3),
+            "clips_per_s": round(new / seconds, 3) if seconds > 0 else None, "world_size": world,
+            "settings": heads[0]["settings"] if heads else None, "skipped": skipped}
 
 
 def write_report(out: str, report: Dict) -> str:
-    """report.json, and the human summary (returned, for printing)."""
+    """report.json, and the human summary (returned, for printing): caption rows read and left out, clips
+    written of those listed, files skipped."""
     atomic_write(os.path.join(out, REPORT), lambda f: json.dump(report, f, indent=1, ensure_ascii=False), text=True)
-    lines = [f"prepare_data: {report['clips_written']} of {report['clips_total']} clips written to {out} in "
+    rows, bad = report.get("caption_rows_read"), report.get("caption_rows_skipped") or []
+    read = "" if rows is None else f"{rows} caption rows read, {len(bad)} malformed left out; "
+    lines = [f"prepare_data: {read}{report['clips_written']} of {report['clips_total']} clips written to {out} in "
              f"{report['shards']} shards ({len(report['shards_resumed'])} kept from an earlier run); "
              f"{report['clips_this_run']} clips this run in {report['seconds_this_run']:.1f} s "
              f"({report['clips_per_s'] or 0:.2f} clips/s on {report['world_size']} rank(s))"]
+    if bad:
+        lines.append(f"left out {len(bad)} malformed caption rows:")
+        lines += [f"  line {b['line']}: {b['reason']}" for b in bad]
     if report["skipped"]:
         lines.append(f"skipped {report['clips_skipped']} clips:")
         lines += [f"  {s['path']}: {s['reason']}" for s in report["skipped"]]
