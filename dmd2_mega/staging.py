@@ -33,7 +33,14 @@ SUFFIX = ".partial"
 
 
 def check_free(out: str, flag: str, folder: bool, advice: str) -> None:
-    """ConfigError unless `out` is free for a new output: absent, or (a folder output) an empty folder."""
+    """ConfigError unless `out` is free for a new output: absent, or (a folder output) an empty folder; and under
+    folders (its nearest existing parent is a directory, not a file)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {out} lies under {parent}, which is not a directory; expected a path under a "
+                          f"directory; {advice} (nothing was written)")
     if folder and os.path.isfile(out):
         raise ConfigError(f"{flag} {out} is a file; expected a directory to create; {advice} (nothing was written)")
     if folder and os.path.isdir(out) and os.listdir(out):

@@ -34,7 +34,8 @@ class Key:
     """Exclusive upper bound (floats)."""
     choices: tuple = ()
     length: Optional[int] = None
-    """A list of exactly `length` values, each of `kind` within the bounds (e.g. Wan's patch_size)."""
+    """A list (or tuple: a diffusers model's in-memory config) of exactly `length` values, each of `kind` within
+    the bounds (e.g. Wan's patch_size)."""
     nullable: bool = False
 
     def expected(self) -> str:
@@ -51,7 +52,7 @@ class Key:
 
     def valid(self, v: Any) -> bool:
         if self.length is not None:
-            return isinstance(v, list) and len(v) == self.length and all(self._one(x) for x in v)
+            return isinstance(v, (list, tuple)) and len(v) == self.length and all(self._one(x) for x in v)
         return self._one(v)
 
     def _one(self, v: Any) -> bool:
@@ -90,5 +91,5 @@ def read_keys(config: Any, keys: dict, where: str, file: str = "config.json", wh
             raise ConfigError(f"{where}: {file}'s {name} is {v!r}; expected {key.expected()}")
         if v is not None and key.kind is float:
             v = float(v)
-        out[name] = tuple(v) if isinstance(v, list) else v
+        out[name] = tuple(v) if isinstance(v, (list, tuple)) else v
     return out
