@@ -53,7 +53,7 @@ warnings.warn("Transformer Engine and Apex are not installed. (from __main__: no
 
 def test_megatron_extras_warnings_filtered_exactly():
     env = {"PYTHONWARNINGS": "default"}  # the tests' children ignore warnings otherwise
-    got = run_parallel({k: lambda k=k: run([sys.executable, "-c", WARNINGS_PROBE.format(first=first)],
+    got = run_parallel({k: lambda first=first: run([sys.executable, "-c", WARNINGS_PROBE.format(first=first)],
                                            extra_env=env).check("warnings probe").stderr
                         for k, first in (("ours", ""), ("megatron first", "import megatron.core.optimizer"))})
     assert got["ours"].count("Transformer Engine and Apex are not installed") == 1, got["ours"]

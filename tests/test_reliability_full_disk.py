@@ -328,7 +328,7 @@ def test_a_tracker_that_cannot_be_written(tmp_path, monkeypatch):
 def test_offline_save_keeps_nothing_on_failure(tmp_path, monkeypatch, fails_at):
     """The conversions' writer: a failed write of any file leaves no iter_N/ and no tracker behind."""
     root = str(tmp_path / "converted")
-    payloads = [{"iteration": 0, "w": torch.ones(64)}, {"iteration": 0, "w": torch.zeros(64)}]
+    payloads = [{"iteration": 0, "w": torch.ones(4096)}, {"iteration": 0, "w": torch.zeros(4096)}]  # > the 4 KiB of room
     if fails_at == "rank file":
         patch_torch_save(monkeypatch, 0, torch_zip_writer_full)
         what = re.escape(os.path.join("iter_0000000.tmp", "mp_rank_00", "model_optim_rng.pt"))
