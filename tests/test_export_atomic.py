@@ -35,7 +35,7 @@ from dmd2_mega.flow import student_sigmas
 from dmd2_mega.models import get_spec
 from dmd2_mega.resilience import run_main
 from launch.convert_checkpoint import main as convert_main, parse_args
-from tests.utils import REPO, run, world_of_one
+from tests.utils import run, tiny_wan_transformer, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 LATENT = [4, 3, 2, 4]  # [C, T, H, W] the student was "trained" on: 9 frames of 16 x 32 with the tiny VAE (4x, 8x)
@@ -50,23 +50,17 @@ def world():
 
 def _tiny_pipeline(folder) -> None:
     """A WanPipeline folder of tiny random models (nothing downloaded)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-    torch.manual_seed(0)
-    cfg = get_spec("wan-debug").diffusers_config()
-    cfg.pop("_class_name")
     vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", "a", "cat"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    transformer = tiny_wan_transformer(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        transformer = WanTransformer3DModel(**cfg)
-        with torch.no_grad():
-            for p in transformer.parameters():
-                p.add_(0.05 * torch.randn_like(p))
         WanPipeline(tokenizer=PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                                                       unk_token="<unk>"),
                     text_encoder=UMT5EncoderModel(UMT5Config(

@@ -209,27 +209,34 @@ def train_debug_teacher(save: str, iters: int = 10, seed: int = 5, timeout: floa
     return save
 
 
-def converted_wan_teacher(d, seed: int = 11, **config) -> tuple[str, str]:
-    """(converted teacher, data) in folder d: a tiny random diffusers `WanTransformer3DModel` (the wan-debug sizes,
-    `config` overriding them; weights perturbed off their init) saved and converted with
-    launch/convert_checkpoint.py, and 32 random latents [4, 3, 4, 6] (or `latent` [C, T, H, W]) with text
-    [5, 16] and a negative prompt in safetensors shards of 8."""
+def tiny_wan_transformer(seed: int = 0, **config):
+    """A random diffusers `WanTransformer3DModel` of the wan-debug sizes (`config` overrides), its weights moved off
+    diffusers' zero-initialised ones so that every parameter matters."""
     import warnings
     import torch
     from diffusers import WanTransformer3DModel
-    from dmd2_mega.data import write_shards
     from dmd2_mega.models import get_spec
-    latent = config.pop("latent", (4, 3, 4, 6))
     cfg = {**get_spec("wan-debug").diffusers_config(), **config}
     cfg.pop("_class_name")
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = WanTransformer3DModel(**cfg)
+        model = WanTransformer3DModel(**cfg)
     with torch.no_grad():
-        for p in ref.parameters():
+        for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    ref.save_pretrained(os.path.join(d, "tiny"))
+    return model
+
+
+def converted_wan_teacher(d, seed: int = 11, **config) -> tuple[str, str]:
+    """(converted teacher, data) in folder d: a tiny random diffusers `WanTransformer3DModel` (the wan-debug sizes,
+    `config` overriding them; weights perturbed off their init) saved and converted with
+    launch/convert_checkpoint.py, and 32 random latents [4, 3, 4, 6] (or `latent` [C, T, H, W]) with text
+    [5, 16] and a negative prompt in safetensors shards of 8."""
+    import torch
+    from dmd2_mega.data import write_shards
+    latent = config.pop("latent", (4, 3, 4, 6))
+    tiny_wan_transformer(seed, **config).save_pretrained(os.path.join(d, "tiny"))
     python(os.path.join(REPO, "launch", "convert_checkpoint.py"),
            ["--from-diffusers", os.path.join(d, "tiny"), "--save", os.path.join(d, "teacher")]).check("convert")
     g = torch.Generator().manual_seed(0)
