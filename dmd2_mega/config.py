@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from dmd2_mega import flow
@@ -411,15 +411,14 @@ class DistillConfig:
         return self.gan.sigma_range or self.dmd2.score_sigma_range
 
     def critic_optim(self) -> OptimConfig:
+        """The student's optimizer settings with the --critic-* overrides that are set (every other field, a
+        new one included, is the student's)."""
         d, o = self.dmd2, self.optim
-        pick = lambda v, default: default if v is None else v  # noqa: E731
-        return OptimConfig(lr=pick(d.critic_lr, o.lr), min_lr=pick(d.critic_min_lr, min(o.min_lr, pick(d.critic_lr, o.lr))),
-                           lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style,
-                           lr_decay_iters=o.lr_decay_iters, weight_decay=pick(d.critic_weight_decay, o.weight_decay),
-                           adam_beta1=pick(d.critic_adam_beta1, o.adam_beta1),
-                           adam_beta2=pick(d.critic_adam_beta2, o.adam_beta2), adam_eps=o.adam_eps,
-                           clip_grad=o.clip_grad, optimizer_impl=o.optimizer_impl, bf16=o.bf16,
-                           use_distributed_optimizer=o.use_distributed_optimizer)
+        lr = o.lr if d.critic_lr is None else d.critic_lr
+        given = {"lr": lr, "min_lr": min(o.min_lr, lr) if d.critic_min_lr is None else d.critic_min_lr,
+                 "weight_decay": d.critic_weight_decay, "adam_beta1": d.critic_adam_beta1,
+                 "adam_beta2": d.critic_adam_beta2}
+        return replace(o, **{k: v for k, v in given.items() if v is not None})
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -65,11 +65,6 @@ def velocity_target(x0: Tensor, eps: Tensor) -> Tensor:
     return eps - x0
 
 
-def eps_from_velocity(x_s: Tensor, v: Tensor, sigma: Tensor) -> Tensor:
-    """eps = x_sigma + (1 - sigma) v. x_s, v [B, *D]; sigma [B]. Returns x_s.dtype."""
-    return (x_s + (1 - expand_like(sigma, x_s)) * v).to(x_s.dtype)
-
-
 def _check_shift(k: float) -> float:
     k = float(k)
     if not k > 0:  # also rejects nan

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from dmd2_mega.atomic import atomic_write  # noqa: E402
 from dmd2_mega.checkpoint import load_payload  # noqa: E402
-from dmd2_mega.config import ParallelConfig  # noqa: E402
+from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
 from dmd2_mega.errors import ConfigError, NonFiniteError  # noqa: E402
 from dmd2_mega.eval.fid import (ROUNDING, check_ref_width, load_ref_stats, pixels_to_uint8, save_stats,  # noqa: E402
                                 shard_indices, stream_stats)
@@ -67,7 +67,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="default: the checkpoint's --data (pixels or latents?)")
     p.add_argument("--steps", type=int, default=None,
                    help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
-    p.add_argument("--guidance", type=float, default=1.25, help="teacher CFG scale (students ignore it)")
+    p.add_argument("--guidance", type=float, default=TrainConfig.eval_guidance,
+                   help=f"teacher CFG scale (default {TrainConfig.eval_guidance:g}, as the trainers' --eval-guidance; "
+                        f"students ignore it)")
     p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
     p.add_argument("--seed", type=int, default=0, help="sample i's noise is keyed by (seed, i)")
     p.add_argument("--no-ema", action="store_true", help="DMD2 student: its raw weights, not its EMA")

@@ -15,7 +15,7 @@ Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradi
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
-plus an activation estimate; and the peak against --gpu-memory-gib. The maths is in
+plus an activation estimate; and the peak against --gpu-memory-gb. The maths is in
 dmd2_mega/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
 built models in tests/test_plan_memory.py); activations are an estimate (see that module), divided
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
@@ -85,7 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--patch", type=int, default=None, help="default: the size's patch")
     p.add_argument("--num-classes", type=int, default=1000, help="class-conditional (default)")
     p.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the verdict")
+    p.add_argument("--gpu-memory-gb", "--gpu-memory-gib", dest="gpu_memory_gb", type=float, default=80.0,
+                   help="GiB of memory of one GPU, for the verdict (the trainer's --gpu-memory-gb; --gpu-memory-gib is "
+                        "its old name here, still accepted)")
     a = p.parse_args(argv)
     check_args(a)
     return a
@@ -107,8 +109,8 @@ def check_args(a: argparse.Namespace) -> None:
     g = a.dmd2_teacher_guidance_scale
     if not (math.isfinite(g) and g >= 1):
         raise ConfigError(f"--dmd2-teacher-guidance-scale must be a finite number >= 1, got {g}")
-    if not (math.isfinite(a.gpu_memory_gib) and a.gpu_memory_gib > 0):
-        raise ConfigError(f"--gpu-memory-gib must be a finite number > 0, got {a.gpu_memory_gib}")
+    if not (math.isfinite(a.gpu_memory_gb) and a.gpu_memory_gb > 0):
+        raise ConfigError(f"--gpu-memory-gb must be a finite number > 0, got {a.gpu_memory_gb}")
     if a.search and a.world_size is None:
         raise ConfigError("--search needs --world-size (the job's GPUs)")
     if a.emit_flags and not a.search:
@@ -163,14 +165,14 @@ def search(a: argparse.Namespace) -> None:
     """--search: every layout of --world-size GPUs, best first, then the chosen one's plan (or, with --emit-flags,
     only its trainer flags). ConfigError when none fits."""
     ms = shape_from_args(a)
-    budget = mp.PLAN_HEADROOM * a.gpu_memory_gib * 2 ** 30
+    budget = mp.PLAN_HEADROOM * a.gpu_memory_gb * 2 ** 30
     found = mp.search_layouts(ms, world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
                               micro=a.micro_batch_size, steps=a.dmd2_critic_steps_per_rollout,
                               denoise=a.dmd2_denoising_steps, bf16=a.bf16, guidance=a.dmd2_teacher_guidance_scale,
                               scores=a.attention_kernel == "math")
     best, plan_, _, fits = found[0]
     if not fits:
-        raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gib:g} GiB per GPU for "
+        raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gb:g} GiB per GPU for "
                           f"--model-size {a.model_size} at --micro-batch-size {a.micro_batch_size}: the smallest "
                           f"peak is {fmt_bytes(min(max(f[2].values()) for f in found))} ({found[0][0].describe()})")
     if a.emit_flags:
@@ -178,7 +180,7 @@ def search(a: argparse.Namespace) -> None:
         return
     print(describe_model(a.model_size, ms))
     print(f"layouts of {a.world_size} GPUs ({a.gpus_per_node} per node), best first; peak per GPU against "
-          f"{mp.PLAN_HEADROOM:g} x {a.gpu_memory_gib:g} GiB:")
+          f"{mp.PLAN_HEADROOM:g} x {a.gpu_memory_gb:g} GiB:")
     rows = [[f[0].describe(), fmt_bytes(max(f[2].values())), "fits" if f[3] else "no"] for f in found[:12]]
     print(mp.format_table(["layout", "peak", "fits"], rows, left=3))
     if len(found) > 12:
@@ -228,15 +230,15 @@ def plan(a: argparse.Namespace) -> None:
                         + [fmt_bytes(row[c]) for c in ("student", "critic", "teacher", "activations", "total")])
     head = ["phase", "mode", "student", "critic", "teacher", "activations (est.)", "total"]
     print(mp.format_table(head, rows, left=2))
-    budget = a.gpu_memory_gib * 2 ** 30
+    budget = a.gpu_memory_gb * 2 ** 30
     print()
     for sliced in (True, False):
         phase, peak = mp.peak(plan, sliced)
         verdict = "fits" if peak <= 0.9 * budget else ("tight (> 90%)" if peak <= budget else "does NOT fit")
         print(f"peak {'time-sliced ' if sliced else 'all resident'}: {fmt_bytes(peak)} ({phase} phase) -> "
-              f"{verdict} in {a.gpu_memory_gib:g} GiB")
+              f"{verdict} in {a.gpu_memory_gb:g} GiB")
     roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * budget)
-    print(f"default offload of pretrain_dmd2.py on CUDA with --gpu-memory-gb {a.gpu_memory_gib:g}: "
+    print(f"default offload of pretrain_dmd2.py on CUDA with --gpu-memory-gb {a.gpu_memory_gb:g}: "
           f"{'+'.join(sorted(roles)) or 'none'} -> peak {fmt_bytes(max(totals.values()))}"
           + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)"))
 

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from dmd2_mega.atomic import atomic_write  # noqa: E402
 from dmd2_mega.builders import data_info  # noqa: E402
 from dmd2_mega.checkpoint import load_payload  # noqa: E402
-from dmd2_mega.config import ParallelConfig  # noqa: E402
+from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
 from dmd2_mega.data.prompts import read_prompts  # noqa: E402
@@ -70,7 +70,9 @@ def parse(argv=None):
     p.add_argument("--num-samples", type=int, default=None, help="default 100, or one per prompt of --prompts")
     p.add_argument("--steps", type=int, default=None,
                    help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
-    p.add_argument("--guidance", type=float, default=1.25)
+    p.add_argument("--guidance", type=float, default=TrainConfig.eval_guidance,
+                   help=f"teacher CFG scale (default {TrainConfig.eval_guidance:g}, as the trainers' --eval-guidance; "
+                        f"students ignore it)")
     p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64,

@@ -31,6 +31,7 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -265,6 +266,10 @@ def test_defaults_parse():
     c = cfg.critic_optim()
     assert c.lr == 2e-4 and c.adam_beta1 == 0.0 and c.adam_beta2 == cfg.optim.adam_beta2
     assert parse_dmd2_args(BASE + ["--critic-lr", "5e-5"]).critic_optim().lr == 5e-5
+    cfg = parse_dmd2_args(BASE + ["--adam-eps", "1e-6", "--clip-grad", "0.5", "--lr-warmup-iters", "3",
+                                  "--override-opt-param-scheduler", "--critic-weight-decay", "0.1"])
+    c = asdict(cfg.critic_optim())  # every field but the --critic-* overrides is the student's
+    assert c == {**asdict(cfg.optim), "weight_decay": 0.1}, c
     assert parse_dmd2_args(BASE + ["--micro-batch-size", "4", "--global-batch-size", "16"]).train.resolve_batches(2) == 2
 
 

@@ -526,7 +526,7 @@ def test_cli_search_errors(capsys):
     base = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--bf16"]
     assert plan_memory.main(base + ["--search"]) == 1
     assert "--search needs --world-size" in capsys.readouterr().err
-    assert plan_memory.main(base + ["--world-size", "8", "--search", "--gpu-memory-gib", "16"]) == 1
+    assert plan_memory.main(base + ["--world-size", "8", "--search", "--gpu-memory-gb", "16"]) == 1
     assert "no layout of 8 GPUs fits 16 GiB per GPU" in capsys.readouterr().err
     assert plan_memory.main(base + ["--emit-flags"]) == 1
     assert "add --search" in capsys.readouterr().err

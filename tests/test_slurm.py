@@ -189,7 +189,7 @@ def test_wan_dry_run_plans_the_layout_and_prints_a_valid_torchrun_command_per_no
     assert table_call[0] == PLANNER and flags_call == table_call + ["--emit-flags"]
     want = {"--model-size": [model], "--latent-shape": ["16", "21", "60", "104"], "--text-len": ["512"],
             "--micro-batch-size": ["1"], "--dmd2-critic-steps-per-rollout": ["5"], "--dmd2-denoising-steps": ["4"],
-            "--dmd2-teacher-guidance-scale": ["5"], "--gpu-memory-gib": ["80"], "--world-size": [str(8 * nodes)],
+            "--dmd2-teacher-guidance-scale": ["5"], "--gpu-memory-gb": ["80"], "--world-size": [str(8 * nodes)],
             "--gpus-per-node": ["8"]}
     assert {f: option(table_call, f, len(v)) for f, v in want.items()} == want
     assert "--search" in table_call and "--bf16" in table_call
@@ -228,13 +228,13 @@ def test_wan_eval_flags_follow_vae_and_eval_prompts(vae, prompts, tmp_path):
 
 def test_wan_planner_inputs_follow_the_allocation_and_the_knobs(tmp_path):
     env = wan_env("14b", tmp_path, fake_python(tmp_path), LATENT_SHAPE="16 21 90 160", TEXT_LEN="256",
-                  PLAN_MODEL="wan2.1-1.3b", GPU_MEMORY_GIB="141", SLURM_NNODES="3",
+                  PLAN_MODEL="wan2.1-1.3b", GPU_MEMORY_GB="141", SLURM_NNODES="3",
                   SLURM_JOB_NODELIST="gpu[4-6]", GPUS_PER_NODE="4", GUIDANCE="3.5", CRITIC_STEPS="2")
     res = run_script(WAN["14b"][0], env)
     assert res.returncode == 0, res.stderr
     call = shlex.split((tmp_path / "calls.txt").read_text().splitlines()[0])
     assert option(call, "--latent-shape", 4) == ["16", "21", "90", "160"] and option(call, "--text-len") == ["256"]
-    assert option(call, "--model-size") == ["wan2.1-1.3b"] and option(call, "--gpu-memory-gib") == ["141"]
+    assert option(call, "--model-size") == ["wan2.1-1.3b"] and option(call, "--gpu-memory-gb") == ["141"]
     assert option(call, "--world-size") == ["12"] and option(call, "--gpus-per-node") == ["4"]
     assert option(call, "--dmd2-teacher-guidance-scale") == ["3.5"]
     assert option(call, "--dmd2-critic-steps-per-rollout") == ["2"]

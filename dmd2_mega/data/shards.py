@@ -41,7 +41,7 @@ from torch.utils.data import get_worker_info
 from dmd2_mega.errors import DataError
 from .dataset import ImageDataset, LatentDataset
 from .safetensors_rows import FileChanged, RowFile
-from .shard_index import INDEX, NEGATIVE, TEXT_LEN, bad_values, check_shard, cond_key, read_index, read_negative
+from .shard_index import INDEX, NEGATIVE, bad_values, check_shard, cond_key, read_index, read_negative
 
 
 def _empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -69,7 +69,6 @@ class ShardDataset(LatentDataset):
         self.starts = self.ends - sizes
         labels = index["cond"] == "labels"
         self.dtypes = {name: self._common_dtype(name) for name in ("latents", self.key)}
-        self.has_text_len = all(TEXT_LEN in h for h in self.headers)
         self._set_shapes(index["latent_shape"][0], index["latent_shape"][1:], index["num_classes"] if labels else None,
                          None if labels else index["cond_shape"], os.path.join(path, INDEX))
         if not labels and os.path.exists(os.path.join(path, NEGATIVE)):
@@ -146,12 +145,6 @@ class ShardDataset(LatentDataset):
         [n, *cond_shape] in the stored dtype)."""
         x, cond = self._rows(indices, ("latents", self.key))
         return x, cond
-
-    def text_lens(self, indices: torch.Tensor) -> torch.Tensor:
-        """int64 [n]: the real (unpadded) token count of each sample's text, where the shards hold `text_len`."""
-        if not self.has_text_len:
-            raise DataError(f"{self.source}: the shards hold no '{TEXT_LEN}' tensor")
-        return self._rows(indices, (TEXT_LEN,))[0]
 
     def get_cond(self, indices: torch.Tensor) -> torch.Tensor:
         """Only the conditions of `get_batch` (a DMD2 student without a GAN head never reads the latents)."""

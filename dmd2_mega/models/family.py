@@ -1,6 +1,6 @@
 """The model-family interface: what DMD2, sampling, checkpoints and the planner may ask of a model.
 
-A family (the DiT today) is one module of `dmd2_mega/models/` that provides a `ModelFamily`: a name and
+A family (the DiT and the Wan today) is a module of `dmd2_mega/models/` that provides a `ModelFamily`: a name and
 `build(spec, shape, tp_size, options) -> FamilyModel`, which builds the model at a TP size from a
 named spec (`registry.MODEL_SIZES` maps each `--model-size` to its family and spec). Every model is
 a `FamilyModel`:

@@ -8,8 +8,8 @@
 # EVAL_PROMPTS (prepare_data.py --prompts-only); either turns the eval on every EVAL_INTERVAL (500) cycles,
 # EVAL_NUM_SAMPLES (16) videos without prompts. ATTENTION_BACKEND: sdpa, or flash where flash-attn is installed.
 # The planner: PLAN_MODEL (the recipe's size), LATENT_SHAPE ("16 21 60 104": 81 frames at 480p; "16 21 90 160"
-# for 720p) and TEXT_LEN (512) must describe DATA_PATH; GPU_MEMORY_GIB (80). Also REPO (default: the submit
-# dir), PYTHON (runs the planner), TORCHRUN, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, MICRO_BATCH_SIZE,
+# for 720p) and TEXT_LEN (512) must describe DATA_PATH; GPU_MEMORY_GB (80; GPU_MEMORY_GIB, its old name, is still
+# read). Also REPO (default: the submit dir), PYTHON (runs the planner), TORCHRUN, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, MICRO_BATCH_SIZE,
 # GLOBAL_BATCH_SIZE (unset: micro x DP), TRAIN_ITERS, LR, CRITIC_LR, EMA_DECAY, TIMESTEP_SHIFT (3, Wan's shift
 # at 480p; 5 at 720p), DENOISING_STEPS, CRITIC_STEPS, GUIDANCE (5, Wan 2.1's CFG scale), SAVE_INTERVAL,
 # TENSORBOARD_DIR, EXTRA_ARGS (appended, split on spaces; e.g. "--exit-signal-handler" on preemptible nodes).
@@ -57,7 +57,7 @@ read -r -a LATENT <<< "${LATENT_SHAPE:-16 21 60 104}"
 PLAN=("$PYTHON" "$REPO/launch/plan_memory.py" --model-size "$PLAN_MODEL" --latent-shape "${LATENT[@]}"
       --text-len "${TEXT_LEN:-512}" --micro-batch-size "$MICRO_BATCH_SIZE" --bf16
       --dmd2-critic-steps-per-rollout "$CRITIC_STEPS" --dmd2-denoising-steps "$DENOISING_STEPS"
-      --dmd2-teacher-guidance-scale "$GUIDANCE" --gpu-memory-gib "${GPU_MEMORY_GIB:-80}"
+      --dmd2-teacher-guidance-scale "$GUIDANCE" --gpu-memory-gb "${GPU_MEMORY_GB:-${GPU_MEMORY_GIB:-80}}"
       --world-size "$((SLURM_NNODES * GPUS_PER_NODE))" --gpus-per-node "$GPUS_PER_NODE" --search)
 plan_failed() {
     echo "error: the memory planner launch/plan_memory.py failed (exit $1), so there is no layout to launch:" >&2
