@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from dmd2_mega import flow, memory_plan as mp  # noqa: E402
+from dmd2_mega import flow  # noqa: E402
+from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
 from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.dmd2 import roles as R  # noqa: E402

@@ -8,7 +8,7 @@ For `wan-debug` on latents [4, 5, 6, 10] with text [3, 16] (75 tokens: odd, so C
   * the bytes a training forward keeps for backward (saved-tensor hooks: unique non-parameter storages), with and
     without --recompute-granularity full, fp32 and bf16, at TP=1 (a world of one) and, per rank under torchrun
     with 2 gloo ranks, at CP=2, TP=2 and TP=2 with --sequence-parallel.
-Each row prints the planner's figure (dmd2_mega/memory_plan.py), the measured one and their ratio.
+Each row prints the planner's figure (dmd2_mega/plan/memory_plan.py), the measured one and their ratio.
 tests/test_plan_memory.py asserts the same comparisons (and imports `kept_bytes` from here).
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 import torch  # noqa: E402
 
-from dmd2_mega import memory_plan as mp  # noqa: E402
+from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from dmd2_mega.offload import resident_bytes  # noqa: E402
+from dmd2_mega.train.offload import resident_bytes  # noqa: E402
 
 SIZE, CHANNELS, SPATIAL, TEXT, N = "wan-debug", 4, (5, 6, 10), (3, 16), 3
 LAYOUTS = {"CP=2": (1, 2, False), "TP=2": (2, 1, False), "TP=2 SP": (2, 1, True)}
@@ -62,7 +62,7 @@ def inputs(seed: int = 0):
 
 
 def activation_rows(ps, layout: str, tp: int, cp: int, sp: bool) -> list:
-    from dmd2_mega.builders import build_model, cast_model
+    from dmd2_mega.train.builders import build_model, cast_model
     ms, rows = mp.model_shape_from_info(SIZE, info()), []
     for bf16 in (False, True):
         for recompute in (False, True):
@@ -76,7 +76,7 @@ def activation_rows(ps, layout: str, tp: int, cp: int, sp: bool) -> list:
 
 
 def role_rows(ps) -> list:
-    from dmd2_mega.builders import build_grads_and_optimizer, build_model, cast_model
+    from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model
     ms, rows = mp.model_shape_from_info(SIZE, info()), []
     for bf16 in (False, True):
         for dist_opt in (False, True):
@@ -101,7 +101,7 @@ def role_rows(ps) -> list:
 
 def rank_main(layout: str, out: str) -> None:
     """Under torchrun: this layout's activation rows, written by rank 0."""
-    from dmd2_mega.parallel import destroy_distributed, init_distributed
+    from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
     tp, cp, sp = LAYOUTS[layout]
     ps = init_distributed(ParallelConfig(tp, cp, sp))
     rows = activation_rows(ps, layout, tp, cp, sp)
@@ -119,7 +119,7 @@ def main() -> int:
     if a.rank_report:
         rank_main(*a.rank_report)
         return 0
-    from dmd2_mega.parallel import destroy_distributed, init_distributed
+    from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
     ps = init_distributed(ParallelConfig())
     rows = role_rows(ps) + activation_rows(ps, "TP=1", 1, 1, False)
     destroy_distributed()

@@ -16,7 +16,7 @@ from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.family import BuildOptions
 from dmd2_mega.models.registry import get_size
-from dmd2_mega.path_guard import check_outputs_apart
+from dmd2_mega.files.path_guard import check_outputs_apart
 
 
 def _check(cond: bool, msg: str) -> None:

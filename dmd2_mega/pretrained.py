@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.atomic import atomic_write
-from dmd2_mega.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
+from dmd2_mega.files.atomic import atomic_write
+from dmd2_mega.train.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
 from dmd2_mega.config import ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import DataShape, FamilyModel, ModelSize, get_size
@@ -52,8 +52,8 @@ from dmd2_mega.models.dit_checkpoints import (diffusers_config, diffusers_to_our
 from dmd2_mega.models.parameterization import build_adapter
 from dmd2_mega.models.wan_diffusers import model_dir, read_config, read_state, write_folder
 from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
-from dmd2_mega.parallel import ParallelState, init_distributed, tp_partition_dim
-from dmd2_mega.staging import check_free, staged_output
+from dmd2_mega.distributed.parallel import ParallelState, init_distributed, tp_partition_dim
+from dmd2_mega.files.staging import check_free, staged_output
 
 NEW_CHECKPOINT = "convert into a new directory"  # how a taken --save / --to-* is refused
 NEW_FOLDER, NEW_FILE = "export into a new directory", "export to a new file"

@@ -215,7 +215,7 @@ def check_sampler_flags(steps: Optional[int], guidance: float, shift: Optional[f
 
 def check_checkpoint(load: str, iteration: Optional[int]) -> None:
     """CheckpointError unless --load is a checkpoint directory holding --iteration (default: its latest)."""
-    from dmd2_mega.checkpoint import iter_dir, latest_iteration
+    from dmd2_mega.train.checkpoint import iter_dir, latest_iteration
     latest = latest_iteration(load)  # CheckpointError if --load is missing or a file
     if iteration is None:
         if latest is None:
@@ -232,8 +232,8 @@ def load_sampling_model(payload: dict, info: dict, ps, *, no_ema: bool = False, 
                         source: str = "--load", negative: Optional[torch.Tensor] = None):
     """(model, "EMA weights" | "raw weights"): the checkpoint's model at this rank's TP degree, with a DMD2
     student's EMA (saved beside the weights under the same names) in place of its weights unless `no_ema`."""
-    from dmd2_mega.builders import build_model, cast_model
-    from dmd2_mega.checkpoint import load_model_weights
+    from dmd2_mega.train.builders import build_model, cast_model
+    from dmd2_mega.train.checkpoint import load_model_weights
     from dmd2_mega.config import ModelConfig
     model = build_model(ModelConfig(size=payload["args"]["model"]["size"]), info, ps, negative=negative)
     state, weights = payload["model"], "raw weights"

@@ -39,9 +39,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
+from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.pretrained import export_diffusers, export_official, import_diffusers, import_dit  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
+from dmd2_mega.train.resilience import run_main  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dmd2_mega.atomic import atomic_write  # noqa: E402
-from dmd2_mega.checkpoint import load_payload  # noqa: E402
+from dmd2_mega.files.atomic import atomic_write  # noqa: E402
+from dmd2_mega.train.checkpoint import load_payload  # noqa: E402
 from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
 from dmd2_mega.errors import ConfigError, NonFiniteError  # noqa: E402
 from dmd2_mega.eval.fid import (ROUNDING, check_ref_width, load_ref_stats, pixels_to_uint8, save_stats,  # noqa: E402
@@ -43,10 +43,10 @@ from dmd2_mega.eval.frechet import gaussian_frechet  # noqa: E402
 from dmd2_mega.eval.inception import check_inception_file, load_inception  # noqa: E402
 from dmd2_mega.eval.media import check_vae, holds_pixels  # noqa: E402
 from dmd2_mega.models import DataShape  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
-from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
+from dmd2_mega.train.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
                                 keyed_noise, load_sampling_model)
 

@@ -16,7 +16,7 @@ during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW m
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
 plus an activation estimate; and the peak against --gpu-memory-gb. The maths is in
-dmd2_mega/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
+dmd2_mega/plan/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
 built models in tests/test_plan_memory.py); activations are an estimate (see that module), divided
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
 --search tries every layout of --world-size GPUs (TP inside a node, CP, DP, recompute, offload), prints
@@ -34,10 +34,10 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "TE / Apex not installed": moot here
 
-from dmd2_mega import memory_plan as mp  # noqa: E402
+from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.models.registry import MODEL_SIZES, get_size  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
+from dmd2_mega.train.resilience import run_main  # noqa: E402
 
 
 def fmt_bytes(n: float) -> str:
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 weights/compute, fp32 masters and Adam state")
     p.add_argument("--recompute-granularity", default=None, choices=["full"])
     p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="fp32 masters and Adam state sharded over DP x CP (dmd2_mega/dist_optim.py)")
+                   help="fp32 masters and Adam state sharded over DP x CP (dmd2_mega/train/dist_optim.py)")
     p.add_argument("--context-parallel-size", type=int, default=1, help="CP: ranks splitting each sample's tokens")
     p.add_argument("--sequence-parallel", action="store_true", help="shard the non-matmul regions over TP too")
     p.add_argument("--attention-kernel", default="fused", choices=["fused", "math"],

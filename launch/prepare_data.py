@@ -25,7 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
-from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
+from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.run import DTYPES, PrepConfig, prepare, prepare_prompts  # noqa: E402
 from dmd2_mega.prep.text import DEFAULT_NEGATIVE  # noqa: E402
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.arguments import parse_dmd2_args  # noqa: E402
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
-from dmd2_mega.resilience import run_training  # noqa: E402
+from dmd2_mega.train.resilience import run_training  # noqa: E402
 
 
 def main(argv=None) -> int:

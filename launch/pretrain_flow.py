@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.arguments import parse_flow_args  # noqa: E402
-from dmd2_mega.resilience import run_training  # noqa: E402
+from dmd2_mega.train.resilience import run_training  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 

@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dmd2_mega.atomic import atomic_write  # noqa: E402
-from dmd2_mega.builders import data_info  # noqa: E402
-from dmd2_mega.checkpoint import load_payload  # noqa: E402
+from dmd2_mega.files.atomic import atomic_write  # noqa: E402
+from dmd2_mega.train.builders import data_info  # noqa: E402
+from dmd2_mega.train.checkpoint import load_payload  # noqa: E402
 from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
@@ -55,10 +55,10 @@ from dmd2_mega.eval.npz_stream import NpzStream  # noqa: E402
 from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
                                   write_samples)
 from dmd2_mega.models import DataShape  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed  # noqa: E402
-from dmd2_mega.path_guard import check_outputs_apart  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed  # noqa: E402
+from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
-from dmd2_mega.resilience import run_main  # noqa: E402
+from dmd2_mega.train.resilience import run_main  # noqa: E402
 from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
                                 eval_conditions, load_sampling_model, sample_batches)
 

@@ -1,4 +1,4 @@
-"""The distributed optimizer (`--use-distributed-optimizer`, dmd2_mega/dist_optim.py; issue 16, item 3).
+"""The distributed optimizer (`--use-distributed-optimizer`, dmd2_mega/train/dist_optim.py; issue 16, item 3).
 
   a. DP = 2 (torchrun, gloo; tests/mp_scripts/dist_optim_dp.py), against optim.Optimizer on the same model,
      weights and per-rank batches, 4 steps of 2 micro-batches, buckets of 40 elements (parameters straddle

@@ -1,7 +1,7 @@
 """Critic phase (dmd2_mega/dmd2/critic.py) against a float64 replay written here from DESIGN section 2.
 
 Setup: M = 2 micro-batches per rank, B = 3, K critic steps, images [B, 2, 3, 3] float64; a tiny
-float64 critic (TinyNet) trained by dmd2_mega.optim.Optimizer; a fake teacher with a closed-form
+float64 critic (TinyNet) trained by dmd2_mega.train.optim.Optimizer; a fake teacher with a closed-form
 velocity v_T(x, sigma, c) = -0.5 x + 0.3 sigma + mu[c] (mu[null] its own mean, so CFG matters).
 Critic grid: G = 20 points s_g = (G - g) / G (unshifted), shift k = 3; score range 0.3 0.6 on the
 UNSHIFTED value, asymmetric on purpose: its shifted images lie in [0.5625, 0.818], so testing the
@@ -33,7 +33,7 @@ from dmd2_mega.dmd2.critic import critic_phase
 from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
 from dmd2_mega.dmd2.rollout import Rollout
 from dmd2_mega.flow import critic_grid
-from dmd2_mega.optim import Optimizer
+from dmd2_mega.train.optim import Optimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ class FakeTeacher(torch.nn.Module):
 
 
 class RecordingOptimizer:
-    """dmd2_mega.optim.Optimizer that records (parameters, gradients) just before each step."""
+    """dmd2_mega.train.optim.Optimizer that records (parameters, gradients) just before each step."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig):
         self.model, self.inner, self.records = model, Optimizer(model, cfg), []

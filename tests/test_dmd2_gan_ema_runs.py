@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.checkpoint import iter_dir, rank_file
+from dmd2_mega.train.checkpoint import iter_dir, rank_file
 from dmd2_mega.errors import ConfigError
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, launch, python, read_trace
 
@@ -125,10 +125,10 @@ def test_resume_restores_ema_and_gan_head_exactly(runs):
 
 @pytest.mark.integration
 def test_sample_uses_ema_unless_no_ema(runs, tmp_path):
-    from dmd2_mega.checkpoint import load_model_weights
+    from dmd2_mega.train.checkpoint import load_model_weights
     from dmd2_mega.config import ModelConfig
     from dmd2_mega.sampling import generate_student
-    from dmd2_mega.builders import build_model
+    from dmd2_mega.train.builders import build_model
     from tests.utils import world_of_one
     ref = str(runs["d"] / "ref")
     outs = {}

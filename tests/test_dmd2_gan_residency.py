@@ -13,13 +13,13 @@ phase (the table without GAN_PHASE_ROLES).
 import pytest
 import torch
 
-from dmd2_mega.builders import build_model, cast_model
+from dmd2_mega.train.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import GANCritic
 from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
-from dmd2_mega.offload import RoleAsleepError
-from dmd2_mega.optim import Optimizer
+from dmd2_mega.train.offload import RoleAsleepError
+from dmd2_mega.train.optim import Optimizer
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)

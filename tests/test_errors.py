@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_flow_args
-from dmd2_mega.checkpoint import (TRACKER, check_writable, iter_dir, latest_iteration, load_model_weights,
+from dmd2_mega.train.checkpoint import (TRACKER, check_writable, iter_dir, latest_iteration, load_model_weights,
                                   load_payload, rank_file)
 from dmd2_mega.config import TrainConfig
 from dmd2_mega.data import build_dataset, write_shards
 from dmd2_mega.errors import CheckpointError, ConfigError, DataError
 from dmd2_mega.models import MODEL_SIZES, DataShape, build_model
-from dmd2_mega.parallel import ParallelState
+from dmd2_mega.distributed.parallel import ParallelState
 from tests.utils import PRETRAIN, python, world_of_one
 
 pytestmark = pytest.mark.timeout(120)

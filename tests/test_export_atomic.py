@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2_mega.checkpoint import iter_dir, rank_file, save_offline
+from dmd2_mega.train.checkpoint import iter_dir, rank_file, save_offline
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.models import get_spec
-from dmd2_mega.resilience import run_main
+from dmd2_mega.train.resilience import run_main
 from launch.convert_checkpoint import main as convert_main, parse_args
 from tests.utils import run, tiny_wan_transformer, world_of_one
 
@@ -125,7 +125,7 @@ def test_failed_export_leaves_nothing_and_the_rerun_works(made, tmp_path, monkey
 
 
 def test_failed_import_leaves_no_config_json(made, tmp_path, monkeypatch):
-    from dmd2_mega import checkpoint
+    from dmd2_mega.train import checkpoint
     save = tmp_path / "teacher"
     for failure in (no_space, zip_writer_full):
         with monkeypatch.context() as m:
@@ -202,8 +202,8 @@ def test_readme_snippet_runs_as_written_at_the_trained_size_and_sigmas(made, tmp
 @pytest.mark.parametrize("folder", [True, False], ids=["folder", "file"])
 def test_staged_output_refuses_a_second_writer_and_a_foreign_temporary(tmp_path, folder):
     import fcntl
-    from dmd2_mega.dir_lock import LOCK_NAME
-    from dmd2_mega.staging import staged_output
+    from dmd2_mega.files.dir_lock import LOCK_NAME
+    from dmd2_mega.files.staging import staged_output
     out = tmp_path / ("export" if folder else "export.pt")
     staging = tmp_path / (out.name + ".partial")
     staging.mkdir()

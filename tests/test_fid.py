@@ -27,7 +27,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
-from dmd2_mega.checkpoint import iter_dir, latest_iteration, load_payload, rank_file, save_offline
+from dmd2_mega.train.checkpoint import iter_dir, latest_iteration, load_payload, rank_file, save_offline
 from dmd2_mega.eval.fid import FeatureStats, pixels_to_uint8, shard_indices, stats_problem, stream_stats
 from dmd2_mega.eval.frechet import gaussian_frechet
 from dmd2_mega.sampling import checkpoint_sampler, keyed_noise, load_sampling_model

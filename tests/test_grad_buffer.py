@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from dmd2_mega.grad_buffer import GradBuffer
+from dmd2_mega.train.grad_buffer import GradBuffer
 from tests.utils import MP_SCRIPTS, torchrun
 
 pytestmark = pytest.mark.timeout(180)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.checkpoint import TRACKER, latest_iteration
+from dmd2_mega.train.checkpoint import TRACKER, latest_iteration
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.teacher_trainer import FlowTrainer

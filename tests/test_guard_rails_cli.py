@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.checkpoint import iter_dir, latest_iteration, rank_file
-from dmd2_mega.resilience import ExitController, run_main
+from dmd2_mega.train.checkpoint import iter_dir, latest_iteration, rank_file
+from dmd2_mega.train.resilience import ExitController, run_main
 from dmd2_mega.teacher_trainer import FlowTrainer
 from launch import plan_memory, pretrain_dmd2, pretrain_flow
 from launch import sample as sample_script

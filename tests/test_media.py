@@ -36,7 +36,7 @@ from dmd2_mega.data import write_shards
 from dmd2_mega.data.prompts import write_prompts
 from dmd2_mega.errors import ConfigError, EvalInputError
 from dmd2_mega.eval import media
-from dmd2_mega.logger import TrainLogger
+from dmd2_mega.train.logger import TrainLogger
 from dmd2_mega.prep.vae import LatentVAE, VAESpec
 from launch import pretrain_dmd2, pretrain_flow
 from launch import sample as sample_script

@@ -24,7 +24,7 @@ from dmd2_mega.arguments import parse_flow_args
 from dmd2_mega.config import ModelConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import DataShape, DiT, MODEL_SIZES, build_model, count_parameters, get_spec
-from dmd2_mega.parallel import tp_partition_dim
+from dmd2_mega.distributed.parallel import tp_partition_dim
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Sleep / wake of a role (dmd2_mega/offload.py) on a CPU-only run, where the "device" is the CPU.
+"""Sleep / wake of a role (dmd2_mega/train/offload.py) on a CPU-only run, where the "device" is the CPU.
 
 Checked against independent snapshots (clones taken before sleeping) and a run without offload:
 storages are freed (nbytes 0) while the tensor objects survive in the model and the optimizer;
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.offload import RoleAsleepError, Sleeper, resident_bytes
-from dmd2_mega.optim import Optimizer
+from dmd2_mega.train.offload import RoleAsleepError, Sleeper, resident_bytes
+from dmd2_mega.train.optim import Optimizer
 
 pytestmark = pytest.mark.timeout(60)
 

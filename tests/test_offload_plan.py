@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dmd2_mega import memory_plan as mp
+from dmd2_mega.plan import memory_plan as mp
 from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.dmd2.student_trainer import ROLES, DMD2Trainer
 from dmd2_mega.errors import ConfigError

@@ -6,7 +6,7 @@ import torch
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.optim import LRSchedule, Optimizer, clip_gradients, grad_norm
+from dmd2_mega.train.optim import LRSchedule, Optimizer, clip_gradients, grad_norm
 
 
 def test_lr_schedule_warmup_cosine_constant():
@@ -86,8 +86,8 @@ def test_bf16_master_weights_step_like_fp32_adamw():
 def test_masters_follow_weights_loaded_after_the_optimizer(distributed):
     """--load with --no-load-optim loads weights into a model whose optimizer already holds fp32 masters: after
     sync_masters a step with zero gradients keeps the loaded weights (without it, the step restores the init)."""
-    from dmd2_mega.dist_optim import DistributedOptimizer
-    from dmd2_mega.grad_buffer import GradBuffer
+    from dmd2_mega.train.dist_optim import DistributedOptimizer
+    from dmd2_mega.train.grad_buffer import GradBuffer
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4).to(torch.bfloat16)
     grads = GradBuffer(model, shard=distributed)

@@ -1,4 +1,4 @@
-"""No output over an input (dmd2_mega/path_guard.py): the shared check and every entry point that runs it, in
+"""No output over an input (dmd2_mega/files/path_guard.py): the shared check and every entry point that runs it, in
 process (each entry point's flag parsing / main raises before anything is written), with the input's bytes
 checked unchanged."""
 import os
@@ -7,7 +7,7 @@ import pytest
 
 from dmd2_mega.config import TrainConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.path_guard import check_outputs_apart, relation
+from dmd2_mega.files.path_guard import check_outputs_apart, relation
 from launch import convert_checkpoint, eval_fid, prepare_data, sample
 
 

@@ -1,4 +1,4 @@
-"""The memory planner's maths (dmd2_mega/memory_plan.py, launch/plan_memory.py) against real models.
+"""The memory planner's maths (dmd2_mega/plan/memory_plan.py, launch/plan_memory.py) against real models.
 
 References, all independent of the planner's formulas:
   * parameters, gradients, fp32 masters, master gradients and AdamW state: the storage bytes of built
@@ -27,19 +27,19 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dmd2_mega import memory_plan as mp
-from dmd2_mega.builders import build_model, cast_model
+from dmd2_mega.plan import memory_plan as mp
+from dmd2_mega.train.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
-from dmd2_mega.grad_buffer import GradBuffer
+from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.dmd2.rollout import rollout
 from dmd2_mega.flow import student_sigmas
-from dmd2_mega.offload import Sleeper, resident_bytes
-from dmd2_mega.dist_optim import DistributedOptimizer
-from dmd2_mega.optim import Optimizer
+from dmd2_mega.train.offload import Sleeper, resident_bytes
+from dmd2_mega.train.dist_optim import DistributedOptimizer
+from dmd2_mega.train.optim import Optimizer
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.registry import get_spec
 from dmd2_mega.models.wan import Wan, WanSpec
-from dmd2_mega.parallel import tp_partition_dim
+from dmd2_mega.distributed.parallel import tp_partition_dim
 from benchmarks.plan_vs_measured import kept_bytes as measured_kept_bytes
 from launch import plan_memory
 from tests.utils import torchrun, world_of_one
@@ -271,7 +271,7 @@ def layout_report(out_dir: str) -> None:
     Wan shapes, fp32 and bf16, with and without recompute, in out_dir/<layout>_rank<r>.json."""
     from megatron.core import parallel_state as mpu
     from dmd2_mega.config import ParallelConfig
-    from dmd2_mega.parallel import destroy_distributed, init_distributed
+    from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
     for name, (tp, cp, sp) in LAYOUTS.items():
         ps = init_distributed(ParallelConfig(tp, cp, sp))
         report = {}

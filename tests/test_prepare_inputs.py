@@ -161,7 +161,7 @@ def test_skip_bad_captions_end_to_end(setup, tmp_path, capsys):  # noqa: F811
 
 HOLD = """import sys
 sys.path.insert(0, {root!r})
-from dmd2_mega.dir_lock import acquire
+from dmd2_mega.files.dir_lock import acquire
 acquire({out!r}, "--save")
 print("locked", flush=True)
 sys.stdin.readline()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core import tensor_parallel
 
-from dmd2_mega import megatron_compat
+from dmd2_mega.distributed import megatron_compat
 from dmd2_mega.config import ModelConfig
 from dmd2_mega.dmd2.gan import GANCritic
 from dmd2_mega.models import DataShape, build_model

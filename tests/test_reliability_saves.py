@@ -1,7 +1,7 @@
 """Crash-safe checkpoints: a process killed at any stage of a save leaves the tracker pointing at a
 complete checkpoint, and the student and <save>_critic of one DMD2 cycle resume as a pair.
 
-In-process, every stage of `dmd2_mega.resilience.KILL_STAGES`: `checkpoint.kill_point` is replaced
+In-process, every stage of `dmd2_mega.train.resilience.KILL_STAGES`: `checkpoint.kill_point` is replaced
 by one that raises `Crash` at the stage (a BaseException: the save cleans up after an Exception, a failed
 write, but not after a kill, so the disk is left as a SIGKILL there would leave it; the rank file is fsync'd
 before each stage).
@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from dmd2_mega import checkpoint
+from dmd2_mega.train import checkpoint
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.checkpoint import latest_iteration, load_payload
+from dmd2_mega.train.checkpoint import latest_iteration, load_payload
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.parallel import ParallelState
-from dmd2_mega.resilience import KILL_ENV
+from dmd2_mega.distributed.parallel import ParallelState
+from dmd2_mega.train.resilience import KILL_ENV
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, PRETRAIN_DMD2, find_tmp, run, world_of_one
 

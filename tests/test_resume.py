@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from dmd2_mega.checkpoint import iter_dir, rank_file
+from dmd2_mega.train.checkpoint import iter_dir, rank_file
 from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace, run_parallel
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,7 +32,7 @@ def ckpt(root: str, it: int) -> dict:
 
 def adam_state(optimizer_state: dict) -> dict:
     """The torch AdamW state {param index: {step, exp_avg, exp_avg_sq}} inside the saved optimizer
-    (dmd2_mega.optim.Optimizer nests it under 'inner'; a bare torch optimizer has it at the top)."""
+    (dmd2_mega.train.optim.Optimizer nests it under 'inner'; a bare torch optimizer has it at the top)."""
     return optimizer_state.get("inner", optimizer_state)["state"]
 
 

@@ -16,7 +16,7 @@ from dmd2_mega.dmd2.rollout import Rollout, rollout
 from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.flow import shift_sigma, student_sigmas
 from dmd2_mega.models import DataShape, build_model
-from dmd2_mega.parallel import micro_batch_generator
+from dmd2_mega.distributed.parallel import micro_batch_generator
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmd2_mega.builders import build_model
+from dmd2_mega.train.builders import build_model
 from dmd2_mega.config import ModelConfig
 from dmd2_mega.data.prompts import write_prompts
 from dmd2_mega.data.shard_writer import write_shards

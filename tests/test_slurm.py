@@ -370,7 +370,7 @@ def script_cfg(cmd: list):
 
 @pytest.mark.parametrize("steps", ["1", "4"])
 def test_sit_dry_run_prints_the_dmd2_imagenet_recipe_per_node(steps, tmp_path):
-    from dmd2_mega import memory_plan as mp
+    from dmd2_mega.plan import memory_plan as mp
     env = sit_env(tmp_path, STUDENT_STEPS=steps)
     teacher = env["TEACHER"]
     counts = mp.param_counts(mp.model_shape(teacher, 4, 32, num_classes=1000))

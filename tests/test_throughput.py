@@ -1,4 +1,4 @@
-"""Per-phase time and model TFLOP/s in the log (dmd2_mega/throughput.py; issue 16, item 6).
+"""Per-phase time and model TFLOP/s in the log (dmd2_mega/plan/throughput.py; issue 16, item 6).
 
   a. PhaseClock on a CPU, with time.perf_counter replaced by a scripted clock: each phase gets the time from its
      start to the next mark, averaged over the cycles since the last take; take() then starts afresh.
@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from dmd2_mega import memory_plan as mp
-from dmd2_mega import throughput
-from dmd2_mega.builders import data_info
+from dmd2_mega.plan import memory_plan as mp
+from dmd2_mega.plan import throughput
+from dmd2_mega.train.builders import data_info
 from dmd2_mega.data import build_dataset
 from tests.utils import PRETRAIN, python
 

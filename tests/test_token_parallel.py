@@ -23,8 +23,8 @@ import shutil
 import pytest
 import torch
 
-from dmd2_mega import memory_plan as mp
-from dmd2_mega.builders import data_info
+from dmd2_mega.plan import memory_plan as mp
+from dmd2_mega.train.builders import data_info
 from dmd2_mega.config import ParallelConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.errors import ConfigError

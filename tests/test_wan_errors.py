@@ -20,7 +20,7 @@ from dmd2_mega.data import write_shards
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import DataShape, build_model, get_size, get_spec
 from dmd2_mega.pretrained import import_diffusers
-from dmd2_mega.resilience import run_main
+from dmd2_mega.train.resilience import run_main
 from launch.convert_checkpoint import main as convert_main, parse_args
 from tests.utils import PRETRAIN_DMD2, python, world_of_one
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 import torch
 
-from dmd2_mega.checkpoint import load_payload
+from dmd2_mega.train.checkpoint import load_payload
 from dmd2_mega.data import write_shards
 from dmd2_mega.models import get_size, get_spec
 from dmd2_mega.models.wan_diffusers import diffusers_name
@@ -99,7 +99,7 @@ def test_two_expert_round_trip_and_dmd2(pipeline, tmp_path):
 
 
 def test_planner_counts_both_experts():
-    from dmd2_mega import memory_plan as mp
+    from dmd2_mega.plan import memory_plan as mp
     info = {"latent_shape": [16, 21, 60, 104], "num_classes": None, "cond_shape": (512, 4096)}
     one, two = (mp.param_counts(mp.model_shape_from_info(s, info)) for s in ("wan2.1-14b", "wan2.2-a14b"))
     assert one["sharded"] + one["replicated"] == 14_288_491_584  # the meta-built Wan 2.1 14B (test_plan_memory)
@@ -117,7 +117,7 @@ def test_time_sliced_teacher_keeps_one_expert_resident(pipeline):
     """ExpertSleeper: in a phase that needs the teacher, an expert wakes for its own forward after the other
     sleeps; outputs are those of the model without time-slicing; "none" frees both."""
     from dmd2_mega.dmd2.roles import Role
-    from dmd2_mega.offload import ExpertSleeper, RoleAsleepError
+    from dmd2_mega.train.offload import ExpertSleeper, RoleAsleepError
 
     d, _ = pipeline
     g = torch.Generator().manual_seed(3)

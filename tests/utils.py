@@ -178,7 +178,7 @@ def world_of_one(tp: int = 1, seed: int = 1234):
     """In-process `init_distributed(ParallelConfig())` for a test module; restores os.environ and
     tears the (global) megatron parallel state down afterwards."""
     from dmd2_mega.config import ParallelConfig
-    from dmd2_mega.parallel import destroy_distributed, init_distributed
+    from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
 
     saved = {k: os.environ.get(k) for k in _DIST_VARS}
     try:

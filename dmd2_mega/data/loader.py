@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dmd2_mega.errors import DataError
-from dmd2_mega.parallel import to_device
+from dmd2_mega.distributed.parallel import to_device
 from .sampler import GlobalBatchSampler
 from .shards import ShardDataset
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.errors import DataError
 from .shard_index import INDEX, NEGATIVE
 

@@ -18,7 +18,7 @@ import torch
 import kernels
 from dmd2_mega.dmd2.gan import GANSettings, gan_inputs, generator_loss
 from dmd2_mega.dmd2.records import MicroBatch, Scores
-from dmd2_mega.optim import step_optimizer
+from dmd2_mega.train.optim import step_optimizer
 
 
 def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None, critic=None,

@@ -28,7 +28,7 @@ from dmd2_mega import flow
 from dmd2_mega.dmd2.gan import discriminator_loss, gan_inputs
 from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
 from dmd2_mega.dmd2.rollout import Rollout
-from dmd2_mega.optim import step_optimizer
+from dmd2_mega.train.optim import step_optimizer
 
 
 def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBatch],

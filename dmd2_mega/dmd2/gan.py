@@ -34,7 +34,7 @@ from torch import Tensor
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import FamilyModel
-from dmd2_mega.parallel import mark_whole_over_cp
+from dmd2_mega.distributed.parallel import mark_whole_over_cp
 
 HEAD_SEED_OFFSET = 9173  # the head's init generator is seeded with --seed + this
 

@@ -15,16 +15,16 @@ import os
 from dataclasses import asdict, replace
 from typing import Optional, Sequence
 
-from dmd2_mega.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
+from dmd2_mega.train.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, set_rng_state, training_payload, write_iteration)
-from dmd2_mega.checkpoint_guard import DMD2_RESUME_SETTINGS, check_resume, check_role
+from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS, check_resume, check_role
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.dmd2.ema import StudentEMA
 from dmd2_mega.dmd2.gan import holds_head
 from dmd2_mega.dmd2.roles import Role
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.logger import print_rank0
-from dmd2_mega.parallel import ParallelState
+from dmd2_mega.train.logger import print_rank0
+from dmd2_mega.distributed.parallel import ParallelState
 
 TRAINED = ("critic", "student")  # save order: the student's tracker is the commit point
 

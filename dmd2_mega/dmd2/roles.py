@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from dmd2_mega.grad_buffer import GradBuffer
-from dmd2_mega.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
-from dmd2_mega.optim import LRSchedule, Optimizer
+from dmd2_mega.train.grad_buffer import GradBuffer
+from dmd2_mega.train.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
+from dmd2_mega.train.optim import LRSchedule, Optimizer
 
 # phase -> {role: what of it must be resident}: "all" (weights and, if trained, grads + optimizer
 # state) or "weights" (a frozen forward); a role not named sleeps

@@ -43,7 +43,7 @@ from torch import Tensor
 import kernels
 from dmd2_mega import flow
 from dmd2_mega.errors import RolloutError
-from dmd2_mega.parallel import to_device
+from dmd2_mega.distributed.parallel import to_device
 
 StudentFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 

@@ -28,10 +28,10 @@ from typing import Optional
 
 import torch
 
-from dmd2_mega import memory_plan as mp
-from dmd2_mega.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
-from dmd2_mega.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
-from dmd2_mega.checkpoint_guard import check_family, check_role, check_save_dirs
+from dmd2_mega.plan import memory_plan as mp
+from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
+from dmd2_mega.train.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
+from dmd2_mega.train.checkpoint_guard import check_family, check_role, check_save_dirs
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.loader import MicroBatchLoader
@@ -46,16 +46,16 @@ from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.data_metrics import metrics_for_data
 from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
-from dmd2_mega.logger import TrainLogger, print_rank0
-from dmd2_mega.loop import RunStateTrainer, train_loop
+from dmd2_mega.train.logger import TrainLogger, print_rank0
+from dmd2_mega.train.loop import RunStateTrainer, train_loop
 from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.models import DataShape, count_parameters, get_size
-from dmd2_mega.optim import LRSchedule
-from dmd2_mega.parallel import all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.resilience import ExitController
-from dmd2_mega.run_lock import lock_run_dirs
+from dmd2_mega.train.optim import LRSchedule
+from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
+from dmd2_mega.train.resilience import ExitController
+from dmd2_mega.train.run_lock import lock_run_dirs
 from dmd2_mega.sampling import eval_conditions, generate_student
-from dmd2_mega.throughput import PhaseClock, dmd2_cycle_flops, sample_flops
+from dmd2_mega.plan.throughput import PhaseClock, dmd2_cycle_flops, sample_flops
 
 __all__ = ["DMD2Trainer", "critic_dir"]
 ROLES = frozenset(("student", "critic", "teacher"))

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.errors import ConfigError, EvalInputError
 
 ROUNDING = ("round", "floor")

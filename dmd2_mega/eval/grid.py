@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.errors import EvalInputError
 
 

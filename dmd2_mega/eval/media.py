@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.data.prompts import Prompts, read_prompts
 from dmd2_mega.errors import ConfigError, DataError, EvalInputError
 from dmd2_mega.eval.grid import save_grid

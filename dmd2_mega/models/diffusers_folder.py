@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.errors import CheckpointError, ConfigError
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"

@@ -34,7 +34,7 @@ import torch.nn as nn
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import check_backend
-from dmd2_mega.parallel import tp_partition_dim
+from dmd2_mega.distributed.parallel import tp_partition_dim
 
 
 @dataclass(frozen=True)

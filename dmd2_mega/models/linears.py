@@ -15,7 +15,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.megatron_compat import gather_from_tp
+from dmd2_mega.distributed.megatron_compat import gather_from_tp
 
 
 def megatron_config(hidden_size: int, num_layers: int, num_heads: int, tp_size: int,

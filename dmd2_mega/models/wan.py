@@ -55,7 +55,7 @@ from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
-from dmd2_mega.parallel import mark_sequence_parallel
+from dmd2_mega.distributed.parallel import mark_sequence_parallel
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dmd2_mega.data.prompts import write_prompts
-from dmd2_mega.dir_lock import DirLock
+from dmd2_mega.files.dir_lock import DirLock
 from dmd2_mega.errors import ConfigError, DataError
 
 from .clips import Clip, read_captions

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from dmd2_mega.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.data.shards import INDEX, NEGATIVE
 from dmd2_mega.errors import DataError
 

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
 from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dist_optim import DistributedOptimizer
-from dmd2_mega.grad_buffer import GradBuffer
-from dmd2_mega.optim import Optimizer
+from dmd2_mega.train.dist_optim import DistributedOptimizer
+from dmd2_mega.train.grad_buffer import GradBuffer
+from dmd2_mega.train.optim import Optimizer
 
 BUCKET = 40
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dmd2_mega.grad_buffer import GradBuffer  # noqa: E402
+from dmd2_mega.train.grad_buffer import GradBuffer  # noqa: E402
 
 M = 3
 

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dmd2_mega.config import ModelConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.models import DataShape, build_model, count_parameters  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
 
 
 def gather_full(t: torch.Tensor, dim, ps) -> torch.Tensor:

@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from dmd2_mega.checkpoint import load_model_weights, load_payload  # noqa: E402
+from dmd2_mega.train.checkpoint import load_model_weights, load_payload  # noqa: E402
 from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.models import DataShape, build_model  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
 from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 
 

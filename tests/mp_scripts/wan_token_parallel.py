@@ -26,10 +26,10 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as mpu  # noqa: E402
 
 from dmd2_mega.config import ParallelConfig  # noqa: E402
-from dmd2_mega.grad_buffer import GradBuffer  # noqa: E402
+from dmd2_mega.train.grad_buffer import GradBuffer  # noqa: E402
 from dmd2_mega.models import BuildOptions, DataShape  # noqa: E402
 from dmd2_mega.models.wan import Wan, WanSpec  # noqa: E402
-from dmd2_mega.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
 from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 
 SPEC = WanSpec("wan-cp-test", num_heads=4, head_dim=8, num_layers=2, ffn_dim=32, in_channels=4, out_channels=4,

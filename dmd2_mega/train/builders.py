@@ -14,12 +14,12 @@ from dataclasses import replace
 import torch
 
 from dmd2_mega.config import ModelConfig, OptimConfig
-from dmd2_mega.dist_optim import DistributedOptimizer
-from dmd2_mega.grad_buffer import GradBuffer
+from dmd2_mega.train.dist_optim import DistributedOptimizer
+from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.models import DataShape, FamilyModel
 from dmd2_mega.models import build_model as build_registered
-from dmd2_mega.optim import Optimizer
-from dmd2_mega.parallel import ParallelState
+from dmd2_mega.train.optim import Optimizer
+from dmd2_mega.distributed.parallel import ParallelState
 
 
 def enable_determinism() -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Protocol
 
-from dmd2_mega.checkpoint import RunState
-from dmd2_mega.logger import TrainLogger, print_rank0, report_eval
-from dmd2_mega.parallel import ParallelState
-from dmd2_mega.resilience import ExitController, account_skips, skip_counters
+from dmd2_mega.train.checkpoint import RunState
+from dmd2_mega.train.logger import TrainLogger, print_rank0, report_eval
+from dmd2_mega.distributed.parallel import ParallelState
+from dmd2_mega.train.resilience import ExitController, account_skips, skip_counters
 
 
 class Trainer(Protocol):

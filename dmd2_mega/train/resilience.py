@@ -13,7 +13,7 @@ NaN stop is ONE line `<ErrorType>: <message>` on stderr and exit status 1; a Ctr
 --exit-signal-handler (KeyboardInterrupt) is one line naming the last complete checkpoint in --save
 and exit status 130.
 
-Non-finite steps. `dmd2_mega.optim.Optimizer` skips a step whose loss or gradient norm is not
+Non-finite steps. `dmd2_mega.train.optim.Optimizer` skips a step whose loss or gradient norm is not
 finite (weights and Adam state untouched) and counts the skips in device tensors. The same check
 (`check(counters)`) carries, after the two flags, each trained role's [skipped this iteration,
 consecutive, total] to the host; `account_skips` warns about them and stops the run with
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from dmd2_mega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
-from dmd2_mega.logger import print_rank0
-from dmd2_mega.parallel import destroy_distributed
+from dmd2_mega.train.logger import print_rank0
+from dmd2_mega.distributed.parallel import destroy_distributed
 
 KILL_ENV = "DMD2_MEGA_TEST_KILL_AT"
 KILL_STAGES = ("rank-file-tmp", "rank-file", "before-dir-rename", "old-aside", "before-tracker",

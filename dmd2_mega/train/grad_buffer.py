@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.parallel import is_sequence_parallel
+from dmd2_mega.distributed.parallel import is_sequence_parallel
 
 # elements per DP bucket (fp32): Megatron's default size, 40 M
 BUCKET_ELEMENTS = 40_000_000

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from dmd2_mega import megatron_compat
+from dmd2_mega.distributed import megatron_compat
 from dmd2_mega.errors import ConfigError
 
 

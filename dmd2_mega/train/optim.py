@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.grad_buffer import GradBuffer
-from dmd2_mega.parallel import tp_partition_dim
+from dmd2_mega.train.grad_buffer import GradBuffer
+from dmd2_mega.distributed.parallel import tp_partition_dim
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

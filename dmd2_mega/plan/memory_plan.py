@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Callable, NamedTuple, Optional
 
-from dmd2_mega import memory_plan_wan as wan
+from dmd2_mega.plan import memory_plan_wan as wan
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import DataShape, get_spec
 from dmd2_mega.models.wan import WanSpec

@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.grad_buffer import GradBuffer
-from dmd2_mega.optim import Optimizer, param_groups
-from dmd2_mega.parallel import any_rank, tp_partition_dim
+from dmd2_mega.train.grad_buffer import GradBuffer
+from dmd2_mega.train.optim import Optimizer, param_groups
+from dmd2_mega.distributed.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

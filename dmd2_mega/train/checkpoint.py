@@ -47,11 +47,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.atomic import atomic_write, fsync_dir
+from dmd2_mega.files.atomic import atomic_write, fsync_dir
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.megatron_compat import rng_tracker_states, set_rng_tracker_states
-from dmd2_mega.parallel import ParallelState, any_rank, tp_partition_dim
-from dmd2_mega.resilience import kill_point
+from dmd2_mega.distributed.megatron_compat import rng_tracker_states, set_rng_tracker_states
+from dmd2_mega.distributed.parallel import ParallelState, any_rank, tp_partition_dim
+from dmd2_mega.train.resilience import kill_point
 
 @dataclass(frozen=True)
 class RunState:

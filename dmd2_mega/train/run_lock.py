@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dmd2_mega.dir_lock import acquire
+from dmd2_mega.files.dir_lock import acquire
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.logger import print_rank0
-from dmd2_mega.parallel import ParallelState, any_rank
+from dmd2_mega.train.logger import print_rank0
+from dmd2_mega.distributed.parallel import ParallelState, any_rank
 
 
 def lock_run_dirs(dirs: Sequence[tuple[str, str]], ps: ParallelState) -> None:

@@ -25,8 +25,8 @@ import os
 import shutil
 from typing import Callable, Iterator
 
-from dmd2_mega.atomic import fsync_dir
-from dmd2_mega.dir_lock import LOCK_NAME, DirLock
+from dmd2_mega.files.atomic import fsync_dir
+from dmd2_mega.files.dir_lock import LOCK_NAME, DirLock
 from dmd2_mega.errors import CheckpointError, ConfigError, DataError
 
 SUFFIX = ".partial"

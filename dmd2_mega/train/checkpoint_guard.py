@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.path_guard import check_outputs_apart
+from dmd2_mega.files.path_guard import check_outputs_apart
 
 LEGACY_ROLE = "teacher"  # the role of a payload that records none
 

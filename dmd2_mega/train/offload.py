@@ -101,7 +101,7 @@ def _bytes_of(storage) -> Tensor:
 
 
 def _optimizer_tensors(opt) -> list[Tensor]:
-    """Params, grads and state tensors of a torch optimizer or a dmd2_mega.optim.Optimizer (whose
+    """Params, grads and state tensors of a torch optimizer or a dmd2_mega.train.optim.Optimizer (whose
     `inner` torch optimizer holds the masters under --bf16; the bf16 model params come from the
     role's modules)."""
     inner = getattr(opt, "inner", opt)
@@ -140,7 +140,7 @@ class Sleeper:
     name:       the role, for messages ("student", "critic", "teacher").
     modules:    the role's nn.Modules: parameters and buffers (weights part), grads (state part);
                 forwards are guarded.
-    optimizers: torch optimizers or dmd2_mega.optim.Optimizer: params, grads, state (state part);
+    optimizers: torch optimizers or dmd2_mega.train.optim.Optimizer: params, grads, state (state part);
                 step guarded.
     tensors:    further tensors of the role (state part).
     device:     the role's device (default: that of the first parameter / tensor). Only storages on
@@ -169,7 +169,7 @@ class Sleeper:
             if isinstance(opt, torch.optim.Optimizer):
                 self._handles.append(opt.register_step_pre_hook(lambda *_: self.check_awake("optimizer step",
                                                                                             "state")))
-            else:  # a wrapper (dmd2_mega.optim.Optimizer) reads grads before its inner step: guard its step
+            else:  # a wrapper (dmd2_mega.train.optim.Optimizer) reads grads before its inner step: guard its step
                 self._wrap_step(opt)
 
     # ---- guards ---------------------------------------------------------------------------------

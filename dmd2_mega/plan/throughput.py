@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from dmd2_mega import memory_plan as mp
-from dmd2_mega.logger import print_rank0
+from dmd2_mega.plan import memory_plan as mp
+from dmd2_mega.train.logger import print_rank0
 
 
 class PhaseClock:
