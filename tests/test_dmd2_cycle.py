@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -309,3 +310,18 @@ def test_global_batch_must_be_multiple_of_micro_times_dp(micro, global_, dp):
     msg = str(e.value)
     assert f"--global-batch-size ({global_}) must be a multiple of --micro-batch-size x data-parallel size" in msg
     assert f"({micro} x {dp} = {micro * dp})" in msg, msg
+
+
+@pytest.mark.integration
+def test_a_checkpoint_of_the_previous_tree_resumes(tmp_path):
+    """tests/golden/dmd2_ckpt_main: the teacher (weights only) and the student / critic pair at cycle 3 of the
+    golden run, written by main before issue 28 moved the package's modules (commit 4718609). This tree resumes
+    the pair and its cycles 4-6 are the golden trace's."""
+    shutil.copytree(os.path.join(os.path.dirname(GOLDEN), "dmd2_ckpt_main"), tmp_path / "old")
+    old = tmp_path / "old"
+    args = [str(old / "teacher") if a == "<teacher>" else a for a in json.load(open(GOLDEN))["args"][:-2]]
+    out = python(PRETRAIN_DMD2, args + ["--train-iters", "6", "--load", old / "student", "--save", tmp_path / "new",
+                                        "--loss-trace", tmp_path / "new.jsonl"], timeout=240).check("resume").stdout
+    assert f"resumed student and critic from {old / 'student'} at cycle 3" in out, out[-2000:]
+    assert_traces_close(read_trace(tmp_path / "new.jsonl"), json.load(open(GOLDEN))["trace"][3:6], 1e-4,
+                        "DMD2 resumed from the previous tree's checkpoint vs the golden trace", keys=DMD2_TRACE_KEYS)
