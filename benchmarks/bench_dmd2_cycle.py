@@ -6,8 +6,8 @@
 
 What is timed is the product's own code: the teacher trainer (`teacher_trainer.FlowTrainer`) builds a random
 DiT, perturbs its weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2
-trainer (`dmd2.student_trainer.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
-`dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
+trainer (`methods.dmd2.method.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
+`methods.dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
 runs), its phases timed through the cycle's hook. Critic grid,
 shift and score range are the trainer's defaults. The standalone pieces call the same phase functions (`rollout`,
 `critic_phase`, `teacher_scores`, `actor_phase`) and the plain flow-matching baseline is `FlowTrainer.train_step`.
@@ -39,12 +39,12 @@ from dmd2_mega import flow  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
 from dmd2_mega.data import write_shards  # noqa: E402
-from dmd2_mega.dmd2 import roles as R  # noqa: E402
-from dmd2_mega.dmd2.actor import actor_phase  # noqa: E402
-from dmd2_mega.dmd2.critic import critic_phase, teacher_scores  # noqa: E402
-from dmd2_mega.dmd2.cycle import run_cycle  # noqa: E402
-from dmd2_mega.dmd2.rollout import rollout  # noqa: E402
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
+from dmd2_mega.methods.base import phase_needs  # noqa: E402
+from dmd2_mega.methods.dmd2.actor import actor_phase  # noqa: E402
+from dmd2_mega.methods.dmd2.critic import critic_phase, teacher_scores  # noqa: E402
+from dmd2_mega.methods.dmd2.cycle import run_cycle  # noqa: E402
+from dmd2_mega.methods.rollout import rollout  # noqa: E402
+from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 FLAGS = [("--model-size", str, "digits"), ("--micro-batch-size", int, 64), ("--dmd2-denoising-steps", int, 4),
@@ -121,14 +121,14 @@ class Harness:
         tr = self.tr
         for name in ("student", "critic"):
             tr.roles[name].schedule.apply(tr.roles[name].optimizer, tr.iteration)
-        result = run_cycle(tr.roles, tr.micro_batches(), replace(tr.settings, scoring=scoring), hook=mark)
+        result = run_cycle(tr.roles, tr.micro_batches(), replace(tr.method.settings, scoring=scoring), hook=mark)
         tr.state = replace(tr.state, iteration=tr.iteration + 1)
         self.forwards.append(result.rollout_forwards)  # device scalar: no sync
         return result.metrics
 
     def standalone(self) -> dict:
         """Closures fn(mark) of the standalone pieces, each timed alone between two syncs."""
-        tr, a, st = self.tr, self.a, self.tr.settings
+        tr, a, st = self.tr, self.a, self.tr.method.settings
         roles, t = tr.roles, tr.roles["teacher"]
         self.at(0)
         batches = tr.micro_batches()
@@ -175,7 +175,7 @@ class Harness:
 
         def probe():  # role storage now (phase end, and before each optimizer step: grads alive)
             per, m = {n: s.resident_bytes() for n, s in self.sleepers.items()}, mem[cur[0]]
-            m[0], m[1] = max(m[0], sum(per.values())), max(m[1], sum(per[n] for n in R.PHASE_ROLES[cur[0]]))
+            m[0], m[1] = max(m[0], sum(per.values())), max(m[1], sum(per[n] for n in phase_needs(self.tr.method.phases, cur[0])))
 
         def mark(name):
             if mem is not None:

@@ -37,7 +37,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
+from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
 from dmd2_mega.distributed.parallel import destroy_distributed  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 

@@ -3,7 +3,7 @@
 `arguments.py` only maps Megatron-style flags onto these (its defaults ARE these defaults); nothing
 else reads argparse. Every value is checked here, once, and each check raises `ConfigError` naming
 the flag a user would fix. (Checks that need the world size or the built model run where those
-exist: `TrainConfig.resolve_batches`, `dmd2.gan.resolve_layer`.)
+exist: `TrainConfig.resolve_batches`, `methods.dmd2.gan.resolve_layer`.)
 """
 from __future__ import annotations
 
@@ -335,7 +335,7 @@ class DMD2Config:
 
 @dataclass
 class GANConfig:
-    """DMD2's GAN head on the critic's features (dmd2/gan.py); off by default."""
+    """DMD2's GAN head on the critic's features (methods/dmd2/gan.py); off by default."""
 
     enabled: bool = False
     """--dmd2-gan: train a GAN head on the critic's features; its generator loss joins the actor's."""
@@ -362,7 +362,7 @@ class GANConfig:
 
 @dataclass
 class EMAConfig:
-    """Exponential moving average of the student's weights (dmd2/ema.py); off by default."""
+    """Exponential moving average of the student's weights (methods/ema.py); off by default."""
 
     decay: float = 0.0
     """--ema-decay: student EMA decay in [0, 1) (0 = off)."""

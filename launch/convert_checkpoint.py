@@ -15,7 +15,7 @@ The export writes export/student/transformer/ (WanTransformer3DModel.from_pretra
 "transformer")), export/student/scheduler/scheduler_config.json (the student's few-step sigmas) and
 export/student/README.md (running it in WanPipeline). A Wan 2.2 A14B pipeline folder (model_index.json with
 boundary_ratio, transformer/ and transformer_2/) converts to ONE two-expert checkpoint (the high- and low-noise
-experts, switched at the boundary, `dmd2_mega/models/wan_experts.py`) and exports back to transformer/ and
+experts, switched at the boundary, `dmd2_mega/models/wan/experts.py`) and exports back to transformer/ and
 transformer_2/.
 
     # class-conditional image teachers (the DiT family), any TP
@@ -27,7 +27,7 @@ transformer_2/.
 The model (and the latent shape and classes it was trained on) comes from the tensors' shapes or config.json, the
 parameterisation from --parameterization (official files: sit = SiT's interpolant, vp-eps = DiT's DDPM epsilon on
 its linear betas; a diffusers DiT pipeline's scheduler_config.json fixes its schedule). Every role built from the
-checkpoint wraps the network in that parameterisation's adapter (dmd2_mega/models/parameterization.py).
+checkpoint wraps the network in that parameterisation's adapter (dmd2_mega/models/dit/parameterization.py).
 A DiT exports to the layout it came from (--to-official / --to-diffusers); the other cannot hold its timestep
 embedding. Nothing is downloaded; a bad folder or flag exits 1 with one line naming the file or flag, and nothing
 is written.

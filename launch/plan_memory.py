@@ -57,7 +57,7 @@ def fmt_count(n: float) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="8b",
-                   help=f"one of {', '.join(sorted(MODEL_SIZES))}, or a diffusers config.json / model folder (Wan)")
+                   help=f"one of {', '.join(sorted(MODEL_SIZES))}, or a diffusers config.json / model folder")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int, default=4, help="B per DP rank")
@@ -129,36 +129,20 @@ def main(argv=None) -> int:
 
 
 def shape_from_args(a: argparse.Namespace) -> mp.ModelShape:
-    """The model and data shape the flags describe: Wan reads --latent-shape and --text-len, the DiT
-    --latent-shape or --in-channels / --image-size, and --num-classes or --cond-shape."""
-    size = get_size(a.model_size)  # ConfigError for an unknown name or a folder without a config.json
-    if size.family.name == "wan":
-        if a.latent_shape is None or len(a.latent_shape) != 4:
-            raise ConfigError(f"--model-size {a.model_size} (Wan) takes video latents: give --latent-shape C T H W")
-        if a.cond_shape is not None:
-            raise ConfigError(f"--model-size {a.model_size} (Wan) reads text embeddings [L, {size.spec.text_dim}]: "
-                              f"give --text-len L, not --cond-shape")
-        return mp.model_shape(a.model_size, a.latent_shape[0], tuple(a.latent_shape[1:]), a.patch, num_classes=None,
-                              cond_shape=(a.text_len or 512, size.spec.text_dim))
-    if a.text_len is not None:
-        raise ConfigError(f"--text-len is for Wan; --model-size {a.model_size} (DiT) takes --cond-shape L D")
-    channels, spatial = ((a.latent_shape[0], tuple(a.latent_shape[1:])) if a.latent_shape
-                         else (a.in_channels, a.image_size))
-    cond_shape = tuple(a.cond_shape) if a.cond_shape else None
-    return mp.model_shape(a.model_size, channels, spatial, a.patch,
-                          num_classes=None if cond_shape else a.num_classes, cond_shape=cond_shape)
+    """The model and data shape the flags describe, as the model's family reads them (`ModelFamily.plan_data`: e.g.
+    Wan --latent-shape and --text-len, the DiT --latent-shape or --in-channels / --image-size, and --num-classes or
+    --cond-shape)."""
+    size = get_size(a.model_size)  # ConfigError for an unknown name or a folder no family recognises
+    shape = size.family.plan_data(size.spec, a.model_size, latent_shape=a.latent_shape, in_channels=a.in_channels,
+                                  image_size=a.image_size, num_classes=a.num_classes, cond_shape=a.cond_shape,
+                                  text_len=a.text_len)
+    return mp.model_shape(a.model_size, shape.in_channels, shape.spatial, a.patch, num_classes=shape.num_classes,
+                          cond_shape=shape.cond_shape)
 
 
 def describe_model(name: str, ms: mp.ModelShape) -> str:
-    sp, lat = ms.spec, "x".join(map(str, (ms.in_channels, *ms.spatial)))
-    if ms.family == "wan":
-        experts = (f"; {len(sp.experts)} experts ({'/'.join(sp.experts)}, boundary {sp.boundary_ratio}) in every "
-                   f"role, each sample runs one" if sp.experts else "")
-        return (f"model {name} (Wan): hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, "
-                f"FFN {sp.ffn_dim}, patch {'x'.join(map(str, sp.patch_size))}; latents {lat} -> {ms.tokens} tokens, "
-                f"text {ms.text_len} x {sp.text_dim}{experts}")
-    return (f"model {name}: hidden {sp.hidden_size}, {sp.num_layers} layers, {sp.num_heads} heads, patch "
-            f"{sp.patch_size}; latents {lat} -> {ms.tokens} tokens")
+    latents = "x".join(map(str, (ms.in_channels, *ms.spatial)))
+    return ms.family.describe(name, ms.spec, latents, ms.tokens, ms.text_len)
 
 
 def search(a: argparse.Namespace) -> None:

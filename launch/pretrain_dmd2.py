@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.arguments import parse_dmd2_args  # noqa: E402
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
+from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
 from dmd2_mega.train.resilience import run_training  # noqa: E402
 
 

@@ -11,7 +11,7 @@
 # default 400 = 10 per (digit, direction) prompt).
 # Measured 2026-12-01 from a fresh clone on 2 CPU cores (no GPU): 16.4 min in all: set-up 145 s (.venv and the pip
 # installs), teacher 391 s (1,500 steps), 4-step student 148 s, 1-step student 123 s (80
-# cycles each), samples and table ~3 min. The table is in README.md ("Video quickstart"); the settings' reasons in
+# cycles each), samples and table ~3 min. The table is in docs/usage.md ("Video quickstart"); the settings' reasons in
 # benchmarks/RESULTS.md ("Video quickstart").
 set -euo pipefail
 cd "$(dirname "$0")/.."

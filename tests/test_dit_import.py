@@ -1,4 +1,4 @@
-"""SiT / DiT checkpoints into the DiT family (`models/dit_checkpoints.py`, `pretrained.import_dit / load_model`,
+"""SiT / DiT checkpoints into the DiT family (`models/dit/checkpoints.py`, `pretrained.import_dit / load_model`,
 `launch/convert_checkpoint.py`), against independent references built in the test:
 
 - a tiny random diffusers `DiTTransformer2DModel` (saved with save_pretrained): our network equals the diffusers

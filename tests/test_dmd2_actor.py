@@ -1,4 +1,4 @@
-"""Actor phase (dmd2_mega/dmd2/actor.py) against autograd through the plain-torch DMD formula in float64.
+"""Actor phase (dmd2_mega/methods/dmd2/actor.py) against autograd through the plain-torch DMD formula in float64.
 
 Reference, for each scored micro-batch j of M (x, sigma [B] fp32, cond, x0_real, x0_fake given):
     x0hat  = x - sigma v_S(x, sigma, cond)                               WITH grad (float64 student)
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import kernels
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.actor import actor_phase
-from dmd2_mega.dmd2.records import Scores
+from dmd2_mega.methods.dmd2.actor import actor_phase
+from dmd2_mega.methods.dmd2.records import Scores
 from tests.test_dmd2_critic import F64, SHAPE, CLASSES, FakeRole, RecordingOptimizer, TinyNet, rel_err
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.models.dit import DiTBlock
 from tests.utils import PRETRAIN_DMD2, python, read_trace, world_of_one
 

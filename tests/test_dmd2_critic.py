@@ -1,4 +1,4 @@
-"""Critic phase (dmd2_mega/dmd2/critic.py) against a float64 replay written here from DESIGN section 2.
+"""Critic phase (dmd2_mega/methods/dmd2/critic.py) against a float64 replay written here from DESIGN section 2.
 
 Setup: M = 2 micro-batches per rank, B = 3, K critic steps, images [B, 2, 3, 3] float64; a tiny
 float64 critic (TinyNet) trained by dmd2_mega.train.optim.Optimizer; a fake teacher with a closed-form
@@ -29,9 +29,10 @@ import pytest
 import torch
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.critic import critic_phase
-from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
-from dmd2_mega.dmd2.rollout import Rollout
+from dmd2_mega.methods.dmd2.critic import critic_phase
+from dmd2_mega.methods.base import MicroBatch
+from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
+from dmd2_mega.methods.rollout import Rollout
 from dmd2_mega.flow import critic_grid
 from dmd2_mega.train.optim import Optimizer
 
@@ -122,10 +123,10 @@ def null_cond(n, device):
 
 
 def cycle_settings(k_steps: int, scoring: str = "shared", space: str = "velocity", guidance: float = 1.0,
-                   gan=None) -> CycleSettings:
+                   gan=None) -> DMD2Settings:
     """The settings record of these tests: grid G, shift 3, score range RANGE, micro-batch B."""
     grid, in_range = critic_grid(G, SHIFT, RANGE)
-    return CycleSettings(critic_steps=k_steps, micro_batch_size=B, shape=SHAPE, device=torch.device("cpu"),
+    return DMD2Settings(critic_steps=k_steps, micro_batch_size=B, shape=SHAPE, device=torch.device("cpu"),
                          student_sigmas=torch.ones(1), critic_grid=grid, score_choices=grid[in_range],
                          scoring=scoring, loss_space=space, guidance=guidance, gan=gan)
 

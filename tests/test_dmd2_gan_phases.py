@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.actor import actor_phase
-from dmd2_mega.dmd2.critic import critic_phase
-from dmd2_mega.dmd2.gan import GANCritic, GANSettings
+from dmd2_mega.methods.dmd2.actor import actor_phase
+from dmd2_mega.methods.dmd2.critic import critic_phase
+from dmd2_mega.methods.dmd2.gan import GANCritic, GANSettings
 from dmd2_mega.flow import critic_grid
 from tests.test_dmd2_actor import make_scores, reference as dmd_reference
 from tests.test_dmd2_critic import (B, F64, G, M, RANGE, SHAPE, SHIFT, FakeRole, FakeTeacher, RecordingOptimizer,

@@ -2,28 +2,31 @@
 
 Roles built as the trainer builds them (debug DiT, the critic a GANCritic (trunk + head), the
 Megatron-style Optimizer, one training step taken so that grads, Adam state and, under --bf16, fp32
-masters exist), each with a Sleeper. `enter_phase("actor", gan=True)`: the critic's resident bytes
-equal its parameters' + buffers' bytes (counted here from the module, independently of offload's
+masters exist), each with a Sleeper. `enter_phase("actor", roles, GAN)` (DMD2's table with the head's roles):
+the critic's resident bytes equal its parameters' + buffers' bytes (counted here from the module, independently of offload's
 accounting), its grads / Adam state / masters are freed (storage nbytes 0), a frozen forward of the
 head works and an optimizer step raises RoleAsleepError. Back in the critic phase every critic
 tensor equals a clone taken before, bit for bit. The student's EMA sleeps and wakes with the
 student, bit-exact. Without GAN the critic sleeps entirely in the actor
-phase (the table without GAN_PHASE_ROLES).
+phase (DMD2's table without the GAN head's `phase_needs`).
 """
 import pytest
 import torch
 
 from dmd2_mega.train.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
-from dmd2_mega.dmd2.ema import StudentEMA
-from dmd2_mega.dmd2.gan import GANCritic
-from dmd2_mega.dmd2.roles import Role, enter_phase, phase_roles
+from dmd2_mega.methods.ema import StudentEMA
+from dmd2_mega.methods.base import phase_needs, with_needs
+from dmd2_mega.methods.dmd2.gan import GANCritic, GANSettings
+from dmd2_mega.methods.dmd2.phases import PHASES
+from dmd2_mega.methods.roles import Role, enter_phase
 from dmd2_mega.train.offload import RoleAsleepError
 from dmd2_mega.train.optim import Optimizer
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)
 INFO = {"in_channels": 1, "image_size": 8, "num_classes": 10, "cond_shape": None}
+GAN = with_needs(PHASES, GANSettings.phase_needs)  # DMD2's table with the GAN head's roles
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +71,12 @@ def weight_bytes(model) -> int:
 def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
     roles, _ = make_roles(ps, bf16)
     critic = roles["critic"]
-    assert phase_roles("actor", gan=True)["critic"] == "weights" and "critic" not in phase_roles("actor")
-    enter_phase("critic", roles, gan=True)
+    assert phase_needs(GAN, "actor")["critic"] == "weights" and "critic" not in phase_needs(PHASES, "actor")
+    enter_phase("critic", roles, GAN)
     before = [t.detach().clone() for t in critic.sleeper.tensors()]
     state = critic.sleeper.state_tensors()
     assert len(state) > len(list(critic.model.parameters())), "grads and Adam state exist"
-    enter_phase("actor", roles, gan=True)
+    enter_phase("actor", roles, GAN)
     assert critic.sleeper.level == "weights"
     assert critic.resident_bytes() == weight_bytes(critic.model) > 0
     held = {p.untyped_storage().data_ptr() for p in critic.model.parameters()}
@@ -89,7 +92,7 @@ def test_actor_phase_keeps_only_the_critics_weights(ps, bf16):
     assert critic.model.logits(x, s, y).shape == (2,)  # the frozen forward runs
     with pytest.raises(RoleAsleepError, match="critic is asleep .*state"):
         critic.optimizer.step()
-    enter_phase("critic", roles, gan=True)
+    enter_phase("critic", roles, GAN)
     after = critic.sleeper.tensors()
     assert len(after) == len(before)
     for a, b in zip(after, before):
@@ -102,19 +105,19 @@ def test_student_ema_sleeps_with_the_student(ps):
         for t in ema.shadow:
             t.add_(0.5)  # an EMA that differs from the weights
     before = [t.clone() for t in ema.shadow]
-    enter_phase("critic", roles, gan=True)  # the student is not needed: weights, state and EMA sleep
+    enter_phase("critic", roles, GAN)  # the student is not needed: weights, state and EMA sleep
     assert roles["student"].resident_bytes() == 0
     assert all(t.untyped_storage().nbytes() == 0 for t in ema.shadow)
-    enter_phase("rollout", roles, gan=True)
+    enter_phase("rollout", roles, GAN)
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow, before))
 
 
 def test_without_gan_the_critic_sleeps_in_the_actor_phase(ps):
     roles, _ = make_roles(ps, False)
-    enter_phase("actor", roles, gan=False)
+    enter_phase("actor", roles, PHASES)
     assert roles["critic"].resident_bytes() == 0 and roles["critic"].sleeper.asleep
     with pytest.raises(RoleAsleepError, match="critic is asleep"):
         roles["critic"].model(torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([0]))
-    enter_phase("actor", roles, gan=True)  # asleep -> weights only: the weights come back
+    enter_phase("actor", roles, GAN)  # asleep -> weights only: the weights come back
     assert roles["critic"].sleeper.level == "weights"
     assert roles["critic"].resident_bytes() == weight_bytes(roles["critic"].model)

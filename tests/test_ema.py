@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dmd2_mega.config import EMAConfig
-from dmd2_mega.dmd2.ema import StudentEMA
+from dmd2_mega.methods.ema import StudentEMA
 from dmd2_mega.errors import ConfigError
 
 

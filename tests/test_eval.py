@@ -157,6 +157,29 @@ def test_cli_prints_json(cache, heldout, tmp_path):
     assert out.returncode == 2 and "labels" in out.stderr and out.stdout == ""
 
 
+
+def test_report_table_json_and_one_line_errors(cache, heldout, tmp_path, capsys):
+    """eval.report (the quickstart's table, through report.report_main like report_video): one row per NAME=PATH,
+    --json with every metric; a malformed pair, a file without labels, labels out of range: one line, status 2."""
+    from dmd2_mega.eval import report
+    x, y = heldout
+    np.savez(tmp_path / "real.npz", images=x[:100].numpy(), labels=y[:100].numpy())
+    js = tmp_path / "out" / "metrics.json"
+    assert report.main([f"real, held out={tmp_path / 'real.npz'}", "--json", str(js)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| model | Frechet distance (floor ") and table[2].startswith("| real, held out | ")
+    got = json.loads(js.read_text())["real, held out"]
+    assert got["frechet_distance"] == pytest.approx(evaluate_digits(x[:100], y[:100])["frechet_distance"], rel=1e-9)
+    np.savez(tmp_path / "nolabels.npz", images=x[:100].numpy())
+    np.savez(tmp_path / "null.npz", images=x[:100].numpy(), labels=np.full(100, 10))
+    for pair, needle in (("no-equals-sign", "expected NAME=PATH, got 'no-equals-sign'"),
+                         (f"a={tmp_path / 'nolabels.npz'}", "nolabels.npz: missing key(s) ['labels']"),
+                         (f"a={tmp_path / 'null.npz'}", "null.npz: labels must lie in [0, 10) (no null class)")):
+        assert report.main([pair]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
 # ---------------------------------------------------------------- grid
 def test_grid_rows_per_class(tmp_path):
     labels = torch.tensor([0, 2, 2, 1, 0, 2, 5])

@@ -107,10 +107,10 @@ def zip_writer_full(*_, **__):  # what torch.save raises on a full disk
 
 
 def test_failed_export_leaves_nothing_and_the_rerun_works(made, tmp_path, monkeypatch):
-    from dmd2_mega import pretrained
+    from dmd2_mega.models.wan import export
     out = tmp_path / "export"
     with monkeypatch.context() as m:  # the disk fills after transformer/ is written
-        m.setattr(pretrained, "_write_scheduler", no_space)
+        m.setattr(export, "write_scheduler", no_space)
         rc, _, err = convert(["--load", made["student"], "--to-diffusers", out])
     assert rc == 1 and len(err) == 1, err
     assert err[0].startswith("CheckpointError: writing --to-diffusers") and "No space left on device" in err[0]
@@ -144,13 +144,14 @@ def test_failed_import_leaves_no_config_json(made, tmp_path, monkeypatch):
 KILLED_EXPORT = """
 import os, signal, sys
 from dmd2_mega import pretrained
+from dmd2_mega.models.wan import export
 def killed(*args, **kwargs):  # SIGKILL once transformer/ is written
     assert os.path.isfile(os.path.join(pretrained_out(), "transformer", "config.json"))
     os.kill(os.getpid(), signal.SIGKILL)
 def pretrained_out():
     return next(os.path.join(r, d) for r, ds, _ in os.walk(os.path.dirname(sys.argv[2])) for d in ds
                 if os.path.isdir(os.path.join(r, d, "transformer")))
-pretrained._write_scheduler = killed
+export.write_scheduler = killed
 pretrained.export_diffusers(sys.argv[1], sys.argv[2])
 """
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dmd2_mega.dmd2.gan import GANCritic, GANHead, discriminator_loss, generator_loss, holds_head
+from dmd2_mega.methods.dmd2.gan import GANCritic, GANHead, discriminator_loss, generator_loss, holds_head
 from dmd2_mega.models import DataShape, build_model
 from tests.utils import world_of_one
 

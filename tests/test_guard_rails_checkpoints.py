@@ -17,7 +17,7 @@ import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import TRACKER, latest_iteration
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import REPO, child_env, world_of_one

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,5 +67,5 @@ def test_cycle_host_syncs_within_budget(debug_teacher, monkeypatch):
         monkeypatch.undo()
     assert in_cycle == {}, f"host syncs inside one cycle: {in_cycle} (budget: none)"
     loop = {("tolist", "resilience.py", "check"): iters - 1,
-            ("cpu", "student_trainer.py", "log"): 1, ("tolist", "student_trainer.py", "log"): 1}
+            ("cpu", "trainer.py", "log"): 1, ("tolist", "trainer.py", "log"): 1}
     assert dict(counts) == loop, f"host syncs of the loop changed: {dict(counts)} (budget {loop})"

@@ -46,7 +46,7 @@ def test_fuser_off_by_default_kept_on_request_or_when_megatron_came_first():
 WARNINGS_PROBE = """
 import warnings
 {first}
-import dmd2_mega.dmd2.student_trainer  # megatron-core's optimizer, clip_grads, FSDP mixed precision
+import dmd2_mega.methods.dmd2.method  # megatron-core's optimizer, clip_grads, FSDP mixed precision
 warnings.warn("Transformer Engine and Apex are not installed. (from __main__: not megatron's, still shown)")
 """
 

@@ -1,7 +1,7 @@
 """The DiT in a world of one (TP=1): shapes, adaLN-Zero, parameter count, clear config errors, and a
 float64 plain-torch re-implementation of the forward as the reference.
 
-Reference forward (written here from the maths in models/dit.py's docstring, reading the model's
+Reference forward (written here from the maths in models/dit/model.py's docstring, reading the model's
 weights; megatron linears keep theirs under `.inner.weight` [out, in] / `.inner.bias`):
     tokens = patchify(x)                      [B, S, C p^2],  S = (H/p)^2, row-major patches
     h = tokens W_x^T + b_x + pos              pos: 2-D sin-cos, first half of channels rows
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from dmd2_mega.arguments import parse_flow_args
 from dmd2_mega.config import ModelConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import DataShape, DiT, MODEL_SIZES, build_model, count_parameters, get_spec
+from dmd2_mega.models import DataShape, MODEL_SIZES, build_model, count_parameters, get_spec
+from dmd2_mega.models.dit import DiT
 from dmd2_mega.distributed.parallel import tp_partition_dim
 from tests.utils import world_of_one
 

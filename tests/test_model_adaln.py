@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from dmd2_mega.models import DataShape, build_model
-from dmd2_mega.models import dit as dit_module
+from dmd2_mega.models.dit import model as dit_module
 from tests.utils import world_of_one
 
 F64 = torch.float64

@@ -9,7 +9,8 @@ import torch
 
 from dmd2_mega.plan import memory_plan as mp
 from dmd2_mega.arguments import parse_dmd2_args
-from dmd2_mega.dmd2.student_trainer import ROLES, DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
+from dmd2_mega.methods.dmd2.phases import ROLES
 from dmd2_mega.errors import ConfigError
 from tests.utils import world_of_one
 
@@ -41,7 +42,7 @@ def test_offload_default(debug_teacher, capsys):
         # in between: exactly the planner's choice for that budget
         info = tr.info
         plan = mp.plan_cycle(mp.model_shape("debug", info["in_channels"], info["image_size"]), tp=1, dp=1, micro=2,
-                             steps=tr.cfg.dmd2.critic_steps_per_rollout, denoise=len(tr.settings.student_sigmas),
+                             steps=tr.cfg.dmd2.critic_steps_per_rollout, denoise=len(tr.method.student_sigmas),
                              bf16=False, guidance=tr.cfg.dmd2.teacher_guidance_scale)
         budget = max(mp.phase_bytes(plan, frozenset(["student", "critic"])).values())
         roles, _ = with_budget(tr, budget / mp.PLAN_HEADROOM / 2**30)

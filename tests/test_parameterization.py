@@ -1,4 +1,4 @@
-"""Parameterisation adapters (`models/parameterization.py`) against oracles, in float64: for a known x0 and eps, an
+"""Parameterisation adapters (`models/dit/parameterization.py`) against oracles, in float64: for a known x0 and eps, an
 oracle network that checks the input it is given (its own path's point and timestep, derived here independently of
 the adapter's formulas) and returns the exact prediction of its parameterisation; the adapter's velocity must be
 eps - x0 on our path, across the whole sigma range including its ends. Also: the DiT routes every call (forward,
@@ -10,7 +10,7 @@ import torch
 
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.dit import DiT, DiTSpec
-from dmd2_mega.models.parameterization import SiTAdapter, VPEpsAdapter, build_adapter
+from dmd2_mega.models.dit.parameterization import SiTAdapter, VPEpsAdapter, build_adapter
 from dmd2_mega.errors import ConfigError
 
 SHAPE = (4, 3, 5, 5)

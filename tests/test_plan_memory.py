@@ -31,7 +31,7 @@ from dmd2_mega.plan import memory_plan as mp
 from dmd2_mega.train.builders import build_model, cast_model
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.train.grad_buffer import GradBuffer
-from dmd2_mega.dmd2.rollout import rollout
+from dmd2_mega.methods.rollout import rollout
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.train.offload import Sleeper, resident_bytes
 from dmd2_mega.train.dist_optim import DistributedOptimizer
@@ -172,7 +172,7 @@ def test_saved_activations_within_factor(ps, size, ch, img, cond_shape, n, bf16,
     est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute == "full")
     got = kept_bytes(model, ms, n)
     assert est / ACT_FACTOR <= got <= est * ACT_FACTOR, f"measured {got} B kept for backward, estimated {est} B"
-    if ms.family == "wan":  # the Wan estimate is exact (module docstring of memory_plan_wan)
+    if ms.family.name == "wan":  # the Wan estimate is exact (module docstring of models/wan/plan.py)
         assert got == est
 
 
@@ -341,7 +341,7 @@ def test_wan_config_json_without_cross_attn_norm(ps, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(spec.diffusers_config()))
     model, ms = make(ps, str(tmp_path), 4, (2, 3, 4), (5, 10))
     counts = mp.param_counts(ms)
-    assert (ms.family, ms.tokens, ms.text_len) == ("wan", 2 * 3 * 2, 5)
+    assert (ms.family.name, ms.tokens, ms.text_len) == ("wan", 2 * 3 * 2, 5)
     assert (counts["sharded"], counts["replicated"], counts["tensors"]) == (*split(model), len(list(model.parameters())))
     assert mp.forward_flops(ms, 2) == counted_flops(model, ms, 2)
     assert kept_bytes(model, ms, 2) == mp.saved_activation_bytes(ms, 2, 1, False)
@@ -363,7 +363,7 @@ def test_model_shape_from_info():
     assert mp.model_shape_from_info("2b", text) == mp.model_shape("2b", 4, 32, num_classes=None, cond_shape=(7, 12))
     video = {"in_channels": 16, "latent_shape": [16, 21, 60, 104], "num_classes": None, "cond_shape": [512, 4096]}
     ms = mp.model_shape_from_info("wan2.1-14b", video)
-    assert (ms.family, ms.spatial, ms.tokens, ms.text_len, ms.sample_numel) == (
+    assert (ms.family.name, ms.spatial, ms.tokens, ms.text_len, ms.sample_numel) == (
         "wan", (21, 60, 104), 21 * 30 * 52, 512, 16 * 21 * 60 * 104)
     with pytest.raises(ValueError, match="latent height 61 is not a multiple of the patch size 2"):
         mp.model_shape_from_info("wan2.1-14b", {**video, "latent_shape": [16, 21, 61, 104]})

@@ -13,7 +13,7 @@ from megatron.core import tensor_parallel
 
 from dmd2_mega.distributed import megatron_compat
 from dmd2_mega.config import ModelConfig
-from dmd2_mega.dmd2.gan import GANCritic
+from dmd2_mega.methods.dmd2.gan import GANCritic
 from dmd2_mega.models import DataShape, build_model
 from tests.utils import world_of_one
 

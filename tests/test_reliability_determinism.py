@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN, PRETRAIN_DMD2, read_trace, run, world_of_one
 

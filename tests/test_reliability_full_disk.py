@@ -32,7 +32,7 @@ import torch
 from dmd2_mega.train import checkpoint
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import TRACKER, latest_iteration, load_payload, save_offline
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.distributed.parallel import ParallelState
 from dmd2_mega.teacher_trainer import FlowTrainer

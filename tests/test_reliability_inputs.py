@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import iter_dir, latest_iteration, rank_file
 from dmd2_mega.data import write_shards
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, PRETRAIN_DMD2, run, world_of_one
 

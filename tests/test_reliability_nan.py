@@ -23,7 +23,7 @@ import torch
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import latest_iteration, load_payload
 from dmd2_mega.config import OptimConfig
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.errors import NonFiniteError
 from dmd2_mega.train.optim import Optimizer
 from dmd2_mega.distributed.parallel import ParallelState

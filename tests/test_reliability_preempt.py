@@ -22,7 +22,7 @@ import torch
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import latest_iteration
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer
+from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.train.resilience import ExitController
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import LOGGED, PRETRAIN, PRETRAIN_DMD2, Result, signal_when_logged, world_of_one

@@ -1,4 +1,4 @@
-"""Backward-simulation rollout (dmd2_mega/dmd2/rollout.py) against an independent reference.
+"""Backward-simulation rollout (dmd2_mega/methods/rollout.py) against an independent reference.
 
 Reference: a sequential, per-sample float64 loop written here from the module docstring's maths,
 consuming the generator in the documented order (stop steps [n], initial noise [n, *shape], then
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmd2_mega.config import ModelConfig
-from dmd2_mega.dmd2.rollout import Rollout, rollout
+from dmd2_mega.methods.rollout import Rollout, rollout
 from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.flow import shift_sigma, student_sigmas
 from dmd2_mega.models import DataShape, build_model

@@ -346,7 +346,7 @@ def sit_teacher(tmp_path) -> str:
     tensors: no weights) and a folder name with a space, which must survive the quoting."""
     import torch
 
-    from dmd2_mega.models.dit_checkpoints import official_spec, our_config
+    from dmd2_mega.models.dit.checkpoints import official_spec, our_config
     h, layers, p, c, classes = 1152, 28, 2, 4, 1000
     shapes = {"x_embedder.proj.weight": (h, c, p, p), "pos_embed": (1, 256, h), "t_embedder.mlp.0.weight": (h, 256),
               "y_embedder.embedding_table.weight": (classes + 1, h), "final_layer.linear.weight": (p * p * 2 * c, h),

@@ -22,7 +22,7 @@ import torch
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import DataShape, build_model
 from dmd2_mega.models.wan import DIFFUSERS_CLASS, Wan, WanSpec
-from dmd2_mega.models.wan_diffusers import diffusers_name
+from dmd2_mega.models.wan.diffusers import diffusers_name
 from dmd2_mega.pretrained import export_diffusers, import_diffusers, load_model
 from tests.utils import MP_SCRIPTS, torchrun, world_of_one
 

@@ -54,12 +54,16 @@ def fails(args, *needles, save=None):
 
 
 def test_folder_of_another_model_class(tmp_path):
-    """A model class neither family reads (a DiTTransformer2DModel goes to the DiT family: test_dit_import)."""
+    """A model class no family reads is one line naming the folder and the families tried, for a conversion and
+    for --model-size (a DiTTransformer2DModel goes to the DiT family: test_dit_import)."""
     (tmp_path / "pixart").mkdir()
     with open(tmp_path / "pixart" / "config.json", "w") as f:
         json.dump({"_class_name": "PixArtTransformer2DModel", "num_layers": 1}, f)
-    fails(["--from-diffusers", tmp_path / "pixart", "--save", tmp_path / "out"],
-          "describes a PixArtTransformer2DModel, not a WanTransformer3DModel", save=tmp_path / "out")
+    line = fails(["--from-diffusers", tmp_path / "pixart", "--save", tmp_path / "out"], str(tmp_path / "pixart"),
+                 "no model family reads", "'PixArtTransformer2DModel'", save=tmp_path / "out")
+    assert "tried dit: " in line and "; wan: " in line, line  # the families tried, never a fall-through to one
+    with pytest.raises(ConfigError, match="no model family recognises .*PixArtTransformer2DModel.*tried dit: "):
+        get_size(str(tmp_path / "pixart"))
     (tmp_path / "empty").mkdir()
     fails(["--from-diffusers", tmp_path / "empty", "--save", tmp_path / "out"], "no config.json")
 

@@ -18,8 +18,8 @@ import torch
 from dmd2_mega.train.checkpoint import load_payload
 from dmd2_mega.data import write_shards
 from dmd2_mega.models import get_size, get_spec
-from dmd2_mega.models.wan_diffusers import diffusers_name
-from dmd2_mega.models.wan_experts import WanExperts
+from dmd2_mega.models.wan.diffusers import diffusers_name
+from dmd2_mega.models.wan.experts import WanExperts
 from dmd2_mega.pretrained import _one_process, export_diffusers, import_diffusers, load_model
 from tests.utils import DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, python, read_trace, world_of_one
 
@@ -116,7 +116,7 @@ def test_planner_counts_both_experts():
 def test_time_sliced_teacher_keeps_one_expert_resident(pipeline):
     """ExpertSleeper: in a phase that needs the teacher, an expert wakes for its own forward after the other
     sleeps; outputs are those of the model without time-slicing; "none" frees both."""
-    from dmd2_mega.dmd2.roles import Role
+    from dmd2_mega.methods.roles import Role
     from dmd2_mega.train.offload import ExpertSleeper, RoleAsleepError
 
     d, _ = pipeline

@@ -9,13 +9,13 @@ the rest of the run (`safetensors_rows.FileStamp`). The values
 terabyte-sized set opens in the time it takes to read its headers. Every failure is one `DataError` line that
 names the file and what was expected vs found. The format itself is documented in `shards.py`.
 """
-import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dmd2_mega.errors import DataError
+from dmd2_mega.files.json_file import read_json
 from .safetensors_rows import FileStamp, HeaderError, RowFile, TensorInfo, read_header
 
 INDEX = "index.json"
@@ -40,13 +40,7 @@ def read_index(path: str) -> dict:
         raise DataError(f"--data {path}: empty data directory (expected {INDEX} plus safetensors shards)")
     if not os.path.isfile(index_path):
         raise DataError(f"{index_path}: missing; a shard directory needs {INDEX} listing its shards")
-    try:
-        with open(index_path) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{index_path}: cannot parse JSON ({e})") from e
-    if not isinstance(index, dict):
-        raise DataError(f"{index_path}: expected a JSON object, found {type(index).__name__}")
+    index = read_json(index_path, error=DataError)
     shards = index.get("shards")
     if not isinstance(shards, list) or not shards:
         raise DataError(f"{index_path}: 'shards' must be a non-empty list of "

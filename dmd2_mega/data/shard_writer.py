@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from dmd2_mega.files.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_path, atomic_write
 from dmd2_mega.errors import DataError
 from .shard_index import INDEX, NEGATIVE
 
@@ -17,7 +17,8 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
                  shard_size: int = 4096, negative: Optional[torch.Tensor] = None) -> dict:
     """Write latents [N, C, H, W] with labels [N] (num_classes defaults to max + 1) or
     cond [N, *cond_shape] as `shard_size`-sample shards + index.json under `path`; returns the index.
-    index.json is written last (via a temporary name), so a crash never leaves a readable partial set."""
+    Every file is written atomically (`files/atomic.py`) and index.json last, so a crash never leaves a readable
+    partial set."""
     if (labels is None) == (cond is None):
         raise DataError("write_shards: pass exactly one of labels= or cond=")
     if latents.dim() not in (4, 5):
@@ -39,12 +40,14 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
     for i, start in enumerate(range(0, n, shard_size)):
         name = f"shard_{i:05d}.safetensors"
         sl = slice(start, start + shard_size)
-        save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, os.path.join(path, name))
+        with atomic_path(os.path.join(path, name)) as tmp:
+            save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, tmp)
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
     if negative is not None:
         if cond is None or tuple(negative.shape) != tuple(cond.shape[1:]):
             raise DataError(f"write_shards: negative must be one embedding {list(c.shape[1:])} of text data, got "
                             f"{list(negative.shape)}")
-        save_file({"cond": negative.contiguous()}, os.path.join(path, NEGATIVE))
+        with atomic_path(os.path.join(path, NEGATIVE)) as tmp:
+            save_file({"cond": negative.contiguous()}, tmp)
     atomic_write(os.path.join(path, INDEX), lambda f: json.dump(index, f, indent=1), text=True)
     return index

@@ -4,7 +4,9 @@ A small CNN on images x [N, 1, 8, 8] in [-1, 1]:
     conv3x3(1->16) relu, conv3x3(16->32) relu, maxpool2 -> [N, 32, 4, 4],
     conv3x3(32->32) relu, flatten 512 -> linear 64 relu  = features phi(x) [N, 64],
     linear 64 -> 10                                       = logits [N, 10].
-The features phi are the space in which `frechet.frechet_distance` compares samples with data.
+The features phi are the space in which `frechet.frechet_distance` compares samples with data. `EvalCNN`, its
+base, is what it shares with the moving-digits `frame_classifier.FrameClassifier`: the batched, gradient-free
+`features` / `logits` of inputs checked against the net's input shape; `cached` is their shared cache.
 
 Trained once, deterministically (seed 0, CPU, AdamW + cosine LR, cross entropy, random +-1 pixel
 shifts padded with the background value -1), on `DigitsDataset("train")`, then cached as
@@ -14,6 +16,7 @@ trained on other data is retrained and rewritten (temp file + os.replace, never 
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 import sys
@@ -43,7 +46,44 @@ def load_split(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
-class DigitsClassifier(nn.Module):
+class EvalCNN(nn.Module, metaclass=abc.ABCMeta):
+    """What the two eval CNNs share (this one and `frame_classifier.FrameClassifier`): `embed(x)` -> features
+    [N, FEATURE_DIM] (the subclass's layers), `head` -> logits [N, 10], and `features` / `logits` of any number of
+    inputs [N, *INPUT] in [-1, 1], in batches of BATCH on the CPU without gradients."""
+    INPUT: tuple = ()
+    WHAT = "inputs"
+    BATCH = 2048
+    head: nn.Linear
+
+    @abc.abstractmethod
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """inputs [n, *INPUT] -> features [n, FEATURE_DIM]"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+    @torch.no_grad()
+    def _batched(self, fn, inputs: torch.Tensor) -> torch.Tensor:
+        self.eval()
+        x = torch.as_tensor(inputs).detach().to("cpu", torch.float32)
+        if x.ndim != 1 + len(self.INPUT) or tuple(x.shape[1:]) != tuple(self.INPUT):
+            raise ValueError(f"{type(self).__name__} expects {self.WHAT} [N, {', '.join(map(str, self.INPUT))}], "
+                             f"got {tuple(x.shape)}")
+        return torch.cat([fn(x[i:i + self.BATCH]) for i in range(0, len(x), self.BATCH)])
+
+    def features(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Penultimate features float32 [N, FEATURE_DIM] of inputs [N, *INPUT] in [-1, 1]."""
+        return self._batched(self.embed, inputs)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """float32 [N, 10]."""
+        return self._batched(self.forward, inputs)
+
+
+class DigitsClassifier(EvalCNN):
+    INPUT = (1, 8, 8)
+    WHAT = "images"
+
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
@@ -57,24 +97,9 @@ class DigitsClassifier(nn.Module):
         h = F.relu(self.conv3(F.max_pool2d(h, 2)))
         return F.relu(self.fc(h.flatten(1)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(x))
-
-    @torch.no_grad()
-    def _batched(self, fn, images: torch.Tensor, batch: int = 2048) -> torch.Tensor:
-        self.eval()
-        x = torch.as_tensor(images).detach().to("cpu", torch.float32)
-        if x.ndim != 4 or tuple(x.shape[1:]) != (1, 8, 8):
-            raise ValueError(f"DigitsClassifier expects images [N, 1, 8, 8], got {tuple(x.shape)}")
-        return torch.cat([fn(x[i:i + batch]) for i in range(0, len(x), batch)])
-
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        """Penultimate features float32 [N, FEATURE_DIM] of images [N, 1, 8, 8] in [-1, 1]."""
-        return self._batched(self.embed, images)
-
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """Predicted class int64 [N]."""
-        return self._batched(self.forward, images).argmax(1)
+        return self.logits(images).argmax(1)
 
     def accuracy(self, images: torch.Tensor, labels: torch.Tensor) -> float:
         return (self.predict(images) == torch.as_tensor(labels)).double().mean().item()

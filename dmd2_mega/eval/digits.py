@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -61,17 +62,40 @@ def check_pixels(images, shape: tuple, what: str) -> torch.Tensor:
     return x
 
 
-def _check_labels(labels, n: int) -> torch.Tensor:
-    y = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels)
+def check_ids(values, n: int, what: str, k: int, note: str = "") -> torch.Tensor:
+    """Integer ids [N] = [n] in [0, k) (tensor or array) -> int64 CPU tensor, or an EvalInputError naming `what`
+    (e.g. "labels" / "directions") and the problem: a float or bool dtype, another shape, an id out of range
+    (`note` follows the range, e.g. " (no null class)")."""
+    y = torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values)
     if y.is_floating_point() or y.dtype == torch.bool:
-        raise EvalInputError(f"labels must be integer class ids, got dtype {y.dtype}")
+        raise EvalInputError(f"{what} must be integer ids, got dtype {y.dtype}")
     y = y.to("cpu", torch.int64)
     if tuple(y.shape) != (n,):
-        raise EvalInputError(f"labels must have shape [N] = [{n}], got {tuple(y.shape)}")
-    if len(y) and (y.min() < 0 or y.max() >= NUM_CLASSES):
-        raise EvalInputError(f"labels must lie in [0, {NUM_CLASSES}) (no null class), "
-                             f"got min {int(y.min())}, max {int(y.max())}")
+        raise EvalInputError(f"{what} must have shape [N] = [{n}], got {tuple(y.shape)}")
+    if len(y) and (y.min() < 0 or y.max() >= k):
+        raise EvalInputError(f"{what} must lie in [0, {k}){note}, got min {int(y.min())}, max {int(y.max())}")
     return y
+
+
+def load_npz(path: str, keys: Sequence[str], hint: str = "") -> tuple:
+    """The arrays `keys` of a samples .npz, in order; an EvalInputError naming the file when it cannot be read
+    or lacks a key (then `hint`: how to get a file that has it)."""
+    try:
+        with np.load(path) as npz:
+            missing = [key for key in keys if key not in npz.files]
+            if missing:
+                raise EvalInputError(f"{path}: missing key(s) {missing}; found {npz.files}"
+                                     + (f" ({hint})" if hint else ""))
+            return tuple(npz[key] for key in keys)
+    except (OSError, ValueError) as e:
+        if isinstance(e, EvalInputError):
+            raise
+        raise EvalInputError(f"{path}: cannot read as .npz ({e})") from None
+
+
+def load_samples(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(images, labels) of a samples.npz of a --data digits model (launch/sample.py)."""
+    return load_npz(path, ("images", "labels"), "pass --no-labels for unconditional samples")
 
 
 def pixel_diversity(x: torch.Tensor, y: torch.Tensor | None) -> float:
@@ -86,7 +110,7 @@ def pixel_diversity(x: torch.Tensor, y: torch.Tensor | None) -> float:
 def evaluate_digits(images, labels=None, cache: str | None = None) -> dict:
     """Metrics of samples images [N, 1, 8, 8] in [-1, 1] with conditioning labels int64 [N] or None."""
     x = check_pixels(images, (1, 8, 8), "images")
-    y = None if labels is None else _check_labels(labels, len(x))
+    y = None if labels is None else check_ids(labels, len(x), "labels", NUM_CLASSES, " (no null class)")
     clf, held_feats, held_acc, train_x = _reference(str(cache_dir(cache).resolve()))
 
     fd = frechet_distance(clf.features(x), held_feats)
@@ -113,17 +137,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-labels", action="store_true", help="unconditional samples: skip class_accuracy")
     args = p.parse_args(argv)
     try:
-        with np.load(args.samples) as npz:
-            need = ["images"] + ([] if args.no_labels else ["labels"])
-            missing = [k for k in need if k not in npz.files]
-            if missing:
-                raise EvalInputError(f"{args.samples}: missing key(s) {missing}; found {npz.files} "
-                                     f"(pass --no-labels for unconditional samples)")
-            images = npz["images"]
-            labels = None if args.no_labels else npz["labels"]
-    except (OSError, ValueError) as e:
-        if not isinstance(e, EvalInputError):
-            e = EvalInputError(f"{args.samples}: cannot read as .npz ({e})")
+        if args.no_labels:
+            (images,), labels = load_npz(args.samples, ("images",)), None
+        else:
+            images, labels = load_samples(args.samples)
+    except EvalInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[eval] {args.samples}: {images.shape[0] if images.ndim else 0} samples", file=sys.stderr)

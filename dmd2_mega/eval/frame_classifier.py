@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from dmd2_mega.data.digits import NUM_CLASSES, _load, split_indices
 from dmd2_mega.data.moving_digits import GLYPH, HEIGHT, WIDTH, render
-from dmd2_mega.eval.classifier import cache_dir, cached
+from dmd2_mega.eval.classifier import EvalCNN, cache_dir, cached
 
 CACHE_NAME = "moving_digits_classifier_v1.pt"
 FEATURE_DIM = 64
@@ -39,7 +39,11 @@ PLACEMENTS = 8
 """Frames per train image and epoch (each at its own random corner): 8 x 8 x 1,438 frames in all."""
 
 
-class FrameClassifier(nn.Module):
+class FrameClassifier(EvalCNN):
+    INPUT = (1, HEIGHT, WIDTH)
+    WHAT = "frames"
+    BATCH = 4096
+
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
@@ -52,25 +56,6 @@ class FrameClassifier(nn.Module):
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         return F.relu(self.fc(F.relu(self.conv3(h)).flatten(1)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(x))
-
-    @torch.no_grad()
-    def _batched(self, fn, frames: torch.Tensor, batch: int = 4096) -> torch.Tensor:
-        self.eval()
-        x = torch.as_tensor(frames).detach().to("cpu", torch.float32)
-        if x.ndim != 4 or tuple(x.shape[1:]) != (1, HEIGHT, WIDTH):
-            raise ValueError(f"FrameClassifier expects frames [N, 1, {HEIGHT}, {WIDTH}], got {tuple(x.shape)}")
-        return torch.cat([fn(x[i:i + batch]) for i in range(0, len(x), batch)])
-
-    def features(self, frames: torch.Tensor) -> torch.Tensor:
-        """Penultimate features float32 [N, FEATURE_DIM] of frames [N, 1, H, W] in [-1, 1]."""
-        return self._batched(self.embed, frames)
-
-    def logits(self, frames: torch.Tensor) -> torch.Tensor:
-        """float32 [N, 10]."""
-        return self._batched(self.forward, frames)
 
 
 def train_glyphs() -> tuple[torch.Tensor, torch.Tensor]:

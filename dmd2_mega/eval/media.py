@@ -11,9 +11,9 @@ column (H.264 in yuv420p needs even sides): a [T, 3, 129, 131] clip is written 1
                 the package when it is missing: never a silent fallback to another format)
     write_gif   Pillow, looping; identical consecutive frames merge into one (the play time is kept)
     write_png   one image through `grid.save_grid`
-Every file is written atomically: a temporary name beside the target, then `os.replace` (`atomic.atomic_write`,
-or by hand for ffmpeg, which needs a real path). Files are named by prompt (`Prompts.names()`: `<i>_<slug>`)
-or by index (`000`, `001`, ...) when there are no prompts.
+Every file is written atomically: a temporary name beside the target, then `os.replace` (`files/atomic.py`:
+`atomic_path` for ffmpeg, which needs a real path, `atomic_write` for the rest). Files are named by prompt
+(`Prompts.names()`: `<i>_<slug>`) or by index (`000`, `001`, ...) when there are no prompts.
 
 `EvalMedia` is what the in-training eval (`--eval-interval`) writes: it reads `--eval-prompts` and loads
 `--vae` (main rank only) at start-up, checks both against the data before any training, and at each eval
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dmd2_mega.files.atomic import atomic_write
+from dmd2_mega.files.atomic import atomic_path, atomic_write
 from dmd2_mega.data.prompts import Prompts, read_prompts
 from dmd2_mega.errors import ConfigError, DataError, EvalInputError
 from dmd2_mega.eval.grid import save_grid
@@ -103,11 +102,7 @@ def write_mp4(path: str, clip, fps: float = VIDEO_FPS) -> str:
     import imageio_ffmpeg
     frames = clip_frames(clip, even=True)
     path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         writer = imageio_ffmpeg.write_frames(
             tmp, (frames.shape[2], frames.shape[1]), pix_fmt_in="gray" if frames.shape[3] == 1 else "rgb24",
             pix_fmt_out="yuv420p", fps=fps, quality=None, codec="libx264", macro_block_size=1,
@@ -116,14 +111,6 @@ def write_mp4(path: str, clip, fps: float = VIDEO_FPS) -> str:
         for frame in frames:
             writer.send(frame)
         writer.close()
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
 
 

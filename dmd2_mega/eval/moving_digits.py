@@ -41,7 +41,7 @@ from dmd2_mega.data.digits import NUM_CLASSES
 from dmd2_mega.data.moving_digits import DIRECTIONS, FRAMES, HEIGHT, STEPS, WIDTH, MovingDigitsDataset
 from dmd2_mega.errors import EvalInputError
 from dmd2_mega.eval.classifier import cache_dir
-from dmd2_mega.eval.digits import check_pixels
+from dmd2_mega.eval.digits import check_ids, check_pixels, load_npz
 from dmd2_mega.eval.frame_classifier import load_or_train_frame_classifier
 from dmd2_mega.eval.frechet import frechet_distance
 
@@ -96,18 +96,6 @@ def warp_error(clips: torch.Tensor) -> torch.Tensor:
     return best.mean(1)
 
 
-def _check_ids(values, n: int, name: str, k: int) -> torch.Tensor:
-    y = torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values)
-    if y.is_floating_point() or y.dtype == torch.bool:
-        raise EvalInputError(f"{name} must be integer ids, got dtype {y.dtype}")
-    y = y.to("cpu", torch.int64)
-    if tuple(y.shape) != (n,):
-        raise EvalInputError(f"{name} must have shape [N] = [{n}], got {tuple(y.shape)}")
-    if y.min() < 0 or y.max() >= k:
-        raise EvalInputError(f"{name} must lie in [0, {k}), got min {int(y.min())}, max {int(y.max())}")
-    return y
-
-
 @lru_cache(maxsize=4)
 def _reference(cache: str):
     """(classifier, held-out features per frame index [T, M, 64], held-out frame accuracy, train clips)."""
@@ -126,8 +114,8 @@ def _per_frame_fd(clf, clips: torch.Tensor, held_feats: torch.Tensor) -> float:
 def evaluate_moving_digits(images, digits, directions, cache: str | None = None) -> dict:
     """Metrics (module docstring) of clips [N, 1, T, H, W] in [-1, 1] conditioned on digits, directions int [N]."""
     x = check_pixels(images, (1, FRAMES, HEIGHT, WIDTH), "clips")
-    k = _check_ids(digits, len(x), "digits", NUM_CLASSES)
-    d = _check_ids(directions, len(x), "directions", len(DIRECTIONS))
+    k = check_ids(digits, len(x), "digits", NUM_CLASSES)
+    d = check_ids(directions, len(x), "directions", len(DIRECTIONS))
     clf, held_feats, held_acc, train_x = _reference(str(cache_dir(cache).resolve()))
 
     fd = _per_frame_fd(clf, x, held_feats)
@@ -152,17 +140,8 @@ def evaluate_moving_digits(images, digits, directions, cache: str | None = None)
 
 def load_samples(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images, digits, directions) of a samples.npz; EvalInputError naming the file and missing keys."""
-    try:
-        with np.load(path) as npz:
-            missing = [key for key in ("images", "digits", "directions") if key not in npz.files]
-            if missing:
-                raise EvalInputError(f"{path}: missing key(s) {missing}; found {npz.files} (sample a "
-                                     f"--data moving-digits model with launch/sample.py)")
-            return npz["images"], npz["digits"], npz["directions"]
-    except (OSError, ValueError) as e:
-        if isinstance(e, EvalInputError):
-            raise
-        raise EvalInputError(f"{path}: cannot read as .npz ({e})") from None
+    return load_npz(path, ("images", "digits", "directions"),
+                    "sample a --data moving-digits model with launch/sample.py")
 
 
 def main(argv=None) -> int:

@@ -1,28 +1,35 @@
-"""One table of sample quality for several sample sets (the quickstart's summary).
+"""One table of sample quality for several sample sets (the quickstart's summary), and the main of both reports.
 
     python -m dmd2_mega.eval.report "teacher, 50 steps=runs/q/teacher_50/samples.npz" "student, 4 steps=..."
 prints a Markdown table: Frechet distance (and its ratio to the real-vs-real floor), class accuracy
 and diversity (per-class pixel std relative to real held-out digits), one row per NAME=PATH.
+
+`report_main` is the command line of this report and of `report_video` (moving digits): each NAME=PATH is loaded,
+evaluated and one row of the table; --json FILE writes every metric; a report with a showcase also takes --gif FILE.
+A malformed pair or samples file is one line `error: ...` naming it, and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Callable, Optional
 
 import numpy as np
 
-from dmd2_mega.eval.digits import evaluate_digits
+from dmd2_mega.data.digits import NUM_CLASSES
+from dmd2_mega.errors import EvalInputError
+from dmd2_mega.eval.digits import evaluate_digits, load_samples
+from dmd2_mega.eval.grid import save_video_gif
+from dmd2_mega.files.atomic import atomic_write
 
 
-def rows(pairs: list[str]) -> list[tuple[str, dict]]:
+def parse_pairs(pairs: list[str]) -> list[tuple[str, str]]:
     out = []
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"error: expected NAME=PATH, got {pair!r}")
-        name, path = pair.split("=", 1)
-        with np.load(path) as npz:
-            out.append((name, evaluate_digits(npz["images"], npz["labels"])))
+            raise EvalInputError(f"expected NAME=PATH, got {pair!r}")
+        out.append(tuple(pair.split("=", 1)))
     return out
 
 
@@ -36,17 +43,42 @@ def markdown(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dmd2_mega.eval.report", description=__doc__.split("\n")[0])
-    p.add_argument("pairs", nargs="+", help="NAME=PATH to a samples.npz")
+def report_main(argv: Optional[list[str]], prog: str, doc: str, pair_help: str, load: Callable[[str], tuple],
+                evaluate: Callable[..., dict], table: Callable[[list[tuple[str, dict]]], str],
+                showcase: Optional[Callable[..., np.ndarray]] = None) -> int:
+    """Per NAME=PATH: `load(path)` -> arrays, `evaluate(*arrays)` -> metrics, and with `showcase` (arrays -> one
+    GIF row [NUM_CLASSES, 1, T, H, W], a clip per digit) a row of the --gif grid; prints `table(results)`."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("pairs", nargs="+", help=pair_help)
     p.add_argument("--json", default=None, help="also write all metrics to this JSON file")
+    if showcase is not None:
+        p.add_argument("--gif", default=None, help="also write a GIF grid: one row per NAME, one column per digit")
     a = p.parse_args(argv)
-    results = rows(a.pairs)
-    print(markdown(results))
+    try:
+        results, rows = [], []
+        for name, path in parse_pairs(a.pairs):
+            arrays = load(path)
+            try:
+                results.append((name, evaluate(*arrays)))
+            except EvalInputError as e:
+                raise EvalInputError(f"{path}: {e}") from None
+            if showcase is not None:
+                rows.append(showcase(*arrays))
+    except EvalInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(results))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({name: r for name, r in results}, f, indent=1)
+        atomic_write(a.json, lambda f: json.dump(dict(results), f, indent=1), text=True)
+    if showcase is not None and a.gif:
+        save_video_gif(np.concatenate(rows), a.gif, cols=NUM_CLASSES)
+        print(f"GIF grid (rows: {', '.join(n for n, _ in results)}; columns: digits 0-9): {a.gif}", file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    return report_main(argv, "python -m dmd2_mega.eval.report", __doc__, "NAME=PATH to a samples.npz",
+                       load_samples, evaluate_digits, markdown)
 
 
 if __name__ == "__main__":

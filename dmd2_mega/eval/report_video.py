@@ -11,26 +11,14 @@ up; the first sample of digit j if that pair was not sampled; black if neither).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import numpy as np
 
 from dmd2_mega.data.digits import NUM_CLASSES
 from dmd2_mega.data.moving_digits import DIRECTIONS
-from dmd2_mega.errors import EvalInputError
-from dmd2_mega.eval.grid import save_video_gif
 from dmd2_mega.eval.moving_digits import evaluate_moving_digits, load_samples
-
-
-def parse_pairs(pairs: list[str]) -> list[tuple[str, str]]:
-    out = []
-    for pair in pairs:
-        if "=" not in pair:
-            raise EvalInputError(f"expected NAME=PATH, got {pair!r}")
-        out.append(tuple(pair.split("=", 1)))
-    return out
+from dmd2_mega.eval.report import report_main
 
 
 def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray) -> np.ndarray:
@@ -55,31 +43,9 @@ def markdown(results: list[tuple[str, dict]]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dmd2_mega.eval.report_video", description=__doc__.split("\n")[0])
-    p.add_argument("pairs", nargs="+", help="NAME=PATH to a samples.npz of a --data moving-digits model")
-    p.add_argument("--json", default=None, help="also write all metrics to this JSON file")
-    p.add_argument("--gif", default=None, help="also write a GIF grid: one row per NAME, one column per digit")
-    a = p.parse_args(argv)
-    try:
-        results, rows = [], []
-        for name, path in parse_pairs(a.pairs):
-            images, digits, directions = load_samples(path)
-            try:
-                results.append((name, evaluate_moving_digits(images, digits, directions)))
-            except EvalInputError as e:
-                raise EvalInputError(f"{path}: {e}") from None
-            rows.append(showcase(images, digits, directions))
-    except EvalInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown(results))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({name: r for name, r in results}, f, indent=1)
-    if a.gif:
-        save_video_gif(np.concatenate(rows), a.gif, cols=NUM_CLASSES)
-        print(f"GIF grid (rows: {', '.join(n for n, _ in results)}; columns: digits 0-9): {a.gif}", file=sys.stderr)
-    return 0
+    return report_main(argv, "python -m dmd2_mega.eval.report_video", __doc__,
+                       "NAME=PATH to a samples.npz of a --data moving-digits model", load_samples,
+                       evaluate_moving_digits, markdown, showcase)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Typed reads of a config file: every key a family's config reader uses, with its type and range, in one table.
 
-Each reader (`WanSpec.from_config`, `dit_checkpoints.diffusers_spec` / `spec_from_ours`) declares a table
+Each reader (`WanSpec.from_config`, `dit/checkpoints.diffusers_spec` / `spec_from_ours`) declares a table
 {key: Key} and calls `read_keys(config, table, where)` once; nothing downstream converts or range-checks a config
 value again. A value of the wrong type or out of range is one ConfigError naming the file, the key, what it holds
 and what was expected, e.g.

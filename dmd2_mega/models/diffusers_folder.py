@@ -1,6 +1,6 @@
 """Diffusers model folders, whatever the model class: config.json, the safetensors weights (one file or shards
 with an index), read tensor by tensor and written sharded. The families' name and layout mappings are in
-`wan_diffusers.py` and `dit_checkpoints.py`.
+`wan/diffusers.py` and `dit/checkpoints.py`.
 
 What a read refuses (a CheckpointError naming the file and the tensor; nothing is converted from such a folder):
 an index whose weight_map names a file outside the folder (absolute, or through ..), a tensor name held by two
@@ -22,6 +22,8 @@ from dmd2_mega.errors import CheckpointError, ConfigError
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
+TRANSFORMER = "transformer"
+"""The model folder inside a diffusers pipeline folder."""
 SHARD_BYTES = 5 * 2**30  # export shards at most this large (diffusers' own default is 10 GB)
 
 

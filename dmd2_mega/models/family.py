@@ -1,9 +1,16 @@
-"""The model-family interface: what DMD2, sampling, checkpoints and the planner may ask of a model.
+"""The model-family contract: everything the rest of the package may ask of a family and of its models.
 
-A family (the DiT and the Wan today) is a module of `dmd2_mega/models/` that provides a `ModelFamily`: a name and
-`build(spec, shape, tp_size, options) -> FamilyModel`, which builds the model at a TP size from a
-named spec (`registry.MODEL_SIZES` maps each `--model-size` to its family and spec). Every model is
-a `FamilyModel`:
+A family (the DiT: `models/dit/`, the Wan: `models/wan/`) is a sub-package of `dmd2_mega/models/` that provides
+one `ModelFamily` (torchtitan's `TrainSpec`): building its model at a TP size from a spec; recognising a
+`--model-size` config.json, a public folder or an official file and the spec it describes; its public layouts
+both ways (reading a source into our TP=1 state dict, the config files beside a converted checkpoint, the export
+writers); its planner maths (`PlanMaths`: parameters, FLOPs, activations, under TP / CP / SP); the data shape and
+condition kind it takes; which parallel layouts it supports. `registry.py` lists the families (`FAMILIES`) and
+finds the one that recognises a path or owns a spec; nothing outside `models/` imports a family's modules or
+names a family (`.importlinter`, contract "only dmd2_mega.models imports a family's modules"). `name` is the tag
+stored in checkpoint payloads ("family"), compared only for identity (`train/checkpoint_guard.check_family`).
+
+Every model is a `FamilyModel`:
 
     forward(x [B, *shape], sigma [B] fp32, cond) -> v [B, *shape]
         velocity in DESIGN section 1's convention: x_s = (1 - s) x0 + s eps, v = eps - x0; the
@@ -25,13 +32,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmd2_mega.errors import ConfigError
+from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import check_backend
 from dmd2_mega.distributed.parallel import tp_partition_dim
@@ -143,11 +150,122 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
         return {name: tp_partition_dim(p) for name, p in self.named_parameters()}
 
 
-@dataclass(frozen=True)
-class ModelFamily:
+class PlanMaths(NamedTuple):
+    """A family's planner formulas (its `plan.py` docstring gives them), each reading a planner shape `ms`
+    (`plan/memory_plan.ModelShape`: spec, in_channels, spatial, num_classes, cond_shape, tokens, text_len, mlp):
+    param_counts(ms) -> {'sharded', 'replicated', 'tensors', 'buffer'}; forward_flops(ms, n, tp); per block
+    layer(ms, n, tp, bf16, cp, sp) kept for backward and block_input(ms, n, bf16, tp, cp, sp) under full recompute;
+    outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks; nograd(ms, n, tp, bf16, cp, sp) the peak
+    of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps beyond the fused
+    kernels. cp / sp split the tokens; a family that does not split tokens is only asked for cp = 1, sp = False."""
+
+    param_counts: Callable
+    forward_flops: Callable
+    layer: Callable
+    block_input: Callable
+    outside: Callable
+    nograd: Callable
+    scores: Callable
+
+
+class Source(NamedTuple):
+    """A public checkpoint a family recognised (`ModelFamily.open_source`)."""
+
+    spec: object
+    read: Callable
+    """read(log) -> our TP=1 state dict {name: tensor}, every tensor checked against the model the spec builds;
+    it logs one line of what it reads."""
+    files: Callable
+    """files(save) -> {file name: a JSON dict, or a path to copy}: written beside a checkpoint converted into
+    `save`, so that `--model-size <save>` builds the spec again (`ModelFamily.recognise`)."""
+
+
+class ModelFamily(abc.ABC):
+    """The whole contract of a family (module docstring). One instance per family, listed in
+    `registry.FAMILIES`; the sizes it registers are in `registry.MODEL_SIZES`."""
+
     name: str
-    build: Callable[..., FamilyModel]
-    """build(spec, shape: DataShape, tp_size: int, options: BuildOptions) -> FamilyModel on the CPU."""
+    """The tag checkpoints record (payload "family", `our_config`); stays as it is so old checkpoints load."""
+    title: str
+    """How messages name it ("DiT", "Wan")."""
+    reads: str
+    """What it recognises, in words: the one-line error for a path no family reads lists each family's."""
+    spec_type: type
+    """Its spec dataclass: `registry.family_of(spec)` finds the family of a spec by it."""
+    splits_tokens: bool = False
+    """Supported layouts: every family takes TP x DP; a family that splits tokens also takes CP (Ulysses) and
+    Megatron sequence parallelism (`models/token_parallel.py`)."""
+    export_layouts: tuple = ()
+    """The public layouts `export` writes: "diffusers" (a folder), "official" (a file)."""
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name}>"
+
+    # ---- building
+    @abc.abstractmethod
+    def build(self, spec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()) -> FamilyModel:
+        """The model of `spec` for `shape` at TP degree `tp_size`, on the CPU (or the meta device)."""
+
+    @abc.abstractmethod
+    def default_shape(self, spec) -> DataShape:
+        """The shape to build `spec` with when no data gives one (a converted checkpoint, a meta model)."""
+
+    # ---- recognising
+    @abc.abstractmethod
+    def recognise(self, config_path: str, folder: str, name: str):
+        """The spec of `--model-size name` whose config file is `config_path` (`folder`: the folder named, which
+        may say more, e.g. two experts), or None when the file is not this family's."""
+
+    @abc.abstractmethod
+    def reads_source(self, src: str, subfolder: Optional[str] = None) -> bool:
+        """Whether `src` (a public folder, a pipeline folder, an official file) is this family's to import."""
+
+    @abc.abstractmethod
+    def open_source(self, src: str, subfolder: Optional[str] = None, parameterization: Optional[str] = None,
+                    num_heads: Optional[int] = None) -> Source:
+        """The spec of a source this family reads and its reader (`Source`); ConfigError for options it does not
+        take (`parameterization`, `num_heads`: what an official file cannot tell)."""
+
+    # ---- converted checkpoints and exports
+    @abc.abstractmethod
+    def check_tp(self, spec, tp_size: int, where: str) -> None:
+        """ConfigError unless `tp_size` divides what TP splits (a conversion checks it before writing)."""
+
+    def data_info(self, spec) -> Optional[dict]:
+        """The data_info a converted checkpoint records (what it was trained on), or None (not recorded)."""
+        return None
+
+    @abc.abstractmethod
+    def export(self, layout: str, load: str, out: str, payload: dict, spec, ema: bool, log) -> dict:
+        """Write the weights of one of our checkpoints (`payload`, joined to TP=1) in public `layout` at `out`
+        (checked free by the caller), all or nothing; {"weights": "ema" | "model", "sigmas", "iteration"}."""
+
+    # ---- data and the planner
+    @abc.abstractmethod
+    def plan_data(self, spec, name: str, *, latent_shape, in_channels: int, image_size: int,
+                  num_classes: Optional[int], cond_shape, text_len: Optional[int]) -> DataShape:
+        """The data shape launch/plan_memory.py's flags describe for this family (its sample layout and condition
+        kind); ConfigError naming a flag it does not take."""
+
+    @abc.abstractmethod
+    def plan_spec(self, spec, name: str, shape: DataShape, patch: Optional[int]):
+        """The spec the planner sizes for data `shape` (with `--patch` where the family takes one); ConfigError for a
+        shape the model cannot take."""
+
+    plan: PlanMaths
+    """The planner's formulas (`PlanMaths`)."""
+
+    @abc.abstractmethod
+    def mlp_width(self, spec) -> int:
+        """The MLP / FFN width TP must divide."""
+
+    def experts(self, spec) -> int:
+        """Sub-models of which a forward runs one (a time-sliced frozen role holds one at a time); 0: one model."""
+        return 0
+
+    @abc.abstractmethod
+    def describe(self, name: str, spec, latents: str, tokens: int, text_len: int) -> str:
+        """The planner's one-line description of `--model-size name` on latents `latents` (launch/plan_memory.py)."""
 
 
 def count_parameters(model: nn.Module, tp_group=None, device: Optional[torch.device] = None) -> int:
@@ -161,3 +279,27 @@ def count_parameters(model: nn.Module, tp_group=None, device: Optional[torch.dev
         dist.all_reduce(t, group=tp_group)
         sharded = int(t.item())
     return sharded + replicated
+
+
+def expected_shapes(model: nn.Module) -> dict:
+    """{parameter name: shape} of a model (built on the meta device: no memory)."""
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def check_state(state: dict, expected: dict, where: str) -> None:
+    """CheckpointError naming `where` unless `state` holds exactly the tensors of `expected` ({name: shape})."""
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where}: the tensors do not form the model its shapes / config describe "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    for n, shape in expected.items():
+        if tuple(state[n].shape) != shape:
+            raise CheckpointError(f"{where}: {n} has shape {list(state[n].shape)}, the model's is {list(shape)} "
+                                  f"(weights and config disagree)")
+
+
+def pick_weights(payload: dict, ema: bool) -> tuple[str, dict]:
+    """("ema" | "model", its tensors without megatron's `_extra_state` entries) of a joined checkpoint payload: the
+    EMA weights when asked for and present."""
+    which = "ema" if ema and "ema" in payload else "model"
+    return which, {n: t for n, t in payload[which].items() if not n.endswith("_extra_state")}

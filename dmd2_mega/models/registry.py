@@ -1,4 +1,7 @@
-"""Named model sizes (`--model-size`), nanoGPT/DiT style: each name maps to (family, spec).
+"""The families (`FAMILIES`) and the named model sizes (`--model-size`), nanoGPT/DiT style: each name maps to
+(family, spec); a path is recognised by the family whose `recognise` reads its config.json (`get_size`), a source to
+import by the family whose `reads_source` takes it (`source_family`), and a spec's family by its type (`family_of`).
+A path no family recognises is one ConfigError naming the path and the families tried, never a default family.
 
 DiT sizes: per block the DiT holds ~18 H^2 weights (attention 4 H^2, MLP 8 H^2 at ratio 4, adaLN
 6 H^2); the real sizes are chosen so the whole model lands near its name at patch 2 on 4x32x32
@@ -14,17 +17,18 @@ per step and reaches 88% digit accuracy in 1,800 steps.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.models.diffusers_folder import TRANSFORMER, read_json
 from dmd2_mega.models.dit import DIT, DiTSpec
-from dmd2_mega.models.diffusers_folder import read_json
-from dmd2_mega.models.dit_checkpoints import diffusers_spec, is_diffusers_config, is_our_config, spec_from_ours
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
 from dmd2_mega.models.wan import WAN, WanSpec
-from dmd2_mega.models.wan_experts import EXPERTS, WAN_EXPERTS
+
+FAMILIES: tuple[ModelFamily, ...] = (DIT, WAN)
+"""Every family, in the order they are asked to recognise a path."""
 
 
 @dataclass(frozen=True)
@@ -32,14 +36,18 @@ class ModelSize:
     family: ModelFamily
     spec: object
 
+    @property
+    def family_name(self) -> str:
+        """The family's tag that checkpoints record (payload "family"), compared for identity only."""
+        return self.family.name
+
 
 def _dit(name: str, **kw) -> tuple[str, ModelSize]:
     return name, ModelSize(DIT, DiTSpec(name=name, **kw))
 
 
 def _wan(name: str, **kw) -> tuple[str, ModelSize]:
-    spec = WanSpec(name=name, **kw)
-    return name, ModelSize(WAN_EXPERTS if spec.boundary_ratio is not None else WAN, spec)
+    return name, ModelSize(WAN, WanSpec(name=name, **kw))
 
 
 MODEL_SIZES: dict[str, ModelSize] = dict([
@@ -61,10 +69,23 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
 ])
 
 
+def family_of(spec) -> ModelFamily:
+    """The family whose spec `spec` is."""
+    for family in FAMILIES:
+        if isinstance(spec, family.spec_type):
+            return family
+    raise ConfigError(f"{type(spec).__name__} is the spec of no model family ({', '.join(f.name for f in FAMILIES)})")
+
+
+def tried() -> str:
+    """The families and what each recognises, for the error of a path none reads."""
+    return "; ".join(f.reads for f in FAMILIES)
+
+
 def _config_path(name: str):
-    """(config.json, the folder that may say it is two experts) of `--model-size <path>`: the file itself, a model
-    folder or one of our converted checkpoints (the folder itself), or a pipeline folder (its transformer/
-    config, the pipeline folder); None if `name` is no path."""
+    """(config.json, the folder that may say more) of `--model-size <path>`: the file itself, a model folder or one
+    of our converted checkpoints (the folder itself), or a pipeline folder (its transformer/ config, the pipeline
+    folder); None if `name` is no path."""
     if not (os.sep in name or os.path.exists(name)):
         return None
     if name.endswith((".pt", ".pth")):
@@ -72,14 +93,23 @@ def _config_path(name: str):
                           f"launch/convert_checkpoint.py --from-official {name} --parameterization sit|vp-eps --save DIR")
     if os.path.isfile(name):
         return name, os.path.dirname(name)
-    for cand in (os.path.join(name, "config.json"), os.path.join(name, EXPERTS[0], "config.json")):
+    for cand in (os.path.join(name, "config.json"), os.path.join(name, TRANSFORMER, "config.json")):
         if os.path.isfile(cand):
             return cand, name
-    raise ConfigError(f"--model-size {name}: no config.json in that folder (nor in its {EXPERTS[0]}/)")
+    raise ConfigError(f"--model-size {name}: no config.json in that folder (nor in its {TRANSFORMER}/)")
+
+
+def _class_of(path: str) -> str:
+    """What a config file says it is, for an error."""
+    try:
+        cls = read_json(path).get("_class_name")
+    except ConfigError:
+        return "not a JSON object"
+    return f"_class_name {cls!r}" if cls else "no _class_name"
 
 
 def get_size(name: str) -> ModelSize:
-    """A registered name, or a path to a diffusers config.json (or a folder holding one)."""
+    """A registered name, or a path to a config.json (or a folder holding one) that a family recognises."""
     if name in MODEL_SIZES:
         return MODEL_SIZES[name]
     found = _config_path(name)
@@ -87,50 +117,26 @@ def get_size(name: str) -> ModelSize:
         raise ConfigError(f"--model-size {name!r} is unknown; choose one of {sorted(MODEL_SIZES)} or give a "
                           f"diffusers model folder with a config.json")
     path, folder = found
-    dit = _dit_size(name, path, folder)
-    if dit is not None:
-        return dit
-    ratio = boundary_ratio(folder)  # a model folder inside a pipeline (pipeline/transformer) is one model
-    spec = WanSpec.from_file(path, ratio)
-    return ModelSize(WAN_EXPERTS if ratio is not None else WAN, spec)
+    for family in FAMILIES:
+        spec = family.recognise(path, folder, name)
+        if spec is not None:
+            return ModelSize(family, spec)
+    raise ConfigError(f"--model-size {name}: no model family recognises {path} ({_class_of(path)}); tried {tried()}")
 
 
-def _dit_size(name: str, path: str, folder: str):
-    """The DiT family's size of a diffusers DiTTransformer2DModel folder (its pipeline's scheduler config fixes the
-    VP schedule) or of one of our converted DiT checkpoints; None for any other config.json."""
-    if not path.endswith(".json"):
-        return None
-    config = read_json(path)
-    if is_our_config(config):
-        return ModelSize(DIT, spec_from_ours(config, name))
-    if not is_diffusers_config(config):
-        return None
-    here = os.path.dirname(os.path.abspath(path))
-    sched = next((p for p in (os.path.join(folder, "scheduler", SCHEDULER),
-                              os.path.join(os.path.dirname(here), "scheduler", SCHEDULER)) if os.path.isfile(p)), None)
-    return ModelSize(DIT, diffusers_spec(config, name, read_json(sched) if sched else None))
-
-
-SCHEDULER = "scheduler_config.json"
-EXPERTS_FILE = "wan_experts.json"
-"""Written beside config.json in a checkpoint converted from a two-expert pipeline: {"boundary_ratio": r}."""
-
-
-def boundary_ratio(folder: str):
-    """The expert boundary of a two-expert Wan folder: a pipeline folder whose model_index.json sets boundary_ratio
-    and which holds transformer_2/, or one of our checkpoints converted from one (EXPERTS_FILE); else None."""
-    ours = os.path.join(folder, EXPERTS_FILE)
-    index = os.path.join(folder, "model_index.json")
-    for path, need in ((ours, None), (index, os.path.join(folder, EXPERTS[1], "config.json"))):
-        if os.path.isfile(path) and (need is None or os.path.isfile(need)):
-            try:
-                with open(path) as f:
-                    ratio = json.load(f).get("boundary_ratio")
-            except (OSError, json.JSONDecodeError, AttributeError) as e:
-                raise ConfigError(f"{path}: cannot read ({e})") from None
-            if ratio is not None:
-                return float(ratio)
-    return None
+def source_family(src: str, subfolder: Optional[str] = None, flag: str = "--from-diffusers") -> ModelFamily:
+    """The family that reads `src` (a public folder, a pipeline folder, an official file) to import it."""
+    for family in FAMILIES:
+        if family.reads_source(src, subfolder):
+            return family
+    if not os.path.isdir(src):
+        raise ConfigError(f"{flag} {src}: not a directory, nor a checkpoint file a family reads; tried {tried()}")
+    where = [os.path.join(d, "config.json") for d in (src, os.path.join(src, subfolder or TRANSFORMER))]
+    cfg = next((p for p in where if os.path.isfile(p)), None)
+    if cfg is None:
+        raise ConfigError(f"{flag} {src}: no config.json there nor in {subfolder or TRANSFORMER}/ (a diffusers model "
+                          f"folder or a pipeline folder holding one); tried {tried()}")
+    raise ConfigError(f"{flag} {src}: no model family reads {cfg} ({_class_of(cfg)}); tried {tried()}")
 
 
 def get_spec(name: str):

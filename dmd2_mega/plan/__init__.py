@@ -1,2 +1,3 @@
-"""Memory and throughput before and during a run: the analytic memory planner (`memory_plan`, the Wan
-family's maths in `memory_plan_wan`) and FLOP accounting (`throughput`)."""
+"""Memory and throughput before and during a run: the analytic memory planner (`memory_plan`: roles, phases,
+offload and layouts for any family, each family's formulas reached through its `ModelFamily.plan`) and FLOP
+accounting (`throughput`)."""

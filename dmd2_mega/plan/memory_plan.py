@@ -1,58 +1,37 @@
-"""Per-rank memory and FLOP maths of the model families and of one DMD2 cycle (behind `launch/plan_memory.py`).
+"""Per-rank memory and FLOP maths of one DMD2 cycle, for any model family (behind `launch/plan_memory.py`).
 
-`ModelShape` is a model of either family (DiT or Wan, told apart by its spec) on one data shape; `model_shape`
-builds it from flags and `model_shape_from_info` from a checkpoint's `data_info`. Each family's formulas are
-one `FamilyMaths` row of `FAMILY_MATHS`: the DiT's below, Wan's in `memory_plan_wan.py` (its docstring gives
-them). Role bytes, the cycle plan and the offload choice are the same for every family.
+`ModelShape` is a model of a family (the family of its spec, `models.family_of`) on one data shape; `model_shape`
+builds it from flags and `model_shape_from_info` from a checkpoint's `data_info`. Each family's formulas
+(parameters, FLOPs, activations under TP / CP / SP) are its `ModelFamily.plan` (`models/family.PlanMaths`, in the
+family's `plan.py`, whose docstring gives them); what this module adds is the same for every family: role bytes,
+the cycle plan, the offload choice and the layout search. P below is parameters per rank, w the weight bytes
+(2 under --bf16, else 4).
 
-DiT notation: hidden h, layers L, heads a, patch p, channels C, image side H, tokens S = (H / p)^2,
-MLP width m = int(h * mlp_ratio), timestep feature width f, TP degree t, micro-batch B, K critic
-steps, N student steps. Weight bytes w = 2 under --bf16 else 4; activation bytes = w.
-
-Parameters (exact; megatron-core splits the output dim of ColumnParallelLinear and the input dim
-of RowParallelLinear, RowParallelLinear's bias stays whole):
-    sharded (divided by t):  per block adaLN 6h(h+1), qkv 3h(h+1), proj h^2, fc1 m(h+1), fc2 mh;
-                             final adaLN 2h(h+1)
-    replicated:              x_embed (Cp^2+1)h, t_embed (f+1)h + (h+1)h, labels (classes+1)h or
-                             text (D+1)h + (h+1)h, per block the proj and fc2 biases 2h,
-                             final (h+1)p^2C
-    buffer:                  pos [S, h] and, with text, the negative-prompt embedding (model dtype)
 Role bytes per rank, every family (P = parameters per rank, n = parameter tensors, AdamW):
     weights (P + buffer) w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
     accumulation and DP reduction in place; under --bf16 it is also the masters' grad; the model-dtype
     `.grad` of one parameter lives only until its hook);  under --bf16 fp32 masters 4P;  Adam exp_avg +
     exp_avg_sq 8P and one fp32 `step` per tensor 4n. --use-distributed-optimizer: masters (fp32 even for an
     fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it.
-Activations of a training forward of n samples, kept for backward (no S^2 term: SDPA/flash keep
-    the log-sum-exp only), per layer:  n S (8h + (5h + 2m) / t) w + n (a / t) S 4
-    (layer-norm inputs/outputs, modulated inputs, attention projection and fc2 outputs at full width;
-    q, k, v, attention output and its re-laid copy, fc1 output and GELU output per TP shard),
-    plus n S (3h + Cp^2) w outside the blocks. --recompute-granularity full keeps only each block's
-    input n S h w, plus one block's full set while that block is recomputed in backward.
-    A no-grad forward of n samples holds about n S (4h + max(3h, 2m) / t) w at its peak.
-    Measured on CPU with saved-tensor hooks (tests/test_plan_memory.py) the kept bytes are within
-    1.25x of this estimate; the peak also holds temporaries of the op running at that moment.
-Forward FLOPs per sample (matmuls, 2 per multiply-add, per TP rank), attention included:
-    2 S (Cp^2 h + h p^2 C) + 2 (f h + h^2 + [text: D h + h^2]) + 2 h 2h / t
-    + L [2 h 6h / t + 2 S (3h^2 + h^2 + 2 h m) / t + 4 S^2 h / t]
-Layouts (`search_layouts`): every TP (inside a node) x CP x DP of a world, with and without recompute, each with
-its cheapest time-slicing (`choose_offload`); the best fits and has the smallest TP x CP (launch/plan_memory.py
---search). The distributed optimizer shards over DP x CP, the ranks that hold the same weights.
+Activations: the family's formulas (a training forward keeps its per-block activations for backward; full
+    recompute keeps each block's input plus one block's full set while it is recomputed; a no-grad forward
+    holds its peak).
+Layouts (`search_layouts`): every TP (inside a node) x CP x DP of a world that the family supports (CP and SP only
+for a family that splits tokens), with and without recompute, each with its cheapest time-slicing
+(`choose_offload`); the best fits and has the smallest TP x CP (launch/plan_memory.py --search). The distributed
+optimizer shards over DP x CP, the ranks that hold the same weights.
 The cycle's cost model (`cycle_passes`, in forwards of B samples) and its comparison with measured
 times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `format_table` prints both.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
-from dmd2_mega.plan import memory_plan_wan as wan
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import DataShape, get_spec
-from dmd2_mega.models.wan import WanSpec
-from dmd2_mega.models.wan import check_shape as check_wan_shape
+from dmd2_mega.models import FAMILIES, DataShape, ModelFamily, PlanMaths, family_of, get_spec
 
 PHASES = ("rollout", "critic", "actor")
 # phase -> (roles resident when time-sliced, the role trained in it)  (mirrors dmd2/roles.PHASE_ROLES)
@@ -62,16 +41,16 @@ PHASE_NEEDS = {"rollout": (("student",), None), "critic": (("critic", "teacher")
 
 @dataclass
 class ModelShape:
-    """One model of a family (DiT or Wan, by its spec) on one data shape: what the formulas read."""
+    """One model of a family (the family of its spec) on one data shape: what the formulas read."""
 
     spec: object
-    """DiTSpec or WanSpec (`models.get_spec`)."""
+    """A family's spec (`models.get_spec`)."""
     in_channels: int
     spatial: tuple
-    """(H, W) images (the DiT's are square; an int n means (n, n)) or (T, H, W) video latents (Wan)."""
+    """(H, W) images (an int n means (n, n)) or (T, H, W) video latents, as the family takes them."""
     num_classes: Optional[int] = 10
     cond_shape: Optional[tuple] = None
-    """Per-sample text embeddings [D] or [L, D] instead of labels; Wan: [L, text_dim]."""
+    """Per-sample text embeddings [D] or [L, D] instead of labels."""
 
     def __post_init__(self):
         if isinstance(self.spatial, int):
@@ -79,8 +58,8 @@ class ModelShape:
         self.spatial = tuple(int(n) for n in self.spatial)
 
     @property
-    def family(self) -> str:
-        return "wan" if isinstance(self.spec, WanSpec) else "dit"
+    def family(self) -> ModelFamily:
+        return family_of(self.spec)
 
     @property
     def image_size(self) -> int:
@@ -106,33 +85,21 @@ class ModelShape:
 
     @property
     def mlp(self) -> int:
-        return self.spec.ffn_dim if self.family == "wan" else int(self.spec.hidden_size * self.spec.mlp_ratio)
+        return self.family.mlp_width(self.spec)
 
 
 def model_shape(size: str, in_channels: int, spatial, patch: Optional[int] = None,
                 num_classes: Optional[int] = 10, cond_shape: Optional[tuple] = None) -> ModelShape:
-    """`--model-size` (a registered name or a diffusers config.json / folder) on latents [in_channels, *spatial]
-    (spatial: the DiT's image side, or (T, H, W) for Wan, whose cond_shape is [L, text_dim]). ConfigError for
-    a shape the model cannot take."""
+    """`--model-size` (a registered name or a config.json / folder a family recognises) on latents
+    [in_channels, *spatial] as its family takes them (`ModelFamily.plan_spec`: e.g. the DiT's square images with
+    `patch`, Wan's (T, H, W) with text [L, text_dim]). ConfigError for a shape the model cannot take."""
     spec = get_spec(size)
     if (num_classes is None) == (cond_shape is None):
         raise ConfigError("give exactly one of --num-classes or --cond-shape")
     cond_shape = tuple(cond_shape) if cond_shape is not None else None
-    if isinstance(spec, WanSpec):
-        if patch is not None:
-            raise ConfigError(f"--patch applies to the DiT; --model-size {size} (Wan) has patch {spec.patch_size}")
-        ms = ModelShape(spec, in_channels, spatial, num_classes, cond_shape)
-        check_wan_shape(spec, DataShape(in_channels, ms.spatial, num_classes, cond_shape), 1)
-        return ms
-    if patch is not None:
-        spec = replace(spec, patch_size=patch)
-    ms = ModelShape(spec, in_channels, spatial, num_classes, cond_shape)
-    if len(ms.spatial) != 2 or ms.spatial[0] != ms.spatial[1]:
-        raise ConfigError(f"--model-size {size} (DiT) takes square images [C, H, H], got latents "
-                          f"{[in_channels, *ms.spatial]}")
-    if ms.image_size % spec.patch_size:
-        raise ConfigError(f"--image-size {ms.image_size} is not a multiple of --patch {spec.patch_size}")
-    return ms
+    shape = DataShape(in_channels, spatial, num_classes, cond_shape)
+    spec = family_of(spec).plan_spec(spec, size, shape, patch)
+    return ModelShape(spec, in_channels, shape.spatial, num_classes, cond_shape)
 
 
 def model_shape_from_info(size: str, info: dict) -> ModelShape:
@@ -145,81 +112,13 @@ def model_shape_from_info(size: str, info: dict) -> ModelShape:
                        cond_shape=shape.cond_shape)
 
 
-class FamilyMaths(NamedTuple):
-    """One family's formulas (module docstrings): param_counts(ms); forward_flops(ms, n, tp); per block
-    layer(ms, n, tp, bf16, cp, sp) kept for backward and block_input(ms, n, bf16, tp, cp, sp) under full
-    recompute; outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks; nograd(ms, n, tp, bf16, cp,
-    sp) the peak of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps
-    beyond the fused kernels. cp / sp split the tokens (CP, sequence parallelism); a family without them is
-    only ever asked for cp = 1, sp = False (`_maths`)."""
-
-    param_counts: Callable
-    forward_flops: Callable
-    layer: Callable
-    block_input: Callable
-    outside: Callable
-    nograd: Callable
-    scores: Callable
-
-
-def _dit_param_counts(ms: ModelShape) -> dict:
-    s, h, m, c, p = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size
-    per_block = 6 * h * (h + 1) + 3 * h * (h + 1) + h * h + m * (h + 1) + m * h
-    sharded = s.num_layers * per_block + 2 * h * (h + 1)
-    cond = (ms.num_classes + 1) * h if ms.num_classes is not None else (ms.cond_shape[-1] + 1) * h + (h + 1) * h
-    replicated = ((c * p * p + 1) * h + (s.freq_dim + 1) * h + (h + 1) * h + cond
-                  + 2 * h * s.num_layers + (h + 1) * p * p * c)
-    tensors = 2 + 4 + (1 if ms.num_classes is not None else 4) + 10 * s.num_layers + 2 + 2
-    negative = math.prod(ms.cond_shape) if ms.cond_shape is not None else 0
-    return {"sharded": sharded, "replicated": replicated, "tensors": tensors, "buffer": ms.tokens * h + negative}
-
-
-def _dit_forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
-    s, h, m, c, p, S = ms.spec, ms.spec.hidden_size, ms.mlp, ms.in_channels, ms.spec.patch_size, ms.tokens
-    out = 2 * S * (c * p * p * h + h * p * p * c) + 2 * (s.freq_dim * h + h * h) + 2 * h * 2 * h // tp
-    if ms.cond_shape is not None:
-        out += 2 * (ms.cond_shape[-1] * h + h * h)
-    block = 2 * h * 6 * h + 2 * S * (3 * h * h + h * h + 2 * h * m) + 4 * S * S * h
-    return n * (out + s.num_layers * block // tp)
-
-
-def _dit_layer(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
-    h, m, S, w = ms.spec.hidden_size, ms.mlp, ms.tokens, 2 if bf16 else 4
-    return n * S * (8 * h + (5 * h + 2 * m) // tp) * w + n * (ms.spec.num_heads // tp) * S * 4
-
-
-def _dit_block_input(ms: ModelShape, n: int, bf16: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> int:
-    return n * ms.tokens * ms.spec.hidden_size * (2 if bf16 else 4)
-
-
-def _dit_outside(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool, cp: int = 1, sp: bool = False) -> int:
-    return n * ms.tokens * (3 * ms.spec.hidden_size + ms.in_channels * ms.spec.patch_size ** 2) * (2 if bf16 else 4)
-
-
-def _dit_nograd(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
-    h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
-    return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
-
-
-def _dit_scores(ms: ModelShape, *_) -> int:
-    raise ConfigError("--attention-kernel math is modelled for the Wan family only")
-
-
-FAMILY_MATHS = {
-    "dit": FamilyMaths(_dit_param_counts, _dit_forward_flops, _dit_layer, _dit_block_input, _dit_outside,
-                       _dit_nograd, _dit_scores),
-    "wan": FamilyMaths(wan.param_counts, wan.forward_flops, wan.layer_activation_bytes, wan.block_input_bytes,
-                       wan.outside_activation_bytes, wan.nograd_activation_bytes, wan.score_bytes),
-}
-
-
 def param_counts(ms: ModelShape) -> dict:
     """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
-    return FAMILY_MATHS[ms.family].param_counts(ms)
+    return ms.family.plan.param_counts(ms)
 
 
 def check_tp(ms: ModelShape, tp: int) -> None:
-    """ConfigError unless TP divides the heads (and Wan's FFN width)."""
+    """ConfigError unless TP divides the heads and the MLP / FFN width."""
     if ms.spec.num_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the {ms.spec.num_heads} heads")
     if ms.mlp % tp:
@@ -234,7 +133,7 @@ def params_per_rank(ms: ModelShape, tp: int) -> int:
 
 def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
     """Matmul FLOPs of one forward of n samples on one TP rank (see the family's module docstring)."""
-    return FAMILY_MATHS[ms.family].forward_flops(ms, n, tp)
+    return ms.family.plan.forward_flops(ms, n, tp)
 
 
 def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist_opt: bool = False) -> dict:
@@ -252,18 +151,21 @@ def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist
     return out
 
 
-def _maths(ms: ModelShape, cp: int, sp: bool) -> FamilyMaths:
-    """The family's formulas; ConfigError for a token split the family does not have (only Wan splits tokens)."""
-    if ms.family != "wan" and (cp > 1 or sp):
-        raise ConfigError(f"--context-parallel-size / --sequence-parallel are built for the Wan family, not "
-                          f"--model-size {ms.spec.name} ({ms.family})")
-    return FAMILY_MATHS[ms.family]
+def _maths(ms: ModelShape, cp: int, sp: bool) -> PlanMaths:
+    """The family's formulas; ConfigError for a token split the family does not have (`splits_tokens`)."""
+    family = ms.family
+    if not family.splits_tokens and (cp > 1 or sp):
+        splitting = " / ".join(f.title for f in FAMILIES if f.splits_tokens)
+        raise ConfigError(f"--context-parallel-size / --sequence-parallel are built for the {splitting} family, not "
+                          f"--model-size {ms.spec.name} ({family.title})")
+    return family.plan
 
 
 def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False, cp: int = 1,
                            sp: bool = False, scores: bool = False) -> int:
     """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `cp` and `sp`
-    (Wan only) split its tokens, `scores` (Wan only) adds what SDPA's math path keeps (memory_plan_wan.py)."""
+    (a family that splits tokens) split its tokens, `scores` adds what SDPA's math path keeps (the family's
+    `PlanMaths.scores`)."""
     f = _maths(ms, cp, sp)
     per_layer = (f.block_input(ms, n, bf16, tp, cp, sp) if recompute
                  else layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores))
@@ -293,8 +195,8 @@ class CyclePlan:
     activations: dict                # phase -> activation bytes (incl. rollout / score tensors)
     phases: dict = field(default_factory=dict)  # (phase, sliced) -> {role: bytes, 'activations', 'total'}
     teacher_share: float = 1.0
-    """The part of a time-sliced teacher resident while it runs: 1 / experts (Wan 2.2: one expert at a time,
-    `offload.ExpertSleeper`), else 1."""
+    """The part of a time-sliced teacher resident while it runs: 1 / experts (a model of experts: one expert at a
+    time, `offload.ExpertSleeper`), else 1."""
 
     def resident(self, role: str, in_phase: bool, sliced: bool) -> int:
         """Bytes of `role` resident in a phase that needs it (`in_phase`) or not, time-sliced or not."""
@@ -324,7 +226,7 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
            "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw),
                          activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw)) + held_rollout + held_scores,
            "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores}
-    experts = len(getattr(ms.spec, "experts", ()))
+    experts = ms.family.experts(ms.spec)
     plan = CyclePlan(roles, act, teacher_share=1.0 / experts if experts else 1.0)
     for phase in PHASES:
         needed = PHASE_NEEDS[phase][0]
@@ -381,7 +283,7 @@ class Layout:
     offload: frozenset
     """The roles time-sliced (`choose_offload`)."""
     splits_tokens: bool = True
-    """The family takes CP / SP (Wan); the DiT family runs with TP and DP only."""
+    """The family takes CP / SP (`ModelFamily.splits_tokens`); one that does not runs with TP and DP only."""
 
     @property
     def sp(self) -> bool:
@@ -411,22 +313,22 @@ def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: fl
                    denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False, gan: bool = False) -> list:
     """Every layout of `world` GPUs the model takes, with its plan: [(Layout, CyclePlan, phase bytes, fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
-    world (DP = world / (TP x CP)); Wan only splits tokens (CP > 1, SP with TP > 1; the DiT family takes neither).
+    world (DP = world / (TP x CP)); only a family that splits tokens takes CP > 1 and SP (with TP > 1).
     Best: fits `budget` (bytes per GPU); then the
     smallest model-parallel group TP x CP (the most DP, the least communication); then no recompute; then the
     fewest bytes time-sliced per cycle; then the smaller TP."""
-    heads, found = ms.spec.num_heads, []
+    heads, found, splits = ms.spec.num_heads, [], ms.family.splits_tokens
     for tp in (t for t in range(1, min(gpus_per_node, heads) + 1) if heads % t == 0 and ms.mlp % t == 0
                and gpus_per_node % t == 0):
-        cps = range(1, heads // tp + 1) if ms.family == "wan" else (1,)
+        cps = range(1, heads // tp + 1) if splits else (1,)
         for cp in (c for c in cps if (heads // tp) % c == 0 and world % (tp * c) == 0):
             for recompute in (False, True):
                 plan = plan_cycle(ms, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
-                                  cp=cp, sp=tp > 1 and ms.family == "wan", scores=scores)
+                                  cp=cp, sp=tp > 1 and splits, scores=scores)
                 roles, totals, fits = choose_offload(plan, budget, gan)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
-                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, ms.family == "wan"), plan, totals,
+                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, splits), plan, totals,
                               fits, moved))
     if not found:
         raise ConfigError(f"no layout of {world} GPUs ({gpus_per_node} per node) divides the {heads} heads")

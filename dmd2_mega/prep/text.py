@@ -13,7 +13,6 @@ pipeline_wan.py; the English form of Wan's own default `sample_neg_prompt`). `re
 encoder and tokenizer folders (config.json model_type umt5 / t5) before any weights load.
 """
 import html
-import json
 import os
 import re
 from typing import List, Optional, Sequence, Tuple
@@ -21,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.files.json_file import read_json
 
 try:  # diffusers runs ftfy.fix_text only when ftfy is importable; match it either way
     import ftfy
@@ -52,12 +52,8 @@ def resolve_folders(encoder: Optional[str], tokenizer: Optional[str] = None, fla
         raise ConfigError(f"{flag} {encoder}: not a directory (expected a transformers UMT5 / T5 encoder folder "
                           f"with config.json, e.g. <pipeline>/text_encoder)")
     where = os.path.join(encoder, "config.json")
-    try:
-        with open(where) as f:
-            config = json.load(f)
-        model_type = config.get("model_type")
-    except (OSError, json.JSONDecodeError, AttributeError) as e:
-        raise ConfigError(f"{flag} {encoder}: cannot read config.json ({e})") from e
+    config = read_json(where, flag)
+    model_type = config.get("model_type")
     if model_type not in ENCODERS or not isinstance(config.get("d_model"), int):
         raise ConfigError(f"{flag} {where}: model_type {model_type!r} is not supported; expected one of "
                           f"{sorted(ENCODERS)} (Wan uses umt5) with an int d_model")

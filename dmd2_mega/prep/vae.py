@@ -15,7 +15,6 @@ Normalisation (z = what the flow model sees, x = the posterior mean, or a draw m
 `decode` inverts it and clamps pixels to [-1, 1]. `VAESpec` holds what the config alone tells (kind,
 channels, factors, the size rules), so flags are checked before any weights load.
 """
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -23,6 +22,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.files.json_file import read_json
 
 CLASSES = {"AutoencoderKLWan": "wan", "AutoencoderKL": "kl"}
 
@@ -34,12 +34,8 @@ def _read_config(path: str, flag: str) -> dict:
     where = os.path.join(path, "config.json")
     if not os.path.isfile(where):
         raise ConfigError(f"{flag} {path}: no config.json (expected a diffusers VAE folder saved by save_pretrained)")
-    try:
-        with open(where) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {where}: cannot parse JSON ({e})") from e
-    name = config.get("_class_name") if isinstance(config, dict) else None
+    config = read_json(where, flag)
+    name = config.get("_class_name")
     if name not in CLASSES:
         raise ConfigError(f"{flag} {where}: _class_name {name!r} is not a supported VAE; expected one of "
                           f"{sorted(CLASSES)}")

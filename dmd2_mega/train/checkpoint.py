@@ -7,10 +7,12 @@ Each file holds: model (this TP rank's shard), optimizer, LR schedule, sampler p
 states, iteration, args, tp_size, and the TP partition dim of every parameter.
 
 Atomicity (a SIGKILL at any instant leaves the tracker pointing at a complete checkpoint):
-  1. every rank writes its file into `iter_0000100.tmp/` (via `*.tmp` + fsync + os.replace);
-  2. once every rank's file is written, rank 0 renames the directory to `iter_0000100/` (re-saving an
-     iteration moves the previous `iter_0000100/` to `iter_0000100.old/` first; a load falls back to `.old`);
-  3. rank 0 replaces the tracker (`*.tmp` + fsync + os.replace): the commit point; then `.old` and
+  1. every rank writes its file into `iter_0000100.tmp/` (`files/atomic.atomic_write`: `*.tmp` + fsync +
+     os.replace);
+  2. once every rank's file is written, rank 0 renames the directory to `iter_0000100/` (`atomic.durable_replace`:
+     os.replace + fsync of --save; re-saving an iteration moves the previous `iter_0000100/` to
+     `iter_0000100.old/` first; a load falls back to `.old`);
+  3. rank 0 replaces the tracker (`atomic_write`, then an fsync of --save): the commit point; then `.old` and
      any `iter_*.tmp/` left by a killed save go.
 `save_checkpoint` is 1-3 for one directory. `write_iteration` (1-2) and `commit` (3 for several
 directories, the LAST one's tracker being the commit point) let DMD2 commit the student and
@@ -47,7 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.files.atomic import atomic_write, fsync_dir
+from dmd2_mega.files.atomic import atomic_write, durable_replace, fsync_dir
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.distributed.megatron_compat import rng_tracker_states, set_rng_tracker_states
 from dmd2_mega.distributed.parallel import ParallelState, any_rank, tp_partition_dim
@@ -249,12 +251,11 @@ def _rename_into_place(root: str, tmp: str, final: str, iteration: int) -> None:
         os.replace(final, final + ".old")
         kill_point("old-aside", iteration)
     try:
-        os.replace(tmp, final)
+        durable_replace(tmp, final)
     except OSError:
-        if aside:
+        if aside and not os.path.exists(final):  # the rename itself failed (not the fsync after it): put it back
             os.replace(final + ".old", final)
         raise
-    fsync_dir(root)
 
 
 def _tracker_value(root: str) -> Optional[int]:
@@ -312,17 +313,13 @@ def save_offline(root: str, iteration: int, payloads: Iterable[dict]) -> str:
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
-    def replace_dir() -> None:
-        os.replace(tmp, final)
-        fsync_dir(root)
-
     def discard() -> None:  # final/ was absent before (checked above): only this call's
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
 
     writes = ((os.path.relpath(rank_file(tmp, r), root), functools.partial(_save_file, rank_file(tmp, r), payload))
               for r, payload in enumerate(payloads))
-    steps = itertools.chain(writes, [(f"renaming {os.path.basename(tmp)}/", replace_dir),
+    steps = itertools.chain(writes, [(f"renaming {os.path.basename(tmp)}/", lambda: durable_replace(tmp, final)),
                                      (TRACKER, lambda: _write_tracker(root, iteration))])
     try:
         failure = _first_failure(steps)

@@ -1,4 +1,4 @@
-"""The training loop both trainers (`teacher_trainer.FlowTrainer`, `dmd2.student_trainer.DMD2Trainer`)
+"""The training loop both trainers (`teacher_trainer.FlowTrainer`, `methods.trainer.StudentTrainer`)
 run, written once: step, interval log, NaN accounting, interval save / eval, exit check, final save.
 What it needs of a trainer is the `Trainer` protocol below.
 """

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
-from dmd2_mega.dmd2.student_trainer import DMD2Trainer  # noqa: E402
+from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
 from dmd2_mega.distributed.parallel import destroy_distributed  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 

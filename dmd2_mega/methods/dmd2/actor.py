@@ -5,7 +5,7 @@ For each scored micro-batch j (gradient accumulation over j, DP all-reduce on th
     norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
     loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
 (kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics); with the GAN head on, + gen_weight *
-softplus(-D(noised x0hat)) through the frozen critic (dmd2.gan). Then TP/DP-aware clip and step,
+softplus(-D(noised x0hat)) through the frozen critic (`gan.GANSettings.actor_term`). Then TP/DP-aware clip and step,
 skipped when the loss or the gradient norm is non-finite (`optim.Optimizer`).
 Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
 """
@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 
 import kernels
-from dmd2_mega.dmd2.gan import GANSettings, gan_inputs, generator_loss
-from dmd2_mega.dmd2.records import MicroBatch, Scores
+from dmd2_mega.methods.base import MicroBatch
+from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings
+from dmd2_mega.methods.dmd2.records import Scores
 from dmd2_mega.train.optim import step_optimizer
 
 
@@ -25,30 +26,30 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
                 batches: Optional[list[MicroBatch]] = None) -> dict:
     """One optimizer step of `student` (a role) on `scores`; returns device-tensor metrics.
 
-    With `gan`: + gen_weight * L_G on x0hat noised with draws from batches[j].actor_gen (micro-batch
-    j's actor generator), through `critic` (a role whose model is a `GANCritic`, awake for its
-    weights) whose parameters get no gradient."""
+    With `gan` (the GAN head): + its generator term (`gan.GANSettings.actor_term`) on x0hat with draws from
+    batches[j].actor_gen (micro-batch j's actor generator), through `critic` (a role whose model is a
+    `GANCritic`, awake for its weights) whose parameters get no gradient."""
     dev = scores[0].x.device
     total = torch.zeros((), device=dev)
     objective = torch.zeros((), device=dev)
-    g_total = torch.zeros((), device=dev)
     norm_mean = torch.zeros((), device=dev)
     gap = torch.zeros((), device=dev)
     rms = torch.zeros((), device=dev)
+    added_stats = {}
     m = len(scores)
-    inputs = [p for p in student.model.parameters() if p.requires_grad] if gan is not None else None
+    head = gan or NO_GAN
+    # a term through another role (the GAN head's frozen critic): the student's parameters only get gradients
+    inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
     for j, sc in enumerate(scores):
         with student.accumulating(last=j == m - 1):
             v = student.model(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
             x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
-            obj = loss
-            if gan is not None:
-                x_g, sigma_g = gan_inputs(x0hat, batches[j].actor_gen, gan)
-                g_loss = generator_loss(critic.model.logits(x_g, sigma_g, sc.cond))
-                obj = loss + gan.gen_weight * g_loss
-                g_total = g_total + g_loss.detach() / m
-            (obj / m).backward(inputs=inputs)  # with GAN: the student's parameters only, not the critic's
+            added, more = head.actor_term(critic, x0hat, batches[j].actor_gen if batches else None, sc.cond)
+            obj = loss if added is None else loss + added
+            for key, value in more.items():
+                added_stats[key] = added_stats.get(key, torch.zeros((), device=dev)) + value / m
+            (obj / m).backward(inputs=inputs)
         total = total + loss.detach() / m
         objective = objective + obj.detach() / m
         norm_mean = norm_mean + stats.norm.float().mean() / m
@@ -58,6 +59,5 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
     student.optimizer.zero_grad()
     metrics = {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
                "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}
-    if gan is not None:
-        metrics["actor-gan-loss"] = g_total.float()
+    metrics.update({key: value.float() for key, value in added_stats.items()})
     return metrics

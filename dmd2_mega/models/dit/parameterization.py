@@ -129,4 +129,3 @@ def build_adapter(kind: str, beta_start: float = 1e-4, beta_end: float = 0.02, s
     if kind == "vp-eps":
         return VPEpsAdapter(beta_start, beta_end, steps)
     raise ConfigError(f"parameterization {kind!r} is unknown; expected one of {list(KINDS)}")
-

@@ -24,7 +24,7 @@ d softplus(z) / dz = sigmoid(z).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn as nn
@@ -97,14 +97,115 @@ def generator_loss(logits_fake: Tensor) -> Tensor:
     return F.softplus(-logits_fake).mean()
 
 
+def _no_head_hint(name: str, state: dict, gan: bool) -> str:
+    if name != "critic" or gan == holds_head(state):
+        return ""
+    return (f" (the critic was saved {'without' if gan else 'with'} the GAN head; this run "
+            f"{'has' if gan else 'has no'} --dmd2-gan)")
+
+
+class NoGAN:
+    """DMD2 without its GAN head: what `GANSettings` adds, as nothing (the critic's plain forward, no added loss,
+    no added phase roles), so that the phases call the same members either way."""
+
+    phase_needs: dict = {}
+    reads_samples = False  # the micro-batches need not carry the dataset's samples
+    frozen_critic = False  # the actor's backward reaches no other role
+
+    def critic_forward(self, model, x_s: Tensor, sigma: Tensor, b, mb, k: int, size: int):
+        """(v, added loss or None, {metric: detached device scalar})."""
+        return model(x_s, sigma, b.cond).to(x_s.dtype), None, {}
+
+    def actor_term(self, critic, x0hat: Tensor, gen, cond: Tensor):
+        """(added loss or None, {metric: detached device scalar})."""
+        return None, {}
+
+    def init_model(self, name: str, model, state: dict, load):
+        load(model, state)
+        return model
+
+    def load_hint(self, name: str, state: dict) -> str:
+        return _no_head_hint(name, state, False)
+
+    def describe(self, roles: dict) -> str:
+        return "GAN off"
+
+
+NO_GAN = NoGAN()
+
+
 @dataclass(frozen=True)
 class GANSettings:
-    """What the critic and actor phases need; `choices` [n] fp32 are the GAN range's grid sigmas."""
+    """The GAN head, DMD2's optional part: its settings and everything it adds to the method, in one place: the
+    actor phase's need of the critic's weights (`phase_needs`), the critic role's model (`init_model`), the
+    discriminator term of every critic step (`critic_forward`), the generator term of the actor step
+    (`actor_term`), the dataset samples it reads, the start-up line and the resume hint.
+    `choices` [n] fp32 are the GAN range's grid sigmas."""
 
     disc_weight: float
     gen_weight: float
     noise: bool
     choices: Tensor
+    feature_layer: Optional[int] = None  # --dmd2-gan-feature-layer (None: the middle block)
+    seed: int = 0                        # --seed: the head's init generator
+    sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
+
+    # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
+    phase_needs: ClassVar[dict] = {"actor": {"critic": "weights"}}
+    reads_samples: ClassVar[bool] = True  # the discriminator's real samples: the dataset's
+    frozen_critic: ClassVar[bool] = True  # the actor's backward must give the critic's parameters no gradient
+
+    def critic_forward(self, model, x_s: Tensor, sigma: Tensor, b, mb, k: int, size: int):
+        """The critic's velocity at (x_s, sigma) and, from the same call, its logits on (x0hat, real) rows
+        [kB, (k+1)B) noised with draws from the critic generator after the flow-matching ones:
+        (v, disc_weight * L_D, {gan-disc-loss, gan-logit-gap})."""
+        real = mb.real[k * size:(k + 1) * size]
+        x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, self)
+        v, logits = model(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
+        n = b.x0hat.shape[0]
+        d_loss = discriminator_loss(logits[:n], logits[n:])
+        stats = {"gan-disc-loss": d_loss.detach(),
+                 "gan-logit-gap": (logits[n:].mean() - logits[:n].mean()).detach()}  # mean D(real) - mean D(fake)
+        return v.to(x_s.dtype), self.disc_weight * d_loss, stats
+
+    def actor_term(self, critic, x0hat: Tensor, gen, cond: Tensor):
+        """gen_weight * L_G on x0hat noised with draws from `gen` (the micro-batch's actor generator), through
+        `critic` (a role whose model is a `GANCritic`, awake for its weights): (term, {actor-gan-loss})."""
+        x_g, sigma_g = gan_inputs(x0hat, gen, self)
+        g_loss = generator_loss(critic.model.logits(x_g, sigma_g, cond))
+        return self.gen_weight * g_loss, {"actor-gan-loss": g_loss.detach()}
+
+    def init_model(self, name: str, model, state: dict, load):
+        """The critic is a `GANCritic`: one saved with its head loads whole, else a fresh head on the loaded trunk."""
+        if name != "critic":
+            load(model, state)
+            return model
+        layer = resolve_layer(self.feature_layer, model.num_feature_layers)
+        if holds_head(state):  # a --critic-load saved with its head
+            model = GANCritic(model, layer, self.seed)
+            load(model, state)
+            return model
+        load(model, state)
+        return GANCritic(model, layer, self.seed)
+
+    def load_hint(self, name: str, state: dict) -> str:
+        return _no_head_hint(name, state, True)
+
+    def describe(self, roles: dict) -> str:
+        noise = f"noise {list(self.sigma_range)}" if self.noise else "clean"
+        return (f"GAN head on block {roles['critic'].model.layer} (disc {self.disc_weight}, gen {self.gen_weight}, "
+                f"{noise})")
+
+
+def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
+    """The GAN head of a `config.DistillConfig` run (None without --dmd2-gan); `grid` is the shifted critic grid
+    on the compute device."""
+    g, d, t = cfg.gan, cfg.dmd2, cfg.train
+    if not g.enabled:
+        return None
+    gan_range = flow.critic_grid(d.critic_grid_size, t.timestep_shift, cfg.gan_sigma_range())[1]
+    return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
+                       t.seed, tuple(cfg.gan_sigma_range()))
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:

@@ -1,7 +1,7 @@
 """The Wan family: the Wan 2.1 / 2.2 text-to-video transformer on megatron-core tensor-parallel linears.
 
 The reference is diffusers' `WanTransformer3DModel`; weights convert both ways exactly
-(`models/wan_diffusers.py`). Shapes: x [B, C, T, H, W] -> tokens [B, S, D] with S = (T/pt)(H/ph)(W/pw)
+(`models/wan/diffusers.py`). Shapes: x [B, C, T, H, W] -> tokens [B, S, D] with S = (T/pt)(H/ph)(W/pw)
 (frame-major, then row, then column); sigma [B] (model timestep t = 1000 sigma); cond = text embeddings
 [B, L, text_dim] (per token, no pooling). Output: velocity v [B, C, T, H, W] (Wan predicts eps - x0 on
 x_s = (1 - s) x0 + s eps: DESIGN section 1's convention, no adapter).
@@ -52,7 +52,7 @@ from dmd2_mega.models.attention import attention
 from dmd2_mega.models.config_keys import Key, count, positive, read_keys
 from dmd2_mega.models.diffusers_folder import read_json
 from dmd2_mega.models.embeddings import sincos_1d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
 from dmd2_mega.distributed.parallel import mark_sequence_parallel
@@ -89,7 +89,7 @@ class WanSpec:
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
     boundary_ratio: Optional[float] = None
-    """Two-expert Wan 2.2 A14B (`models/wan_experts.py`): the high-noise expert predicts where the timestep is
+    """Two-expert Wan 2.2 A14B (`models/wan/experts.py`): the high-noise expert predicts where the timestep is
     >= boundary_ratio * 1000, the low-noise one below; None for one model."""
 
     @property
@@ -263,7 +263,7 @@ class ConditionEmbedder(nn.Module):
 
 
 class Wan(FamilyModel):
-    """The Wan family's model (module docstring); built by `build_wan` / `registry.build_model`."""
+    """The Wan family's model (module docstring); built by `family.WanFamily.build` / `registry.build_model`."""
 
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
@@ -361,10 +361,3 @@ def check_shape(spec: WanSpec, shape: DataShape, tp_size: int) -> None:
         if n // p > spec.rope_max_seq_len:
             raise ConfigError(f"latent {what} {n} gives {n // p} positions, more than rope_max_seq_len "
                               f"{spec.rope_max_seq_len} of --model-size {spec.name}")
-
-
-def build_wan(spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()) -> Wan:
-    return Wan(spec, shape, tp_size, options)
-
-
-WAN = ModelFamily("wan", build_wan)

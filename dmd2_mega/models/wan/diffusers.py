@@ -24,7 +24,7 @@ import torch
 
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models.diffusers_folder import iter_folder, read_json, write_model_folder
-from dmd2_mega.models.wan import DIFFUSERS_CLASS, WanSpec
+from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, WanSpec
 
 _RULES = [  # (ours, diffusers), applied in order to a parameter name
     (r"^condition_embedder\.(time|text)_embedder\.0\.", r"condition_embedder.\1_embedder.linear_1."),

@@ -1,8 +1,9 @@
-"""Roles as objects, and the one table of which role each phase needs.
+"""Roles as objects, and time-slicing between the phases of a method's table (`base.PhaseTable`).
 
-student (trained by the actor phase, runs the rollout), critic (trained by the critic phase,
-the "fake score"), teacher (frozen, the "real score"). Each role owns its model, optimizer, LR
-schedule, fp32 gradient buffer (`grad_buffer.GradBuffer`: accumulation and DP reduction), checkpoint directory, further tensors (`extra`: the student's EMA) and, with
+DMD2's roles: student (trained by the actor phase, runs the rollout), critic (trained by the critic phase,
+the "fake score"), teacher (frozen, the "real score"); another method names its own in its table. Each
+role owns its model, optimizer, LR schedule, fp32 gradient buffer (`grad_buffer.GradBuffer`: accumulation and
+DP reduction), checkpoint directory, further tensors (`extra`: the student's EMA) and, with
 --offload-inactive, a `Sleeper` that frees its device storage while a phase does not need it
 (DESIGN section 3). A Role is built whole and never mutated (`with_offload` returns a copy).
 """
@@ -14,30 +15,10 @@ from typing import Optional
 
 import torch
 
+from dmd2_mega.methods.base import PhaseTable, phase_needs
 from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.train.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.train.optim import LRSchedule, Optimizer
-
-# phase -> {role: what of it must be resident}: "all" (weights and, if trained, grads + optimizer
-# state) or "weights" (a frozen forward); a role not named sleeps
-PHASE_ROLES: dict[str, dict[str, str]] = {
-    "rollout": {"student": "all"},
-    "critic": {"critic": "all", "teacher": "all"},
-    "actor": {"student": "all"},
-}
-# with the GAN head (--dmd2-gan) the actor's generator loss runs through the critic's trunk and head
-GAN_PHASE_ROLES: dict[str, dict[str, str]] = {"actor": {"critic": "weights"}}
-
-
-def phase_roles(phase: str, gan: bool = False) -> dict[str, str]:
-    needed = dict(PHASE_ROLES[phase])
-    if gan:
-        needed.update(GAN_PHASE_ROLES.get(phase, {}))
-    return needed
-
-
-# phase -> the role its optimizer step trains (the roles with an optimizer; the teacher is frozen)
-TRAINED_IN: dict[str, str] = {"critic": "critic", "actor": "student"}
 
 
 @dataclass(frozen=True)
@@ -78,10 +59,10 @@ class Role:
         return resident_bytes(weight_tensors(modules) + state_tensors(modules, optimizers, self.extra))
 
 
-def enter_phase(phase: str, roles: dict[str, Role], gan: bool = False) -> int:
-    """Sleep what `phase` does not need, then wake what it does (sleeping first keeps the peak at the
-    larger phase, not the sum); returns the resident bytes of all roles."""
-    needed = phase_roles(phase, gan)
+def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
+    """Sleep what `phase` of the method's `table` does not need, then wake what it does (sleeping first keeps
+    the peak at the larger phase, not the sum); returns the resident bytes of all roles."""
+    needed = phase_needs(table, phase)
     for name, role in roles.items():
         if role.sleeper is not None and name not in needed:
             role.sleeper.set_resident("none")

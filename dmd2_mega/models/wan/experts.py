@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
-from dmd2_mega.models.wan import Wan, WanSpec
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel
+from dmd2_mega.models.wan.model import Wan, WanSpec
 
 EXPERTS = ("transformer", "transformer_2")
 """The pipeline subfolders of the high- and the low-noise expert."""
@@ -64,11 +64,3 @@ class WanExperts(FamilyModel):
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         return self._route(lambda m, *a: m.features(*a, layer), x, sigma, cond)
-
-
-def build_wan_experts(spec: WanSpec, shape: DataShape, tp_size: int = 1,
-                      options: BuildOptions = BuildOptions()) -> WanExperts:
-    return WanExperts(spec, shape, tp_size, options)
-
-
-WAN_EXPERTS = ModelFamily("wan", build_wan_experts)

@@ -1,4 +1,4 @@
-"""The Wan family's per-rank parameter / FLOP / activation maths (`dmd2_mega/models/wan.py`), for memory_plan.py.
+"""The Wan family's per-rank parameter / FLOP / activation maths (`models/wan/model.py`), for plan/memory_plan.py.
 
 Notation: hidden D = heads a x head_dim d, layers N, FFN width F, latent channels C, patch (pt, ph, pw) with
 P = pt ph pw, tokens S = (T/pt)(H/ph)(W/pw), text tokens L of width E (text_dim), timestep feature width f,
@@ -54,6 +54,8 @@ A no-grad forward of n samples holds about n L (E + D + 2D/t) w (text embeddings
 from __future__ import annotations
 
 import math
+
+from dmd2_mega.models.family import PlanMaths
 
 
 def _dims(ms):
@@ -136,3 +138,7 @@ def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bo
     residual = 3 * D * w + 4 * D * (2 + (1 if bf16 else 0))  # on this rank's tokens
     inner = 2 * D * w + max(5 * D, 2 * F) * w // tp  # on the CP chunk (gathered under SP)
     return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * max(Ss * residual, Sc * inner)
+
+
+MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
+                  nograd_activation_bytes, score_bytes)

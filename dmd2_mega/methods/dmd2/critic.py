@@ -25,28 +25,28 @@ from torch import Tensor
 
 import kernels
 from dmd2_mega import flow
-from dmd2_mega.dmd2.gan import discriminator_loss, gan_inputs
-from dmd2_mega.dmd2.records import CycleSettings, MicroBatch, Scores
-from dmd2_mega.dmd2.rollout import Rollout
+from dmd2_mega.methods.base import MicroBatch
+from dmd2_mega.methods.dmd2.gan import NO_GAN
+from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
+from dmd2_mega.methods.rollout import Rollout
 from dmd2_mega.train.optim import step_optimizer
 
 
 def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBatch],
-                 settings: CycleSettings) -> tuple[list[Scores], dict]:
+                 settings: DMD2Settings) -> tuple[list[Scores], dict]:
     """K critic optimizer steps, then the teacher's scores; returns (scores per micro-batch j, metrics).
 
     critic/teacher: roles (`.model`; the critic's `.optimizer`, `.accumulating`); rollouts[j] has
-    K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With `settings.gan`, batches[j].real
-    [K*B, C, H, W] are the dataset images of micro-batch j (the rollout's conditions); step k adds
-    disc_weight * L_D on (x0hat, real) rows [kB, (k+1)B), noised with draws from the critic generator
-    after the flow-matching ones (see dmd2.gan).
+    K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With the GAN head (`settings.gan`) each
+    critic forward also gives the head's discriminator term (`gan.GANSettings.critic_forward`: disc_weight * L_D on
+    (x0hat, batches[j].real) rows [kB, (k+1)B)), added to the step's objective.
     Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
-    steps, size, gan = settings.critic_steps, settings.micro_batch_size, settings.gan
+    steps, size, head = settings.critic_steps, settings.micro_batch_size, settings.gan or NO_GAN
     full, score_choices, dev = settings.critic_grid, settings.score_choices, settings.critic_grid.device
     shared, m = settings.scoring == "shared", len(rollouts)
     kept: list = [None] * m
-    losses, d_losses, gaps = [], [], []
+    losses, added_stats = [], {}
     for k in range(steps):
         last = k == steps - 1
         if last and not shared:  # "original": a separate no-grad draw and forward before the last step
@@ -63,20 +63,12 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
             b = r.micro_batch(k, size)
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
             with critic.accumulating(last=j == m - 1):
-                if gan is None:
-                    v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)
-                else:
-                    real = mb.real[k * size:(k + 1) * size]
-                    x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, gan)
-                    v, logits = critic.model(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
-                    v = v.to(x_s.dtype)
-                    n = b.x0hat.shape[0]
-                    d_loss = discriminator_loss(logits[:n], logits[n:])
-                    d_losses.append(d_loss.detach())
-                    gaps.append((logits[n:].mean() - logits[:n].mean()).detach())
+                v, added, stats = head.critic_forward(critic.model, x_s, sigma, b, mb, k, size)
                 loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space).mean()
-                obj = loss if gan is None else loss + gan.disc_weight * d_loss
+                obj = loss if added is None else loss + added
                 (obj / m).backward()
+            for key, value in stats.items():
+                added_stats.setdefault(key, []).append(value)
             total = total + loss.detach() / m
             objective = objective + obj.detach() / m
             if last and shared:
@@ -87,9 +79,7 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
         losses.append(total)
     scores = [teacher_scores(teacher, *kj, guidance=settings.guidance) for kj in kept]
     metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(dev)}
-    if gan is not None:
-        metrics["gan-disc-loss"] = torch.stack(d_losses).mean().float()
-        metrics["gan-logit-gap"] = torch.stack(gaps).mean().float()  # mean D(real) - mean D(fake)
+    metrics.update({key: torch.stack(values).mean().float() for key, values in added_stats.items()})
     return scores, metrics
 
 

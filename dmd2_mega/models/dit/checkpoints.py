@@ -37,9 +37,9 @@ import torch
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models.config_keys import REQUIRED, Key, count, positive, read_keys
 from dmd2_mega.models.diffusers_folder import check_finite
-from dmd2_mega.models.dit import DiTSpec
+from dmd2_mega.models.dit.model import DiTSpec
 from dmd2_mega.models.embeddings import dit_sincos_2d
-from dmd2_mega.models.parameterization import KINDS
+from dmd2_mega.models.dit.parameterization import KINDS
 
 DIFFUSERS_CLASS = "DiTTransformer2DModel"
 OURS_KEY = "_dmd2_family"
@@ -353,4 +353,3 @@ def spec_from_ours(config: dict, name: str) -> DiTSpec:
     c = read_keys(config, {k: replace(key, default=defaults[k]) for k, key in _OUR_KEYS.items()}, name,
                   what="a converted DiT")
     return DiTSpec(name=name, **c)
-

@@ -2,8 +2,8 @@
 
 Shapes: x [B, C, H, W] -> tokens [B, S, hidden] with S = (H/p)^2; sigma [B]; cond labels [B] int64 or embeddings
 [B, D] / [B, L, D]. Output: velocity v [B, C, H, W]. The spec's parameterisation adapter
-(`models/parameterization.py`) says what the network sees and predicts: ours (timestep 1000 sigma, velocity), or a
-SiT / DDPM-epsilon teacher imported from its checkpoint (`models/dit_checkpoints.py`), whose network sees its own
+(`models/dit/parameterization.py`) says what the network sees and predicts: ours (timestep 1000 sigma, velocity), or a
+SiT / DDPM-epsilon teacher imported from its checkpoint (`models/dit/checkpoints.py`), whose network sees its own
 path and timestep and whose prediction the adapter turns into our velocity.
 
 Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
@@ -33,8 +33,8 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, dit_sincos_2d, sincos_2d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily, check_build
-from dmd2_mega.models.parameterization import build_adapter
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
+from dmd2_mega.models.dit.parameterization import build_adapter
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ class DiTSpec:
     mlp_ratio: float = 4.0
     freq_dim: int = 256
     """Width of the sinusoidal timestep features fed to the timestep MLP."""
-    # What an imported checkpoint fixes (the defaults are our own DiTs'): models/dit_checkpoints.py
+    # What an imported checkpoint fixes (the defaults are our own DiTs'): models/dit/checkpoints.py
     parameterization: str = "flow"
-    """What the network predicts on which path: flow (ours), sit, vp-eps (models/parameterization.py)."""
+    """What the network predicts on which path: flow (ours), sit, vp-eps (models/dit/parameterization.py)."""
     beta_start: float = 1e-4
     beta_end: float = 0.02
     num_train_timesteps: int = 1000
@@ -114,7 +114,7 @@ class DiTBlock(nn.Module):
 
 
 class DiT(FamilyModel):
-    """The DiT family's model (interface: `models.family`); built by `build_dit` / `registry.build_model`."""
+    """The DiT family's model (interface: `models.family`); built by `family.DiTFamily.build` / `registry.build_model`."""
 
     def __init__(self, spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
@@ -200,10 +200,3 @@ class DiT(FamilyModel):
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
         return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
-
-
-def build_dit(spec: DiTSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()) -> DiT:
-    return DiT(spec, shape, tp_size, options)
-
-
-DIT = ModelFamily("dit", build_dit)

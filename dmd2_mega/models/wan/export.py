@@ -1,0 +1,103 @@
+"""The Wan family's export writer: one of our Wan checkpoints -> a diffusers folder WanPipeline runs.
+
+    out/transformer/ (and transformer_2/ for two experts)   WanTransformer3DModel.from_pretrained loads it
+    out/scheduler/scheduler_config.json                    the student's few-step sigmas (stochastic sampling)
+    out/README.md                                          how to run it in WanPipeline, as written
+
+All or nothing (`files/staging.staged_output`): an export that fails or is killed leaves no folder that looks
+finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from dmd2_mega.errors import CheckpointError
+from dmd2_mega.files.atomic import atomic_write
+from dmd2_mega.files.staging import staged_output
+from dmd2_mega.models.family import expected_shapes, pick_weights
+from dmd2_mega.models.wan.diffusers import write_folder
+from dmd2_mega.models.wan.experts import EXPERTS
+
+NEW_FOLDER = "export into a new directory"
+
+
+def export_diffusers(load: str, out: str, payload: dict, spec, meta, ema: bool, log) -> dict:
+    """The folder of the module docstring from a joined (TP=1) payload; `meta`: the model of `spec` on the meta
+    device (its parameter names and shapes)."""
+    which, state = pick_weights(payload, ema)
+    expected = expected_shapes(meta)
+    extra = sorted(set(state) - set(expected))
+    if extra or set(expected) - set(state):
+        raise CheckpointError(f"--load {load}: its weights do not form a Wan transformer of its config "
+                              f"(unexpected {extra[:3]}, missing {sorted(set(expected) - set(state))[:3]}); "
+                              f"export the student (--save), not the critic")
+    prefixes = ("high.", "low.") if spec.boundary_ratio is not None else ("",)
+    sigmas, info = payload.get("student_sigmas"), payload.get("data_info") or {}
+    text = readme(load, which, sigmas, spec.boundary_ratio is not None, info.get("latent_shape"))
+    with staged_output(out, "--to-diffusers", True, NEW_FOLDER, log) as where:
+        for prefix, sub in zip(prefixes, EXPERTS):
+            write_folder(os.path.join(where, sub), {n[len(prefix):]: t for n, t in state.items()
+                                                    if n.startswith(prefix)}, spec)
+        write_scheduler(os.path.join(where, "scheduler"), sigmas)
+        atomic_write(os.path.join(where, "README.md"), lambda f: f.write(text), text=True)
+    log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
+        f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
+    return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
+
+
+def write_scheduler(folder: str, sigmas: Optional[list]) -> None:
+    """FlowMatchEulerDiscreteScheduler with stochastic sampling: each step predicts x0 and re-noises it to the next
+    sigma with fresh noise, the DMD2 student's sampler; `sigmas` is the student's schedule (None: a teacher)."""
+    cfg = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+           "use_dynamic_shifting": False, "stochastic_sampling": sigmas is not None}
+    if sigmas is not None:
+        cfg["_dmd2_student_sigmas"] = [float(s) for s in sigmas]  # "_": diffusers' config reader skips it quietly
+    atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
+
+
+def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list]) -> str:
+    """How to run the export in WanPipeline, as written on a GPU (bf16) or the CPU (fp32): a student on its own
+    sigmas without CFG, a teacher as Wan samples; at the frame count and size of `latent` ([C, T, H, W], the
+    checkpoint's data_info; None: not recorded, a converted teacher). Only the two folder names are placeholders
+    (`tests/test_export_atomic.py` runs it)."""
+    load_t2 = ('transformer_2 = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer_2", '
+               'torch_dtype=dtype)\n') if experts else ""
+    parts = "transformer=transformer, " + ("transformer_2=transformer_2, " if experts else "")
+    if latent is not None and len(latent) == 4:
+        _, t, h, w = (int(n) for n in latent)
+        size = (f"# the size it was trained at: latents [T, H, W] = [{t}, {h}, {w}], i.e. (T - 1) * 4 + 1 = {(t - 1) * 4 + 1} "
+                f"frames of {8 * h} x {8 * w} with Wan's VAE\n"
+                f"num_frames = {t - 1} * pipe.vae_scale_factor_temporal + 1\n"
+                f"height, width = {h} * pipe.vae_scale_factor_spatial, {w} * pipe.vae_scale_factor_spatial\n")
+        at = ", num_frames=num_frames, height=height, width=width"
+    else:
+        size = ("# the size it was trained at is not recorded (converted from a public checkpoint): give num_frames=,\n"
+                "# height= and width= to pipe(...) (WanPipeline's default is 81 x 480 x 832)\n")
+        at = ""
+    if sigmas:
+        run = (f"# the student's own sigmas: WanPipeline calls scheduler.set_timesteps(num_inference_steps), which gives\n"
+               f"# diffusers' {len(sigmas)}-step grid, not these; without this line it samples at the wrong noise levels\n"
+               f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+               f"sigmas={[float(x) for x in sigmas]})\n{size}"
+               f"# {len(sigmas)} steps, no CFG (the student was distilled with the teacher's guidance). Each step predicts x0\n"
+               f"# and re-noises it to the next sigma with fresh noise (stochastic_sampling, the student's sampler), which\n"
+               f"# WanPipeline draws from torch's global RNG (it passes no generator to scheduler.step): torch.manual_seed,\n"
+               f"# not generator=, makes a video repeatable\n"
+               f"torch.manual_seed(0)\n"
+               f'video = pipe(prompt="...", guidance_scale=1.0, num_inference_steps={len(sigmas)}{at}).frames[0]\n')
+    else:
+        run = (f"{size}torch.manual_seed(0)  # the initial noise (no generator=) comes from torch's global RNG\n"
+               f'video = pipe(prompt="...", num_inference_steps=50, guidance_scale=5.0{at}).frames[0]\n')
+    return (f"# Exported by dmd2-mega from {load} ({which} weights)\n\n"
+            f"Replace the two folder names; the rest runs as written, on a GPU in bf16 or on the CPU in fp32.\n\n"
+            f"```python\nimport functools\nimport torch\n"
+            f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n\n"
+            f'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
+            f"dtype = torch.bfloat16 if device == \"cuda\" else torch.float32\n"
+            f'transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", '
+            f"torch_dtype=dtype)\n{load_t2}"
+            f'scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")\n'
+            f'pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", {parts}scheduler=scheduler,\n'
+            f"                                   torch_dtype=dtype).to(device)\n{run}```\n")
