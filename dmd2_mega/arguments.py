@@ -5,11 +5,15 @@ the dataclass field's default (never restated here) and its value lands in that 
 config is `Config(**values)`. Groups mirror the dataclasses: model, parallel, optimizer, training,
 dmd2, GAN head and EMA. `parse_flow_args(argv)` returns a validated `FlowPretrainConfig`,
 `parse_dmd2_args(argv)` a `DistillConfig`; a bad value raises `ConfigError` naming the flag.
+The DMD2 flags that size a run's memory (`PLANNED`) are declared once, here, for the trainer and for
+launch/plan_memory.py (`add_memory_plan_args`, read back by `memory_plan_configs` as the trainer's dataclasses),
+so the two cannot differ in name, default, help or check.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from dmd2_mega.config import (DistillConfig, DMD2Config, EMAConfig, FlowPretrainConfig, GANConfig, ModelConfig,
@@ -25,10 +29,62 @@ def _default(cls, name: str):
 
 
 def _flag(g, flag: str, cls, name: str, **kw) -> None:
-    """`flag` sets `cls.name`; its default is the dataclass default (store_true flags: False)."""
+    """`flag` sets `cls.name`; its default is the dataclass default (store_true flags: False); a value's metavar
+    is the field's name."""
     if kw.get("action") not in ("store_true", "store_false"):
         kw["default"] = _default(cls, name)
+    if "action" not in kw:
+        kw.setdefault("metavar", name.upper())
     g.add_argument(flag, dest=f"{cls.__name__}.{name}", **kw)
+
+
+def _roles(text: str) -> tuple:
+    """ROLE[,ROLE] -> (ROLE, ...); the names are checked by `DMD2Config`."""
+    return tuple(r.strip() for r in text.split(","))
+
+
+# The flags of a DMD2 run that launch/plan_memory.py sizes it by: flag -> (dataclass, field, argparse keywords).
+# The trainer's groups add them from here (`_planned`), the planner with `add_memory_plan_args`.
+PLANNED = {
+    "--model-size": (ModelConfig, "size", dict(
+        help=f"one of {', '.join(MODEL_SIZES)}, or a diffusers config.json / model folder a family recognises")),
+    "--recompute-granularity": (ModelConfig, "recompute_granularity", dict(
+        help="full: recompute each block in backward")),
+    "--tensor-model-parallel-size": (ParallelConfig, "tensor_model_parallel_size", dict(type=int)),
+    "--context-parallel-size": (ParallelConfig, "context_parallel_size", dict(
+        type=int, help="ranks that split each sample's tokens (Ulysses; TP x CP must divide the heads)")),
+    "--sequence-parallel": (ParallelConfig, "sequence_parallel", dict(
+        action="store_true",
+        help="shard LayerNorm / modulation / residual regions along the sequence inside the TP group")),
+    "--bf16": (OptimConfig, "bf16", dict(
+        action="store_true",
+        help="bf16 parameters and compute; the optimizer keeps fp32 master weights and Adam state")),
+    "--use-distributed-optimizer": (OptimConfig, "use_distributed_optimizer", dict(
+        action="store_true",
+        help="shard fp32 master weights, reduced gradients and Adam state over the DP group (ZeRO-1/2)")),
+    "--micro-batch-size": (TrainConfig, "micro_batch_size", dict(type=int, help="B per data-parallel rank")),
+    "--dmd2-denoising-steps": (DMD2Config, "denoising_steps", dict(
+        type=int, help="student steps N (default: the number of --dmd2-student-sigmas if given, else 4)")),
+    "--dmd2-student-sigmas": (DMD2Config, "student_sigmas", dict(
+        type=float, nargs="+", help="explicit unshifted student grid, e.g. 1.0 0.75 0.5 0.25")),
+    "--dmd2-critic-steps-per-rollout": (DMD2Config, "critic_steps_per_rollout", dict(
+        type=int, help="K critic steps per student step (one rollout of K*B samples)")),
+    "--dmd2-teacher-guidance-scale": (DMD2Config, "teacher_guidance_scale", dict(
+        type=float, help="CFG of the teacher's score; > 1 doubles the teacher's batch")),
+    "--gpu-memory-gb": (DMD2Config, "gpu_memory_gb", dict(
+        type=float, help="GiB of device memory per rank for the offload plan (default: the device's total; "
+                         "launch/plan_memory.py, which has no device, plans for 80)")),
+    "--dmd2-gan": (GANConfig, "enabled", dict(
+        action="store_true",
+        help="train a GAN head on the critic's features; its generator loss joins the actor's (and the actor phase "
+             "holds the critic's weights)")),
+}
+
+
+def _planned(g, *flags: str) -> None:
+    for flag in flags:
+        cls, name, kw = PLANNED[flag]
+        _flag(g, flag, cls, name, **kw)
 
 
 def _values(ns: argparse.Namespace, cls) -> dict:
@@ -42,20 +98,15 @@ def _build(ns: argparse.Namespace, cls):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    _flag(g, "--model-size", ModelConfig, "size", help=f"one of {', '.join(MODEL_SIZES)}")
+    _planned(g, "--model-size")
     _flag(g, "--attention-backend", ModelConfig, "attention_backend", help="sdpa | flash (flash-attn, CUDA)")
     _flag(g, "--transformer-impl", ModelConfig, "transformer_impl", help="local | transformer_engine")
-    _flag(g, "--recompute-granularity", ModelConfig, "recompute_granularity",
-          help="full: recompute each block in backward")
+    _planned(g, "--recompute-granularity")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel")
-    _flag(g, "--tensor-model-parallel-size", ParallelConfig, "tensor_model_parallel_size", type=int)
-    _flag(g, "--context-parallel-size", ParallelConfig, "context_parallel_size", type=int,
-          help="ranks that split each sample's tokens (Ulysses; TP x CP must divide the heads)")
-    _flag(g, "--sequence-parallel", ParallelConfig, "sequence_parallel", action="store_true",
-          help="shard LayerNorm / modulation / residual regions along the sequence inside the TP group")
+    _planned(g, "--tensor-model-parallel-size", "--context-parallel-size", "--sequence-parallel")
     _flag(g, "--distributed-backend", ParallelConfig, "distributed_backend", help="nccl | gloo (default: nccl on CUDA)")
 
 
@@ -71,17 +122,15 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
           help="on --load, use the flags' LR schedule where it differs from the checkpoint's")
     _flag(g, "--use-checkpoint-opt-param-scheduler", OptimConfig, "use_checkpoint_opt_param_scheduler",
           action="store_true", help="on --load, keep the checkpoint's LR schedule where it differs from the flags")
-    _flag(g, "--bf16", OptimConfig, "bf16", action="store_true",
-          help="bf16 parameters and compute; the optimizer keeps fp32 master weights and Adam state")
-    _flag(g, "--use-distributed-optimizer", OptimConfig, "use_distributed_optimizer", action="store_true",
-          help="shard fp32 master weights, reduced gradients and Adam state over the DP group (ZeRO-1/2)")
+    _planned(g, "--bf16", "--use-distributed-optimizer")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     T = TrainConfig
     _flag(g, "--data", T, "data", help="'digits' or a directory of safetensors shards")
-    for name, typ in (("micro_batch_size", int), ("global_batch_size", int), ("train_iters", int), ("seed", int),
+    _planned(g, "--micro-batch-size")
+    for name, typ in (("global_batch_size", int), ("train_iters", int), ("seed", int),
                       ("num_workers", int), ("cond_dropout", float), ("timestep_shift", float), ("save_interval", int),
                       ("log_interval", int), ("eval_interval", int), ("eval_num_samples", int), ("eval_steps", int),
                       ("eval_guidance", float)):
@@ -131,29 +180,27 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--teacher-load", D, "teacher_load", help="trained teacher checkpoint (required)")
     _flag(g, "--student-load", D, "student_load", help="student init (default: --teacher-load)")
     _flag(g, "--critic-load", D, "critic_load", help="critic init (default: --teacher-load)")
-    _flag(g, "--dmd2-denoising-steps", D, "denoising_steps", type=int,
-          help="student steps N (default: the number of --dmd2-student-sigmas if given, else 4)")
-    _flag(g, "--dmd2-student-sigmas", D, "student_sigmas", type=float, nargs="+",
-          help="explicit unshifted student grid, e.g. 1.0 0.75 0.5 0.25")
-    _flag(g, "--dmd2-critic-steps-per-rollout", D, "critic_steps_per_rollout", type=int)
+    _planned(g, "--dmd2-denoising-steps", "--dmd2-student-sigmas", "--dmd2-critic-steps-per-rollout")
     _flag(g, "--dmd2-score-sigma-range", D, "score_sigma_range", type=float, nargs=2, metavar=("MIN", "MAX"))
     _flag(g, "--dmd2-critic-scoring", D, "critic_scoring", help="shared | original")
     _flag(g, "--dmd2-critic-loss-space", D, "critic_loss_space", help="velocity | x0")
-    _flag(g, "--dmd2-teacher-guidance-scale", D, "teacher_guidance_scale", type=float)
+    _planned(g, "--dmd2-teacher-guidance-scale")
     _flag(g, "--dmd2-critic-grid-size", D, "critic_grid_size", type=int)
     for name in ("critic_lr", "critic_min_lr", "critic_weight_decay", "critic_adam_beta1", "critic_adam_beta2"):
         _flag(g, "--" + name.replace("_", "-"), D, name, type=float)
     _flag(g, "--offload-inactive", D, "offload_inactive", action="store_const", const=True,
           help="every role sleeps in the phases that do not use it (default: on CUDA, the roles the memory plan "
                "says must sleep to fit --gpu-memory-gb; none on a CPU)")
-    g.add_argument("--no-offload-inactive", dest=f"{D.__name__}.offload_inactive", action="store_const", const=False)
+    g.add_argument("--no-offload-inactive", dest=f"{D.__name__}.offload_inactive", action="store_const", const=False,
+                   help="no role sleeps")
+    _flag(g, "--offload-roles", D, "offload_roles", type=_roles, metavar="ROLE[,ROLE]",
+          help="only these roles sleep in the phases that do not use them (e.g. critic,teacher: what "
+               "launch/plan_memory.py --emit-flags writes for a planned subset); not with --[no-]offload-inactive")
     _flag(g, "--allow-student-teacher", D, "allow_student_teacher", action="store_true",
           help="accept a student checkpoint as --teacher-load (distilling a distilled model)")
-    _flag(g, "--gpu-memory-gb", D, "gpu_memory_gb", type=float,
-          help="GiB of device memory per rank for the offload plan (default: the device's total)")
+    _planned(g, "--gpu-memory-gb")
     g = p.add_argument_group("dmd2 GAN head and student EMA")
-    _flag(g, "--dmd2-gan", GANConfig, "enabled", action="store_true",
-          help="train a GAN head on the critic's features; its generator loss joins the actor's")
+    _planned(g, "--dmd2-gan")
     _flag(g, "--dmd2-gan-feature-layer", GANConfig, "feature_layer", type=int,
           help="critic block whose token-mean output feeds the head (default the middle block)")
     _flag(g, "--dmd2-gan-noise", GANConfig, "noise", action=argparse.BooleanOptionalAction,
@@ -178,3 +225,26 @@ def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
     return DistillConfig(model=_build(a, ModelConfig), parallel=_build(a, ParallelConfig), optim=_build(a, OptimConfig),
                          train=_build(a, TrainConfig), dmd2=_build(a, DMD2Config), gan=_build(a, GANConfig),
                          ema=_build(a, EMAConfig))
+
+
+_PLAN_GROUPS = {ModelConfig: "model", ParallelConfig: "parallel", OptimConfig: "optimizer", TrainConfig: "training",
+                DMD2Config: "dmd2", GANConfig: "dmd2 GAN head"}
+
+
+def add_memory_plan_args(p: argparse.ArgumentParser) -> None:
+    """The trainer's flags that size a DMD2 run (`PLANNED`), grouped as pretrain_dmd2.py groups them, for
+    launch/plan_memory.py."""
+    groups = {}
+    for flag, (cls, _, _) in PLANNED.items():
+        if cls not in groups:
+            groups[cls] = p.add_argument_group(f"{_PLAN_GROUPS[cls]} (launch/pretrain_dmd2.py's flags)")
+        _planned(groups[cls], flag)
+
+
+def memory_plan_configs(ns: argparse.Namespace) -> SimpleNamespace:
+    """The flags of `add_memory_plan_args` as the trainer's dataclasses, checked by them (ConfigError naming the
+    flag): `.model`, `.parallel`, `.optim`, `.train`, `.dmd2`, `.gan`, as on a `DistillConfig` (every other field
+    is its default)."""
+    return SimpleNamespace(model=_build(ns, ModelConfig), parallel=_build(ns, ParallelConfig),
+                           optim=_build(ns, OptimConfig), train=_build(ns, TrainConfig), dmd2=_build(ns, DMD2Config),
+                           gan=_build(ns, GANConfig))

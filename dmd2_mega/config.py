@@ -286,6 +286,10 @@ class DMD2Config:
     """--offload-inactive / --no-offload-inactive: every role sleeps in the phases that do not use it / none
     does. Default: on CUDA the memory plan picks the roles that must sleep for every phase to fit
     --gpu-memory-gb (none if all fit); on a CPU none."""
+    offload_roles: Optional[tuple] = None
+    """--offload-roles ROLE[,ROLE]: only these roles sleep in the phases that do not use them (what
+    launch/plan_memory.py --emit-flags writes for a planned subset); instead of --offload-inactive /
+    --no-offload-inactive. The names are checked against the method's roles (`offload_set`)."""
     allow_student_teacher: bool = False
     """--allow-student-teacher: accept a student checkpoint as --teacher-load (distilling a distilled model)."""
     gpu_memory_gb: Optional[float] = None
@@ -303,8 +307,17 @@ class DMD2Config:
         _check(self.teacher_guidance_scale >= 1.0,
                f"--dmd2-teacher-guidance-scale must be >= 1, got {self.teacher_guidance_scale}")
         _check(self.critic_grid_size >= 2, f"--dmd2-critic-grid-size must be >= 2, got {self.critic_grid_size}")
-        _check(self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
-               f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        _check(self.gpu_memory_gb is None or (math.isfinite(self.gpu_memory_gb) and self.gpu_memory_gb > 0),
+               f"--gpu-memory-gb must be a finite number > 0, got {self.gpu_memory_gb}")
+        if self.offload_roles is not None:
+            self.offload_roles = tuple(self.offload_roles)
+            given = ",".join(self.offload_roles)
+            _check(all(self.offload_roles) and len(set(self.offload_roles)) == len(self.offload_roles),
+                   f"--offload-roles takes distinct role names separated by commas (e.g. critic,teacher), "
+                   f"got {given!r}")
+            _check(self.offload_inactive is None,
+                   f"--offload-roles {given} and --{'' if self.offload_inactive else 'no-'}offload-inactive both "
+                   f"say which roles sleep; give one of them")
         _check(self.critic_lr is None or (math.isfinite(self.critic_lr) and self.critic_lr > 0),
                f"--critic-lr must be a finite number > 0, got {self.critic_lr}")
         _check(self.critic_min_lr is None or (math.isfinite(self.critic_min_lr) and self.critic_min_lr >= 0),
@@ -314,12 +327,27 @@ class DMD2Config:
         for flag, v in (("--critic-adam-beta1", self.critic_adam_beta1),
                         ("--critic-adam-beta2", self.critic_adam_beta2)):
             _check(v is None or 0 <= v < 1, f"{flag} must be in [0, 1), got {v}")
+        _check(self.denoising_steps is None or self.denoising_steps >= 1,
+               f"--dmd2-denoising-steps must be an int >= 1, got {self.denoising_steps}")
         self.denoising_steps = self._resolve_denoising_steps()
         flow.student_sigmas(self.denoising_steps, self.student_sigmas)  # GridError naming the flag
         self.score_sigma_range = tuple(self.score_sigma_range)
         g = self.critic_grid_size
         _check(bool(flow.critic_grid(g, 1.0, self.score_sigma_range)[1].any()),
                f"--dmd2-score-sigma-range {lo} {hi} holds no point of the {g}-point critic grid")
+
+    def offload_set(self, roles) -> Optional[frozenset]:
+        """The roles of the method's `roles` the flags put to sleep in the phases that do not use them: those of
+        --offload-roles, all (--offload-inactive), none (--no-offload-inactive); None when no flag says (the
+        trainer's memory plan decides). ConfigError for a name --offload-roles gives that is not one of `roles`."""
+        if self.offload_roles is not None:
+            unknown = [r for r in self.offload_roles if r not in roles]
+            _check(not unknown, f"--offload-roles {','.join(self.offload_roles)}: {', '.join(map(repr, unknown))} "
+                                f"is not a role of this method (its roles: {', '.join(roles)})")
+            return frozenset(self.offload_roles)
+        if self.offload_inactive is None:
+            return None
+        return frozenset(roles) if self.offload_inactive else frozenset()
 
     def _resolve_denoising_steps(self) -> int:
         """--dmd2-denoising-steps, or the number of --dmd2-student-sigmas, or 4; both flags must agree."""

@@ -14,7 +14,6 @@ skips stop the run) and the exit flags, then the log/eval/save intervals sync.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import asdict, replace
 from typing import Optional
@@ -31,9 +30,8 @@ from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
-from dmd2_mega.eval.data_metrics import metrics_for_data
-from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
+from dmd2_mega.eval.results import sample_results
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
@@ -101,7 +99,7 @@ class FlowTrainer(RunStateTrainer):
         state = replace(self.state, sampler=self.sampler.state_dict())
         payload = training_payload(self.model, self.optimizer, self.schedule, state,
                                    {"args": asdict(self.cfg), "data_info": self.info, "role": "teacher",
-                                    "family": get_size(self.cfg.model.size).family.name}, self.ps)
+                                    "family": get_size(self.cfg.model.size).family_name}, self.ps)
         path = save_checkpoint(self.cfg.train.save, self.iteration, payload, self.ps)
         self.state = replace(self.state, saved_iteration=self.iteration)
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
@@ -113,7 +111,7 @@ class FlowTrainer(RunStateTrainer):
                         self.ps.rank)
             return
         check_role(payload, ("teacher",), "--load", root, " (pretrain_flow.py resumes teachers only)")
-        check_family(payload, get_size(self.cfg.model.size).family.name, "--load", root)
+        check_family(payload, get_size(self.cfg.model.size).family_name, "--load", root)
         if not self.cfg.train.no_load_optim:
             check_resume(payload, asdict(self.cfg), RESUME_SETTINGS, root)
         load_model_weights(self.model, payload["model"], f"--load {root}",
@@ -161,18 +159,7 @@ class FlowTrainer(RunStateTrainer):
                           dp_group=ps.dp_group, null_cond=self.media.negative(len(cond)) if self.media else None)
         if not ps.is_main:
             return None
-        result = {}
-        if out_dir:
-            labels = cond if cond.dim() == 1 else None
-            png = os.path.join(out_dir, "samples", f"iter_{self.iteration:07d}.png")
-            path = (save_video_grid(images[:16], png) if images.dim() == 5 else
-                    save_grid(images[:100], labels[:100] if labels is not None else None, png))
-            result["grid"] = path
-            media = self.media.write(images, out_dir, self.iteration) if self.media else None
-            if media is not None:  # its GIFs / PNGs go to TensorBoard (logger.report_eval)
-                result["media"] = media
-        result.update(metrics_for_data(t.data, images, cond))
-        return result
+        return sample_results(images, cond, out_dir, "iter", self.iteration, t.data, self.media)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:

@@ -11,6 +11,11 @@
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
         --micro-batch-size 1 --bf16 --world-size 64 --gpus-per-node 8 --search [--emit-flags]
 
+The flags that describe the run (model, parallel sizes, micro-batch, --bf16, recompute, K, N, guidance,
+--dmd2-gan, --gpu-memory-gb) are launch/pretrain_dmd2.py's own (`arguments.add_memory_plan_args`: same names,
+defaults, help and checks); --data-parallel-size, the latent shape, --attention-kernel and the search are the
+planner's. Which roles each phase needs is DMD2's phase table (`methods.dmd2.phases.table`, with the GAN head's
+part under --dmd2-gan). Without --gpu-memory-gb it plans for 80 GiB GPUs (the trainer reads its device's).
 Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradients (--bf16, alive
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
@@ -21,23 +26,28 @@ built models in tests/test_plan_memory.py); activations are an estimate (see tha
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
 --search tries every layout of --world-size GPUs (TP inside a node, CP, DP, recompute, offload), prints
 them best first and the chosen one's phases; --emit-flags prints only the chosen layout's trainer flags
-(what the SLURM recipes read).
+(what the SLURM recipes read), its time-slicing as --offload-roles ROLE[,ROLE] (a planned subset),
+--offload-inactive (every role) or --no-offload-inactive (none).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import warnings
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "TE / Apex not installed": moot here
 
-from dmd2_mega.plan import memory_plan as mp  # noqa: E402
+from dmd2_mega.arguments import add_memory_plan_args, memory_plan_configs  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
-from dmd2_mega.models.registry import MODEL_SIZES, get_size  # noqa: E402
+from dmd2_mega.methods.dmd2 import phases as dmd2_phases  # noqa: E402
+from dmd2_mega.models.registry import get_size  # noqa: E402
+from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.train.resilience import run_main  # noqa: E402
+
+DEFAULT_GPU_MEMORY_GB = 80.0  # without --gpu-memory-gb: an 80 GB GPU (the trainer reads its device's)
 
 
 def fmt_bytes(n: float) -> str:
@@ -54,50 +64,51 @@ def fmt_count(n: float) -> str:
     return str(int(n))
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The trainer's flags that describe the run (`arguments.add_memory_plan_args`), then the planner's own."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-size", default="8b",
-                   help=f"one of {', '.join(sorted(MODEL_SIZES))}, or a diffusers config.json / model folder")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--micro-batch-size", type=int, default=4, help="B per DP rank")
-    p.add_argument("--bf16", action="store_true", help="bf16 weights/compute, fp32 masters and Adam state")
-    p.add_argument("--recompute-granularity", default=None, choices=["full"])
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="fp32 masters and Adam state sharded over DP x CP (dmd2_mega/train/dist_optim.py)")
-    p.add_argument("--context-parallel-size", type=int, default=1, help="CP: ranks splitting each sample's tokens")
-    p.add_argument("--sequence-parallel", action="store_true", help="shard the non-matmul regions over TP too")
-    p.add_argument("--attention-kernel", default="fused", choices=["fused", "math"],
+    add_memory_plan_args(p)
+    g = p.add_argument_group("planner")
+    g.add_argument("--gpu-memory-gib", dest="DMD2Config.gpu_memory_gb", type=float, metavar="GPU_MEMORY_GB",
+                   help="the old name of --gpu-memory-gb")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="DP: the trainer's is world / (TP x CP)")
+    g.add_argument("--attention-kernel", default="fused", choices=["fused", "math"],
                    help="fused: flash-attn or SDPA's flash / memory-efficient kernels (log-sum-exp only); math: "
                         "SDPA's fallback, which keeps the S x S probabilities (Wan)")
-    p.add_argument("--world-size", type=int, default=None, help="GPUs of the job, for --search")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="TP stays inside a node (--search)")
-    p.add_argument("--search", action="store_true", help="try every layout of --world-size GPUs; print the best")
-    p.add_argument("--emit-flags", action="store_true", help="with --search: print only the chosen trainer flags")
-    p.add_argument("--dmd2-critic-steps-per-rollout", type=int, default=5, help="K")
-    p.add_argument("--dmd2-denoising-steps", type=int, default=4, help="N")
-    p.add_argument("--dmd2-teacher-guidance-scale", type=float, default=1.0, help="> 1 doubles the teacher batch")
-    p.add_argument("--latent-shape", type=int, nargs="+", default=None, metavar="N",
+    g.add_argument("--world-size", type=int, default=None, help="GPUs of the job, for --search")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="TP stays inside a node (--search)")
+    g.add_argument("--search", action="store_true", help="try every layout of --world-size GPUs; print the best")
+    g.add_argument("--emit-flags", action="store_true", help="with --search: print only the chosen trainer flags")
+    g.add_argument("--latent-shape", type=int, nargs="+", default=None, metavar="N",
                    help="latents C T H W (video, Wan) or C H W; instead of --in-channels / --image-size")
-    p.add_argument("--text-len", type=int, default=None, help="Wan: text tokens L of the embeddings (default 512)")
-    p.add_argument("--image-size", type=int, default=32, help="latent side H (= W)")
-    p.add_argument("--in-channels", type=int, default=4)
-    p.add_argument("--patch", type=int, default=None, help="default: the size's patch")
-    p.add_argument("--num-classes", type=int, default=1000, help="class-conditional (default)")
-    p.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
-    p.add_argument("--gpu-memory-gb", "--gpu-memory-gib", dest="gpu_memory_gb", type=float, default=80.0,
-                   help="GiB of memory of one GPU, for the verdict (the trainer's --gpu-memory-gb; --gpu-memory-gib is "
-                        "its old name here, still accepted)")
-    a = p.parse_args(argv)
+    g.add_argument("--text-len", type=int, default=None, help="Wan: text tokens L of the embeddings (default 512)")
+    g.add_argument("--image-size", type=int, default=32, help="latent side H (= W)")
+    g.add_argument("--in-channels", type=int, default=4)
+    g.add_argument("--patch", type=int, default=None, help="default: the size's patch")
+    g.add_argument("--num-classes", type=int, default=1000, help="class-conditional (default)")
+    g.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The planner's own flags, plus `a.run`: the trainer's flags of the run as its dataclasses (`.model`,
+    `.parallel`, `.optim`, `.train`, `.dmd2`, `.gan`; `arguments.memory_plan_configs`), and `a.gpu_memory_gb`
+    (--gpu-memory-gb, default `DEFAULT_GPU_MEMORY_GB`). ConfigError naming the first bad flag."""
+    a = parser().parse_args(argv)
     check_args(a)
+    a.run = memory_plan_configs(a)  # the trainer's checks of its own flags
+    a.gpu_memory_gb = a.run.dmd2.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB
+    if a.search and a.world_size is None:
+        raise ConfigError("--search needs --world-size (the job's GPUs)")
+    if a.emit_flags and not a.search:
+        raise ConfigError("--emit-flags prints the layout --search chose; add --search")
     return a
 
 
 def check_args(a: argparse.Namespace) -> None:
-    """ConfigError naming the first flag out of range (counts and sizes >= 1, guidance >= 1, memory > 0)."""
-    for flag in ("tensor_model_parallel_size", "data_parallel_size", "micro_batch_size",
-                 "dmd2_critic_steps_per_rollout", "dmd2_denoising_steps", "image_size", "in_channels",
-                 "num_classes", "patch", "text_len", "context_parallel_size", "world_size", "gpus_per_node"):
+    """ConfigError naming the first of the planner's own flags out of range (counts and sizes >= 1)."""
+    for flag in ("data_parallel_size", "image_size", "in_channels", "num_classes", "patch", "text_len", "world_size",
+                 "gpus_per_node"):
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
@@ -106,17 +117,11 @@ def check_args(a: argparse.Namespace) -> None:
                           f"{' '.join(map(str, a.latent_shape))}")
     if a.cond_shape is not None and (len(a.cond_shape) not in (1, 2) or min(a.cond_shape) < 1):
         raise ConfigError(f"--cond-shape must be D or L D with sizes >= 1, got {' '.join(map(str, a.cond_shape))}")
-    g = a.dmd2_teacher_guidance_scale
-    if not (math.isfinite(g) and g >= 1):
-        raise ConfigError(f"--dmd2-teacher-guidance-scale must be a finite number >= 1, got {g}")
-    if not (math.isfinite(a.gpu_memory_gb) and a.gpu_memory_gb > 0):
-        raise ConfigError(f"--gpu-memory-gb must be a finite number > 0, got {a.gpu_memory_gb}")
-    if a.search and a.world_size is None:
-        raise ConfigError("--search needs --world-size (the job's GPUs)")
-    if a.emit_flags and not a.search:
-        raise ConfigError("--emit-flags prints the layout --search chose; add --search")
-    if a.sequence_parallel and a.tensor_model_parallel_size == 1 and not a.search:
-        raise ConfigError("--sequence-parallel shards inside the TP group; it needs --tensor-model-parallel-size > 1")
+
+
+def phase_table(a: argparse.Namespace):
+    """DMD2's phase table of the run (with the GAN head's part under --dmd2-gan)."""
+    return dmd2_phases.table(a.run.gan.enabled)
 
 
 def main(argv=None) -> int:
@@ -132,11 +137,12 @@ def shape_from_args(a: argparse.Namespace) -> mp.ModelShape:
     """The model and data shape the flags describe, as the model's family reads them (`ModelFamily.plan_data`: e.g.
     Wan --latent-shape and --text-len, the DiT --latent-shape or --in-channels / --image-size, and --num-classes or
     --cond-shape)."""
-    size = get_size(a.model_size)  # ConfigError for an unknown name or a folder no family recognises
-    shape = size.family.plan_data(size.spec, a.model_size, latent_shape=a.latent_shape, in_channels=a.in_channels,
+    name = a.run.model.size
+    size = get_size(name)  # ConfigError for an unknown name or a folder no family recognises
+    shape = size.family.plan_data(size.spec, name, latent_shape=a.latent_shape, in_channels=a.in_channels,
                                   image_size=a.image_size, num_classes=a.num_classes, cond_shape=a.cond_shape,
                                   text_len=a.text_len)
-    return mp.model_shape(a.model_size, shape.in_channels, shape.spatial, a.patch, num_classes=shape.num_classes,
+    return mp.model_shape(name, shape.in_channels, shape.spatial, a.patch, num_classes=shape.num_classes,
                           cond_shape=shape.cond_shape)
 
 
@@ -148,21 +154,22 @@ def describe_model(name: str, ms: mp.ModelShape) -> str:
 def search(a: argparse.Namespace) -> None:
     """--search: every layout of --world-size GPUs, best first, then the chosen one's plan (or, with --emit-flags,
     only its trainer flags). ConfigError when none fits."""
-    ms = shape_from_args(a)
+    ms, run = shape_from_args(a), a.run
+    d, b = run.dmd2, run.train.micro_batch_size
     budget = mp.PLAN_HEADROOM * a.gpu_memory_gb * 2 ** 30
-    found = mp.search_layouts(ms, world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
-                              micro=a.micro_batch_size, steps=a.dmd2_critic_steps_per_rollout,
-                              denoise=a.dmd2_denoising_steps, bf16=a.bf16, guidance=a.dmd2_teacher_guidance_scale,
+    found = mp.search_layouts(ms, phase_table(a), world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
+                              micro=b, steps=d.critic_steps_per_rollout, denoise=d.denoising_steps,
+                              bf16=run.optim.bf16, guidance=d.teacher_guidance_scale,
                               scores=a.attention_kernel == "math")
     best, plan_, _, fits = found[0]
     if not fits:
         raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gb:g} GiB per GPU for "
-                          f"--model-size {a.model_size} at --micro-batch-size {a.micro_batch_size}: the smallest "
+                          f"--model-size {run.model.size} at --micro-batch-size {b}: the smallest "
                           f"peak is {fmt_bytes(min(max(f[2].values()) for f in found))} ({found[0][0].describe()})")
     if a.emit_flags:
         print(" ".join(best.flags()))
         return
-    print(describe_model(a.model_size, ms))
+    print(describe_model(run.model.size, ms))
     print(f"layouts of {a.world_size} GPUs ({a.gpus_per_node} per node), best first; peak per GPU against "
           f"{mp.PLAN_HEADROOM:g} x {a.gpu_memory_gb:g} GiB:")
     rows = [[f[0].describe(), fmt_bytes(max(f[2].values())), "fits" if f[3] else "no"] for f in found[:12]]
@@ -170,33 +177,36 @@ def search(a: argparse.Namespace) -> None:
     if len(found) > 12:
         print(f"... and {len(found) - 12} more")
     print(f"\nchosen: {best.describe()}\n  flags: {' '.join(best.flags())}\n")
-    a.tensor_model_parallel_size, a.context_parallel_size, a.data_parallel_size = best.tp, best.cp, best.dp
-    a.sequence_parallel, a.use_distributed_optimizer = best.sp, best.dist_opt
-    a.recompute_granularity = "full" if best.recompute else None
+    a.data_parallel_size = best.dp
+    run.parallel = replace(run.parallel, tensor_model_parallel_size=best.tp, context_parallel_size=best.cp,
+                           sequence_parallel=best.sp)
+    run.optim = replace(run.optim, use_distributed_optimizer=best.dist_opt)
+    run.model = replace(run.model, recompute_granularity="full" if best.recompute else None)
     plan(a)
 
 
 def plan(a: argparse.Namespace) -> None:
-    ms = shape_from_args(a)
-    tp, dp, cp, sp = a.tensor_model_parallel_size, a.data_parallel_size, a.context_parallel_size, a.sequence_parallel
+    ms, run = shape_from_args(a), a.run
+    p, d, bf16, dist_opt = run.parallel, run.dmd2, run.optim.bf16, run.optim.use_distributed_optimizer
+    tp, dp, cp, sp = p.tensor_model_parallel_size, a.data_parallel_size, p.context_parallel_size, p.sequence_parallel
     per_rank = mp.params_per_rank(ms, tp)  # ConfigError unless TP divides the heads
     if cp > 1 and ms.spec.num_heads % (tp * cp):
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} must divide the "
                           f"{ms.spec.num_heads} heads")
     counts = mp.param_counts(ms)
     total = counts["sharded"] + counts["replicated"]
-    k, n, b = a.dmd2_critic_steps_per_rollout, a.dmd2_denoising_steps, a.micro_batch_size
-    recompute = a.recompute_granularity == "full"
-    plan = mp.plan_cycle(ms, tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=a.bf16, recompute=recompute,
-                         guidance=a.dmd2_teacher_guidance_scale, dist_opt=a.use_distributed_optimizer, cp=cp, sp=sp,
+    k, n, b, g = d.critic_steps_per_rollout, d.denoising_steps, run.train.micro_batch_size, d.teacher_guidance_scale
+    recompute = run.model.recompute_granularity
+    plan = mp.plan_cycle(ms, phase_table(a), tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16,
+                         recompute=recompute == "full", guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
                          scores=a.attention_kernel == "math")
-    print(describe_model(a.model_size, ms))
+    print(describe_model(run.model.size, ms))
     layout = (f"CP={cp} " if cp > 1 else "") + f"DP={dp}" + (" SP" if sp else "")
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
           f"({fmt_count(counts['replicated'])} replicated); {layout} ({tp * cp * dp} GPUs); B={b} per DP rank, "
-          f"K={k}, N={n}; {'bf16 + fp32 masters' if a.bf16 else 'fp32'}"
-          f"{'; optimizer state sharded over DP x CP' if a.use_distributed_optimizer else ''}; "
-          f"recompute {a.recompute_granularity or 'none'}; teacher guidance {a.dmd2_teacher_guidance_scale}")
+          f"K={k}, N={n}; {'bf16 + fp32 masters' if bf16 else 'fp32'}"
+          f"{'; optimizer state sharded over DP x CP' if dist_opt else ''}; "
+          f"recompute {recompute or 'none'}; teacher guidance {g}; GAN head {'on' if run.gan.enabled else 'off'}")
     print(f"forward {mp.forward_flops(ms, 1, tp) / cp / 1e12:.4g} TFLOP per sample per rank (matmuls, attention "
           f"included)")
     print("\nper-rank bytes of each role (AdamW):")
@@ -205,26 +215,29 @@ def plan(a: argparse.Namespace) -> None:
     print(mp.format_table(head,
                 [[r] + [fmt_bytes(v[k_]) for k_ in kinds] + [fmt_bytes(sum(v.values()))]
                  for r, v in plan.roles.items()]))
-    print("\nper-rank bytes resident in each phase (a time-sliced role sleeps whole, grad buffer included):")
+    print("\nper-rank bytes resident in each phase (a time-sliced role sleeps whole, grad buffer included; it holds "
+          "what the phase needs of it):")
     rows = []
     for phase in mp.PHASES:
         for sliced in (True, False):
             row = plan.phases[(phase, sliced)]
             rows.append([phase, "time-sliced" if sliced else "all resident"]
-                        + [fmt_bytes(row[c]) for c in ("student", "critic", "teacher", "activations", "total")])
-    head = ["phase", "mode", "student", "critic", "teacher", "activations (est.)", "total"]
+                        + [fmt_bytes(row[c]) for c in (*plan.roles, "activations", "total")])
+    head = ["phase", "mode", *plan.roles, "activations (est.)", "total"]
     print(mp.format_table(head, rows, left=2))
     budget = a.gpu_memory_gb * 2 ** 30
+    given = "" if d.gpu_memory_gb else " (--gpu-memory-gb not given)"
     print()
     for sliced in (True, False):
         phase, peak = mp.peak(plan, sliced)
         verdict = "fits" if peak <= 0.9 * budget else ("tight (> 90%)" if peak <= budget else "does NOT fit")
         print(f"peak {'time-sliced ' if sliced else 'all resident'}: {fmt_bytes(peak)} ({phase} phase) -> "
-              f"{verdict} in {a.gpu_memory_gb:g} GiB")
+              f"{verdict} in {a.gpu_memory_gb:g} GiB{given}")
     roles, totals, fits = mp.choose_offload(plan, mp.PLAN_HEADROOM * budget)
     print(f"default offload of pretrain_dmd2.py on CUDA with --gpu-memory-gb {a.gpu_memory_gb:g}: "
           f"{'+'.join(sorted(roles)) or 'none'} -> peak {fmt_bytes(max(totals.values()))}"
-          + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)"))
+          + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)")
+          + f"; flags {' '.join(mp.offload_flags(roles, plan.roles))}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ handled like SIGTERM with --exit-signal-handler and is one line naming the last 
      and in range, --lr-decay-iters >= 1, counts and intervals, --eval-num-samples with
      --eval-interval, --dmd2-denoising-steps vs --dmd2-student-sigmas, --loss-trace a directory,
      --tensorboard-dir a file. The checks run before any model is built.
-  b. launch/plan_memory.py main(argv): sizes and counts >= 1, guidance >= 1, memory > 0 (plus one
-     real process: `--patch 0` was a ZeroDivisionError traceback).
+  b. launch/plan_memory.py main(argv): sizes and counts >= 1, guidance >= 1, memory > 0 (the trainer's flags
+     with the trainer's own checks and messages; plus one real process: `--patch 0` was a ZeroDivisionError
+     traceback).
   c. launch/sample.py main(argv): --load missing / absent / a file / without a checkpoint,
      --iteration not saved, a truncated checkpoint file, --out a file, counts out of range.
   d. SIGINT: ExitController with --exit-signal-handler treats it as SIGTERM (and restores the previous
@@ -121,15 +122,15 @@ def test_denoising_steps_default_follows_the_sigmas():
     (["--in-channels", "0"], "--in-channels must be >= 1, got 0"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
-    (["--dmd2-denoising-steps", "0"], "--dmd2-denoising-steps must be >= 1, got 0"),
+    (["--dmd2-denoising-steps", "0"], "--dmd2-denoising-steps must be an int >= 1, got 0"),
     (["--cond-shape", "77", "0"], "--cond-shape must be D or L D with sizes >= 1, got 77 0"),
     (["--gpu-memory-gb", "-1"], "--gpu-memory-gb must be a finite number > 0, got -1.0"),
     (["--gpu-memory-gib", "nan"], "--gpu-memory-gb must be a finite number > 0, got nan"),
-    (["--dmd2-teacher-guidance-scale", "0.5"],
-     "--dmd2-teacher-guidance-scale must be a finite number >= 1, got 0.5"),
+    (["--dmd2-teacher-guidance-scale", "0.5"], "--dmd2-teacher-guidance-scale must be >= 1, got 0.5"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1, got 0"),
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 must divide the 32 heads"),
 ], ids=["patch-0", "patch-negative", "patch-not-dividing", "classes", "image-size", "channels", "micro-batch",
-        "dp", "denoising-steps", "cond-shape", "memory-negative", "memory-nan", "guidance", "tp-heads"])
+        "dp", "denoising-steps", "cond-shape", "memory-negative", "memory-nan", "guidance", "tp-0", "tp-heads"])
 def test_plan_memory_flag_is_one_line(argv, needle, capsys):
     one_line(capsys, plan_memory.main(["--model-size", "8b"] + argv), "ConfigError", needle)
 

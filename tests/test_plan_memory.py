@@ -14,10 +14,14 @@ References, all independent of the planner's formulas:
     SDPA's math path, --attention-kernel math: equal in fp32, within 10% in bf16);
   * the layout search: every layout valid, the first the smallest TP x CP that fits; Wan 2.1 14B at 81 x 480p
     and 81 x 720p on 64 GPUs of 80 GB fits, and its --emit-flags parse as trainer flags;
-  * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds.
+  * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds;
+  * the phases: the method's own table (`methods.dmd2.phases.table`), the GAN head's part included; the planned
+    offload set written as trainer flags parses back (the trainer's parser) to that same set; the planner's flags
+    that describe the run are the trainer's (same names, defaults, help and checks).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +45,8 @@ from dmd2_mega.models.registry import get_spec
 from dmd2_mega.models.wan import Wan, WanSpec
 from dmd2_mega.distributed.parallel import tp_partition_dim
 from benchmarks.plan_vs_measured import kept_bytes as measured_kept_bytes
+from dmd2_mega.arguments import PLANNED, dmd2_parser, parse_dmd2_args
+from dmd2_mega.methods.dmd2.phases import PHASES, table
 from launch import plan_memory
 from tests.utils import torchrun, world_of_one
 
@@ -209,11 +215,12 @@ def test_rollout_pass_count_matches_real_rollouts():
 def test_plan_cycle_time_slicing(size):
     ms = (mp.model_shape(size, 4, 32, patch=2, num_classes=1000) if size == "8b"
           else mp.model_shape(size, 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096)))
-    plan = mp.plan_cycle(ms, tp=8, dp=16, micro=4, steps=5, denoise=4, bf16=True, recompute=True)
+    plan = mp.plan_cycle(ms, PHASES, tp=8, dp=16, micro=4, steps=5, denoise=4, bf16=True, recompute=True)
     r = plan.roles
-    for phase in mp.PHASES:
+    assert list(r) == ["student", "critic", "teacher"] and [p.name for p in PHASES] == list(mp.PHASES)
+    for p in PHASES:
+        phase, needed, trained = p.name, p.needs, p.trains
         sliced, full = plan.phases[(phase, True)], plan.phases[(phase, False)]
-        needed, trained = mp.PHASE_NEEDS[phase]
         asleep = [n for n in r if n not in needed]
         assert full["total"] - sliced["total"] == sum(sum(r[n].values()) for n in asleep)
         for n in asleep:  # a sleeping role holds nothing, its grad buffer included
@@ -453,7 +460,7 @@ def test_model_flops_leave_recomputed_forwards_out():
 
 def test_choose_offload_picks_the_cheapest_fitting_set():
     ms = mp.model_shape("2b", 4, 32, patch=2, num_classes=1000)
-    plan = mp.plan_cycle(ms, tp=1, dp=1, micro=4, steps=2, denoise=4, bf16=True, recompute=True)
+    plan = mp.plan_cycle(ms, PHASES, tp=1, dp=1, micro=4, steps=2, denoise=4, bf16=True, recompute=True)
     names = ["student", "critic", "teacher"]
     subsets = [frozenset(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(8)]
     peaks = {s: max(mp.phase_bytes(plan, s).values()) for s in subsets}
@@ -469,33 +476,39 @@ def test_choose_offload_picks_the_cheapest_fitting_set():
         assert all(peaks[s] > budget for s in subsets if moved[s] < moved[roles]), (budget, roles)
     roles, _, fits = mp.choose_offload(plan, min(peaks.values()) - 1)
     assert (roles, fits) == (every_role, False)
-    # "every role offloaded" is the time-sliced plan; the GAN head adds the critic's weights to the actor phase
+    # "every role offloaded" is the time-sliced plan; the GAN head's table adds the critic's weights to the actor
+    # phase (only while the critic sleeps: resident, it is there whole anyway)
     assert mp.phase_bytes(plan, every_role) == {p: plan.phases[(p, True)]["total"] for p in mp.PHASES}
-    gan = mp.phase_bytes(plan, every_role, gan=True)
-    assert gan["actor"] - mp.phase_bytes(plan, every_role)["actor"] == plan.roles["critic"]["weights"]
+    gan = mp.plan_cycle(ms, table(gan=True), tp=1, dp=1, micro=4, steps=2, denoise=4, bf16=True, recompute=True)
+    assert gan.roles == plan.roles and gan.activations == plan.activations
+    for roles in subsets:
+        extra = {p: mp.phase_bytes(gan, roles)[p] - mp.phase_bytes(plan, roles)[p] for p in mp.PHASES}
+        assert extra == {"rollout": 0, "critic": 0,
+                         "actor": plan.roles["critic"]["weights"] if "critic" in roles else 0}, roles
+    assert gan.phases[("actor", True)]["critic"] == plan.roles["critic"]["weights"]
 
 
 def test_search_layouts_order_and_validity():
     ms = mp.model_shape("wan-digits", 1, (16, 32, 32), num_classes=None, cond_shape=(4, 16))
     kw = dict(world=8, gpus_per_node=4, micro=2, steps=2, denoise=4, bf16=True)
-    roomy = mp.search_layouts(ms, budget=2 ** 40, **kw)
-    assert roomy[0][0] == mp.Layout(1, 1, 8, False, frozenset())  # everything fits: pure DP, nothing traded
+    roomy = mp.search_layouts(ms, PHASES, budget=2 ** 40, **kw)
+    every_role = frozenset(["student", "critic", "teacher"])
+    assert roomy[0][0] == mp.Layout(1, 1, 8, False, frozenset(), every_role)  # everything fits: pure DP
     for lay, plan, totals, fits in roomy:
         assert lay.tp * lay.cp * lay.dp == 8 and ms.spec.num_heads % (lay.tp * lay.cp) == 0 and 4 % lay.tp == 0
         assert fits and lay.dist_opt == (lay.dp * lay.cp > 1) and lay.sp == (lay.tp > 1)
     # a budget only split layouts meet: the first that fits has the smallest TP x CP of those that fit
     budget = 0.9 * max(roomy[0][2].values())
-    tight = mp.search_layouts(ms, budget=budget, **kw)
+    tight = mp.search_layouts(ms, PHASES, budget=budget, **kw)
     fitting = [f for f in tight if f[3]]
     assert tight[0][3] and tight[0][0].tp * tight[0][0].cp == min(f[0].tp * f[0].cp for f in fitting)
     assert max(tight[0][2].values()) <= budget
-    assert not mp.search_layouts(ms, budget=1.0, **kw)[0][3]  # nothing fits one byte: the first says so
+    assert not mp.search_layouts(ms, PHASES, budget=1.0, **kw)[0][3]  # nothing fits one byte: the first says so
 
 
 @pytest.mark.parametrize("latent,tokens", [(["16", "21", "60", "104"], 32760), (["16", "21", "90", "160"], 75600)],
                          ids=["480p", "720p"])
 def test_cli_search_wan_14b_fits_80gb(capsys, latent, tokens):
-    from dmd2_mega.arguments import parse_dmd2_args
     row = ["--model-size", "wan2.1-14b", "--latent-shape", *latent, "--text-len", "512", "--micro-batch-size", "1",
            "--bf16", "--dmd2-teacher-guidance-scale", "5", "--world-size", "64", "--gpus-per-node", "8", "--search"]
     assert plan_memory.main(row) == 0
@@ -512,9 +525,8 @@ def test_cli_search_wan_14b_fits_80gb(capsys, latent, tokens):
 
 def test_search_layouts_of_a_dit_take_no_sequence_parallelism():
     """The DiT family runs with TP and DP only: no layout of it has CP > 1 or SP, and its flags parse."""
-    from dmd2_mega.arguments import parse_dmd2_args
     ms = mp.model_shape("600m", 4, (32, 32), num_classes=1000, cond_shape=None)
-    found = mp.search_layouts(ms, world=16, gpus_per_node=8, budget=3 * 2 ** 30, micro=8, steps=5, denoise=4,
+    found = mp.search_layouts(ms, PHASES, world=16, gpus_per_node=8, budget=3 * 2 ** 30, micro=8, steps=5, denoise=4,
                               bf16=True)
     assert {f[0].cp for f in found} == {1} and any(f[0].tp > 1 for f in found)
     assert not any(f[0].sp for f in found) and found[0][3]
@@ -535,8 +547,77 @@ def test_cli_search_errors(capsys):
 def test_distributed_optimizer_shards_over_dp_times_cp():
     ms = mp.model_shape("wan-debug", 4, (3, 4, 6), num_classes=None, cond_shape=(7, 16))
     kw = dict(tp=1, micro=1, steps=2, denoise=4, bf16=True, dist_opt=True)
-    assert (mp.plan_cycle(ms, dp=2, cp=2, **kw).roles["student"]
+    assert (mp.plan_cycle(ms, PHASES, dp=2, cp=2, **kw).roles["student"]
             == mp.role_bytes(ms, 1, 4, True, trained=True, dist_opt=True))
+
+
+# ---- one flag set: the planner's flags are the trainer's; its offload choice survives the flags -------------
+
+EVERY_ROLE = ("student", "critic", "teacher")
+
+
+@pytest.mark.parametrize("mask", range(8))
+def test_layout_flags_parse_to_the_planned_subset(mask):
+    """Every subset of roles a plan can time-slice, written by `Layout.flags`, is the set the trainer's parser
+    (and `DMD2Config.offload_set`, what the trainer's start-up uses) gives back."""
+    planned = frozenset(r for i, r in enumerate(EVERY_ROLE) if mask >> i & 1)
+    flags = mp.Layout(2, 1, 4, True, planned, frozenset(EVERY_ROLE)).flags()
+    cfg = parse_dmd2_args(["--teacher-load", "t", *flags])
+    assert cfg.dmd2.offload_set(EVERY_ROLE) == planned, flags
+    assert ("--offload-inactive" in flags) == (planned == frozenset(EVERY_ROLE))
+    assert ("--no-offload-inactive" in flags) == (not planned)
+    assert ("--offload-roles" in flags) == (0 < len(planned) < 3)
+
+
+def test_search_emits_a_planned_subset_the_trainer_keeps(capsys):
+    """Wan 2.1 14B on 64 x 80 GB: the plan keeps the frozen teacher resident and time-slices the two trained roles;
+    --emit-flags says so (it used to write --offload-inactive, which sleeps the teacher too)."""
+    row = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--text-len", "512",
+           "--micro-batch-size", "1", "--bf16", "--dmd2-teacher-guidance-scale", "5", "--world-size", "64",
+           "--search"]
+    ms = mp.model_shape("wan2.1-14b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
+    best = mp.search_layouts(ms, PHASES, world=64, gpus_per_node=8, budget=mp.PLAN_HEADROOM * 80 * 2 ** 30, micro=1,
+                             steps=5, denoise=4, bf16=True, guidance=5.0)[0][0]
+    assert best.offload == frozenset(["student", "critic"])
+    assert plan_memory.main(row + ["--emit-flags"]) == 0
+    flags = capsys.readouterr().out.split()
+    assert flags == best.flags() and flags[-2:] == ["--offload-roles", "critic,student"]
+    assert parse_dmd2_args(["--teacher-load", "t", *flags]).dmd2.offload_set(EVERY_ROLE) == best.offload
+
+
+def test_planner_flags_are_the_trainers():
+    """Each flag of `arguments.PLANNED` is the same argparse action in the planner and in pretrain_dmd2.py (name,
+    destination, default, type, help), --help shows them, and the planner's defaults are the trainer's."""
+    planner, trainer = plan_memory.parser(), dmd2_parser()
+    help_text = planner.format_help()
+    fields = ("dest", "default", "type", "nargs", "const", "help", "metavar", "choices")
+    for flag in PLANNED:
+        mine, theirs = planner._option_string_actions[flag], trainer._option_string_actions[flag]
+        assert type(mine) is type(theirs) and all(getattr(mine, f) == getattr(theirs, f) for f in fields), flag
+        assert flag in help_text
+    for flag in ("--model-size", "--micro-batch-size", "--dmd2-critic-steps-per-rollout", "--dmd2-gan",
+                 "--recompute-granularity", "--use-distributed-optimizer", "--gpu-memory-gb"):
+        assert flag in PLANNED
+    run, cfg = plan_memory.parse_args([]).run, parse_dmd2_args(["--teacher-load", "t"])
+    for part in ("model", "parallel", "optim", "train", "gan"):
+        assert getattr(run, part) == getattr(cfg, part), part
+    assert run.dmd2 == dataclasses.replace(cfg.dmd2, teacher_load=None)  # the planner reads no checkpoint
+
+
+def test_cli_gan_head_keeps_the_critic_weights_in_the_actor_phase(capsys):
+    """--dmd2-gan: the planner reads DMD2's table with the GAN head's part (the actor phase holds the critic's
+    weights while the critic is time-sliced)."""
+    row = ["--model-size", "2b", "--latent-shape", "4", "32", "32", "--micro-batch-size", "4", "--bf16"]
+    cells = {}
+    for gan in (False, True):
+        assert plan_memory.main(row + ["--dmd2-gan"] * gan) == 0
+        out = capsys.readouterr().out
+        assert f"GAN head {'on' if gan else 'off'}" in out
+        actor = next(line for line in out.splitlines() if line.startswith("actor    time-sliced"))
+        cells[gan] = actor.split()[4:6]  # after the student's number and unit: the critic's ("0" and the next cell)
+    ms = mp.model_shape("2b", 4, 32, num_classes=1000)
+    weights = mp.plan_cycle(ms, table(gan=True), tp=1, dp=1, micro=4, steps=5, denoise=4, bf16=True).roles
+    assert cells[False][0] == "0" and cells[True] == plan_memory.fmt_bytes(weights["critic"]["weights"]).split()
 
 
 if __name__ == "__main__":  # torchrun's script for test_wan_layout_per_rank_maths

@@ -245,14 +245,16 @@ def test_wan_planner_inputs_follow_the_allocation_and_the_knobs(tmp_path):
     assert cfg.dmd2.teacher_guidance_scale == 3.5 and cfg.dmd2.critic_steps_per_rollout == 2
 
 
-@pytest.mark.parametrize("offload", ["--offload-inactive", "--no-offload-inactive"])
-def test_wan_time_slicing_is_the_planners_choice(offload, tmp_path):
+@pytest.mark.parametrize("offload,asleep", [("--offload-inactive", ("student", "critic", "teacher")),
+                                            ("--no-offload-inactive", ()),
+                                            ("--offload-roles critic,student", ("critic", "student"))])
+def test_wan_time_slicing_is_the_planners_choice(offload, asleep, tmp_path):
     flags = f"--tensor-model-parallel-size 2 --context-parallel-size 1 --use-distributed-optimizer {offload}"
     res = run_script(WAN["1.3b"][0], wan_env("1.3b", tmp_path, fake_python(tmp_path, flags=flags)))
     assert res.returncode == 0, res.stderr
     args = get_args_parser().parse_args(node_commands(res.stdout)[0][1:]).training_script_args
     cfg = parse_dmd2_args(args)  # no later flag of the script overrides the plan
-    assert cfg.dmd2.offload_inactive is (offload == "--offload-inactive")
+    assert cfg.dmd2.offload_set(("student", "critic", "teacher")) == frozenset(asleep)
     assert cfg.parallel.tensor_model_parallel_size == 2 and not cfg.parallel.sequence_parallel
     assert cfg.model.recompute_granularity is None
 

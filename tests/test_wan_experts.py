@@ -106,7 +106,8 @@ def test_planner_counts_both_experts():
     assert two["sharded"] + two["replicated"] == 2 * 14_288_491_584
     # time-sliced, the teacher keeps one expert resident while it runs (ExpertSleeper); all resident, both
     ms = mp.model_shape_from_info("wan2.2-a14b", info)
-    plan = mp.plan_cycle(ms, tp=8, dp=1, micro=1, steps=5, denoise=4, bf16=True, recompute=True)
+    from dmd2_mega.methods.dmd2.phases import PHASES
+    plan = mp.plan_cycle(ms, PHASES, tp=8, dp=1, micro=1, steps=5, denoise=4, bf16=True, recompute=True)
     teacher = sum(plan.roles["teacher"].values())
     assert plan.phases[("critic", True)]["teacher"] == teacher // 2
     assert plan.phases[("critic", False)]["teacher"] == teacher

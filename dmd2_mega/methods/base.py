@@ -116,8 +116,8 @@ class Method(Protocol):
         """The start-up line's optional parts (DMD2: the GAN head)."""
 
     def plan_offload(self, cfg, ps, info: dict, budget: float) -> tuple[frozenset, dict, bool]:
-        """On CUDA without --offload-inactive flags: (the roles that sleep, phase peak bytes, fits) within
-        `budget` bytes."""
+        """On CUDA without an offload flag (--offload-roles, --[no-]offload-inactive): (the roles that sleep, phase
+        peak bytes, fits) within `budget` bytes."""
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
         """Model FLOPs of one iteration on this rank (None when unknown)."""

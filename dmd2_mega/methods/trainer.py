@@ -20,7 +20,6 @@ Checkpoints: `pair_checkpoint` (student + EMA in --save, each other trained role
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -34,9 +33,8 @@ from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.errors import CheckpointError
-from dmd2_mega.eval.data_metrics import metrics_for_data
-from dmd2_mega.eval.grid import save_grid, save_video_grid
 from dmd2_mega.eval.media import EvalMedia
+from dmd2_mega.eval.results import sample_results
 from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.methods.base import ACTOR, CRITIC, ROLLOUT, STOPS, MethodBuilder, MicroBatch, trained_in
 from dmd2_mega.methods.ema import StudentEMA
@@ -68,6 +66,7 @@ class StudentTrainer(RunStateTrainer):
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
         self.role_names, self.trained = tuple(build.roles), tuple(build.trained)
+        d.offload_set(self.role_names)  # ConfigError for an --offload-roles name the method lacks, before any I/O
         others = [name for name in self.trained if name != "student"]  # saved in <save>_<role>
         dirs = [(f"--save's {name} directory", t.save and role_dir(t.save, name), name) for name in others]
         t.check_paths_apart([(what, path) for what, path, _ in dirs])
@@ -92,7 +91,7 @@ class StudentTrainer(RunStateTrainer):
         check_role(teacher_payload, ("teacher", "student") if d.allow_student_teacher else ("teacher",),
                    "--teacher-load", d.teacher_load, "" if d.allow_student_teacher else
                    " (pass --allow-student-teacher to distill a distilled student)")
-        self.family = get_size(cfg.model.size).family.name
+        self.family = get_size(cfg.model.size).family_name
         check_family(teacher_payload, self.family, "--teacher-load", d.teacher_load)
         saved_info = teacher_payload.get("data_info")  # None: converted from a public checkpoint (no data)
         if saved_info is not None and DataShape.from_info(saved_info) != DataShape.from_info(self.info):
@@ -163,13 +162,16 @@ class StudentTrainer(RunStateTrainer):
         return role.with_offload(ps.device) if name in self.offload else role
 
     def _offload_plan(self) -> tuple[frozenset, str]:
-        """(the roles that sleep in the phases that do not use them, why): the flags, else on CUDA the method's
-        memory plan's cheapest set that fits memory_plan.PLAN_HEADROOM x --gpu-memory-gb (default the device's),
-        else none."""
+        """(the roles that sleep in the phases that do not use them, why): the flags (--offload-roles,
+        --offload-inactive, --no-offload-inactive: `DMD2Config.offload_set`), else on CUDA the method's memory
+        plan's cheapest set that fits memory_plan.PLAN_HEADROOM x --gpu-memory-gb (default the device's), else
+        none."""
         d, ps = self.cfg.dmd2, self.ps
-        if d.offload_inactive is not None:
-            return (frozenset(self.role_names) if d.offload_inactive else frozenset(),
+        asked = d.offload_set(self.role_names)
+        if asked is not None:
+            flag = (f"--offload-roles {','.join(d.offload_roles)}" if d.offload_roles is not None else
                     "--offload-inactive" if d.offload_inactive else "--no-offload-inactive")
+            return asked, flag
         if ps.device.type != "cuda":
             return frozenset(), "on a CPU there is no device memory to save"
         gib = d.gpu_memory_gb or torch.cuda.get_device_properties(ps.device).total_memory / 2**30
@@ -232,17 +234,8 @@ class StudentTrainer(RunStateTrainer):
                                       device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
         if not ps.is_main:
             return None
-        result = {"weights": "EMA" if use_ema else "raw"}
-        if out_dir:
-            labels = cond if cond.dim() == 1 else None
-            png = os.path.join(out_dir, "samples", f"cycle_{self.iteration:07d}.png")
-            result["grid"] = (save_video_grid(images[:16], png) if images.dim() == 5 else
-                              save_grid(images[:100], labels[:100] if labels is not None else None, png))
-            media = self.media.write(images, out_dir, self.iteration) if self.media else None
-            if media is not None:  # its GIFs / PNGs go to TensorBoard (logger.report_eval)
-                result["media"] = media
-        result.update(metrics_for_data(t.data, images, cond))
-        return result
+        return {"weights": "EMA" if use_ema else "raw",
+                **sample_results(images, cond, out_dir, "cycle", self.iteration, t.data, self.media)}
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:

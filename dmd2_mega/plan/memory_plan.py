@@ -20,6 +20,9 @@ Layouts (`search_layouts`): every TP (inside a node) x CP x DP of a world that t
 for a family that splits tokens), with and without recompute, each with its cheapest time-slicing
 (`choose_offload`); the best fits and has the smallest TP x CP (launch/plan_memory.py --search). The distributed
 optimizer shards over DP x CP, the ranks that hold the same weights.
+Phases: which roles each phase needs is the method's phase table, passed in (`methods.base.Phase`: name,
+needs {role: "all" | "weights"}, trains; DMD2's is `methods.dmd2.phases.table(gan)`, a run's `Method.phases`);
+this module, below methods/, never restates it. A role no phase trains is frozen (weights only).
 The cycle's cost model (`cycle_passes`, in forwards of B samples) and its comparison with measured
 times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `format_table` prints both.
 """
@@ -34,9 +37,8 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import FAMILIES, DataShape, ModelFamily, PlanMaths, family_of, get_spec
 
 PHASES = ("rollout", "critic", "actor")
-# phase -> (roles resident when time-sliced, the role trained in it)  (mirrors dmd2/roles.PHASE_ROLES)
-PHASE_NEEDS = {"rollout": (("student",), None), "critic": (("critic", "teacher"), "critic"),
-               "actor": (("student",), "student")}
+"""The phases of a DMD2 cycle whose activations `plan_cycle` estimates (its cost model); which roles each needs is
+the phase table the caller passes."""
 
 
 @dataclass
@@ -193,28 +195,46 @@ class CyclePlan:
 
     roles: dict                      # role -> role_bytes(...)
     activations: dict                # phase -> activation bytes (incl. rollout / score tensors)
+    needs: dict = field(default_factory=dict)  # phase -> {role: "all" | "weights"}: the method's phase table
+    trained: frozenset = frozenset()  # the roles some phase trains (grads and an optimizer); the others are frozen
     phases: dict = field(default_factory=dict)  # (phase, sliced) -> {role: bytes, 'activations', 'total'}
-    teacher_share: float = 1.0
-    """The part of a time-sliced teacher resident while it runs: 1 / experts (a model of experts: one expert at a
-    time, `offload.ExpertSleeper`), else 1."""
+    frozen_share: float = 1.0
+    """The part of a time-sliced frozen role (one no phase trains: the teacher) resident while it runs: 1 / experts
+    (a model of experts: one expert at a time, `offload.ExpertSleeper`), else 1."""
 
-    def resident(self, role: str, in_phase: bool, sliced: bool) -> int:
-        """Bytes of `role` resident in a phase that needs it (`in_phase`) or not, time-sliced or not."""
-        full = sum(self.roles[role].values())
+    def resident(self, role: str, need: Optional[str], sliced: bool) -> int:
+        """Bytes of `role` resident in a phase that needs it as `need` ("all", "weights", None: not at all),
+        time-sliced or not."""
+        b = self.roles[role]
         if not sliced:
-            return full
-        if not in_phase:
+            return sum(b.values())
+        if need is None:
             return 0
-        return int(full * self.teacher_share) if role == "teacher" else full
+        held = b["weights"] if need == "weights" else sum(b.values())
+        return held if role in self.trained else int(held * self.frozen_share)
 
 
-def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
+def table_needs(phases) -> dict:
+    """{phase: {role: "all" | "weights"}} of a method's phase table (a sequence of `methods.base.Phase`: name,
+    needs, trains); ValueError unless it has exactly the phases of `PHASES` (those the activations are estimated
+    for)."""
+    needs = {p.name: dict(p.needs) for p in phases}
+    if sorted(needs) != sorted(PHASES):
+        raise ValueError(f"the memory plan estimates the phases {', '.join(PHASES)}; the table has "
+                         f"{', '.join(needs) or 'none'}")
+    return needs
+
+
+def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
                recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
                scores: bool = False) -> CyclePlan:
-    """Per-rank bytes of each role in each phase, time-sliced (offload) or all resident. The distributed optimizer
-    shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens."""
-    roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r != "teacher", dist_opt=dist_opt)
-             for r in ("student", "critic", "teacher")}
+    """Per-rank bytes of each role of the method's phase table `phases` (`methods.base.Phase`s: a role some phase
+    trains has grads and an optimizer) in each phase, time-sliced (offload) or all resident. The distributed
+    optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens."""
+    needs = table_needs(phases)
+    trained = frozenset(p.trains for p in phases if p.trains is not None)
+    names = tuple(dict.fromkeys(r for p in phases for r in p.needs))
+    roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r in trained, dist_opt=dist_opt) for r in names}
     x = ms.sample_numel * 4                                # one fp32 sample
     cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
     held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond
@@ -227,49 +247,52 @@ def plan_cycle(ms: ModelShape, *, tp: int, dp: int, micro: int, steps: int, deno
                          activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw)) + held_rollout + held_scores,
            "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores}
     experts = ms.family.experts(ms.spec)
-    plan = CyclePlan(roles, act, teacher_share=1.0 / experts if experts else 1.0)
+    plan = CyclePlan(roles, act, needs, trained, frozen_share=1.0 / experts if experts else 1.0)
     for phase in PHASES:
-        needed = PHASE_NEEDS[phase][0]
         for sliced in (True, False):
-            row = {r: plan.resident(r, r in needed, sliced) for r in roles}
+            row = {r: plan.resident(r, needs[phase].get(r), sliced) for r in roles}
             row["activations"] = act[phase]
             row["total"] = sum(row.values())
             plan.phases[(phase, sliced)] = row
     return plan
 
 
-def phase_bytes(plan: CyclePlan, offloaded, gan: bool = False) -> dict:
-    """phase -> per-rank bytes when the roles in `offloaded` sleep in the phases that do not use them (the
-    others stay resident). With the GAN head the actor phase also needs the critic's weights."""
-    out = {}
-    for phase in PHASES:
-        needed = PHASE_NEEDS[phase][0]
-        total = plan.activations[phase]
-        for r, b in plan.roles.items():
-            if r not in offloaded or r in needed:
-                total += plan.resident(r, r in needed, r in offloaded)
-            elif gan and phase == "actor" and r == "critic":
-                total += b["weights"]
-        out[phase] = total
-    return out
+def phase_bytes(plan: CyclePlan, offloaded) -> dict:
+    """phase -> per-rank bytes when the roles in `offloaded` sleep in the phases that do not use them and hold
+    only what a phase needs of them (the table's "weights": no grads, no optimizer state); the others stay
+    resident."""
+    return {phase: plan.activations[phase] + sum(plan.resident(r, plan.needs[phase].get(r), r in offloaded)
+                                                 for r in plan.roles)
+            for phase in PHASES}
 
 
 PLAN_HEADROOM = 0.9  # of the device memory: the allocator's fragmentation and temporaries the plan leaves out
 
 
-def choose_offload(plan: CyclePlan, budget: float, gan: bool = False) -> tuple[frozenset, dict, bool]:
+def choose_offload(plan: CyclePlan, budget: float) -> tuple[frozenset, dict, bool]:
     """The roles to time-slice so that every phase fits `budget` bytes, moving the fewest bytes per cycle
-    (a frozen teacher's wake is one copy of its weights; a trained role goes both ways):
-    (roles, phase_bytes of that choice, fits). No set fits: all three roles, fits False."""
+    (a frozen role's wake, the teacher's, is one copy of its weights; a trained role goes both ways):
+    (roles, phase_bytes of that choice, fits). No set fits: every role, fits False."""
     names = list(plan.roles)
 
     def cost(roles) -> int:
-        return sum(sum(plan.roles[r].values()) * (1 if r == "teacher" else 2) for r in roles)
+        return sum(sum(plan.roles[r].values()) * (2 if r in plan.trained else 1) for r in roles)
     for roles in sorted((frozenset(c) for k in range(len(names) + 1) for c in combinations(names, k)), key=cost):
-        totals = phase_bytes(plan, roles, gan)
+        totals = phase_bytes(plan, roles)
         if max(totals.values()) <= budget:
             return roles, totals, True
-    return frozenset(names), phase_bytes(plan, names, gan), False
+    return frozenset(names), phase_bytes(plan, names), False
+
+
+def offload_flags(offload, roles) -> list:
+    """The trainer's flags that put exactly the roles `offload` of the method's `roles` to sleep: --offload-inactive
+    (all), --no-offload-inactive (none), else --offload-roles with the subset (`config.DMD2Config.offload_set`)."""
+    offload, roles = frozenset(offload), frozenset(roles)
+    if not offload <= roles:
+        raise ValueError(f"offload {sorted(offload)} names roles outside {sorted(roles)}")
+    if not offload:
+        return ["--no-offload-inactive"]
+    return ["--offload-inactive"] if offload == roles else ["--offload-roles", ",".join(sorted(offload))]
 
 
 @dataclass(frozen=True)
@@ -282,6 +305,8 @@ class Layout:
     recompute: bool
     offload: frozenset
     """The roles time-sliced (`choose_offload`)."""
+    roles: frozenset
+    """Every role of the method's phase table (what --offload-inactive puts to sleep)."""
     splits_tokens: bool = True
     """The family takes CP / SP (`ModelFamily.splits_tokens`); one that does not runs with TP and DP only."""
 
@@ -301,7 +326,7 @@ class Layout:
         out += ["--sequence-parallel"] if self.sp else []
         out += ["--use-distributed-optimizer"] if self.dist_opt else []
         out += ["--recompute-granularity", "full"] if self.recompute else []
-        return out + (["--offload-inactive"] if self.offload else ["--no-offload-inactive"])
+        return out + offload_flags(self.offload, self.roles)
 
     def describe(self) -> str:
         return (f"TP={self.tp} CP={self.cp} DP={self.dp}{' SP' if self.sp else ''}"
@@ -309,9 +334,10 @@ class Layout:
                 f"time-sliced {'+'.join(sorted(self.offload)) or 'none'}")
 
 
-def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
-                   denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False, gan: bool = False) -> list:
-    """Every layout of `world` GPUs the model takes, with its plan: [(Layout, CyclePlan, phase bytes, fits)],
+def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
+                   denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False) -> list:
+    """Every layout of `world` GPUs the model takes for the method's phase table `phases` (`plan_cycle`), with its
+    plan: [(Layout, CyclePlan, phase bytes, fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
     world (DP = world / (TP x CP)); only a family that splits tokens takes CP > 1 and SP (with TP > 1).
     Best: fits `budget` (bytes per GPU); then the
@@ -323,13 +349,13 @@ def search_layouts(ms: ModelShape, *, world: int, gpus_per_node: int, budget: fl
         cps = range(1, heads // tp + 1) if splits else (1,)
         for cp in (c for c in cps if (heads // tp) % c == 0 and world % (tp * c) == 0):
             for recompute in (False, True):
-                plan = plan_cycle(ms, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
+                plan = plan_cycle(ms, phases, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
                                   cp=cp, sp=tp > 1 and splits, scores=scores)
-                roles, totals, fits = choose_offload(plan, budget, gan)
+                roles, totals, fits = choose_offload(plan, budget)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
-                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, splits), plan, totals,
-                              fits, moved))
+                found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, frozenset(plan.roles), splits),
+                              plan, totals, fits, moved))
     if not found:
         raise ConfigError(f"no layout of {world} GPUs ({gpus_per_node} per node) divides the {heads} heads")
     found.sort(key=lambda f: (not f[3], f[0].tp * f[0].cp, f[0].recompute, f[4], f[0].tp))

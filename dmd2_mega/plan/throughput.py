@@ -1,6 +1,6 @@
 """Per-phase time and model TFLOP/s per GPU for the log line.
 
-`PhaseClock` is `dmd2.cycle.run_cycle`'s phase hook: it marks each phase's start and the cycle's end. On CUDA the
+`PhaseClock` is the phase hook of a method's cycle (`methods.dmd2.cycle.run_cycle`): it marks each phase's start and the cycle's end. On CUDA the
 marks are CUDA events, recorded on the stream without a host sync and read at log time (`take`, which waits for
 the last one: the log already syncs once per interval); on a CPU, where ops run synchronously, they are
 `time.perf_counter()`.

@@ -90,7 +90,8 @@ TRAINING_ARGS=(
     --weight-decay 0.0 --clip-grad 1.0 --bf16 --timestep-shift "${TIMESTEP_SHIFT:-3}"
 )
 # the student and the critic start from the teacher (no --student-load / --critic-load); which roles sleep
-# between phases (--offload-inactive or --no-offload-inactive) is part of the planner's layout
+# between phases (--offload-roles ROLE[,ROLE], --offload-inactive or --no-offload-inactive) is part of the
+# planner's layout
 DMD2_ARGS=(
     --teacher-load "$TEACHER" ${CRITIC_LR:+--critic-lr "$CRITIC_LR"}
     --dmd2-denoising-steps "$DENOISING_STEPS" --dmd2-critic-steps-per-rollout "$CRITIC_STEPS"

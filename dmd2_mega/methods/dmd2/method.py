@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dmd2_mega.methods.base import CycleResult, MicroBatch, phase_needs, table_roles, trained_in
+from dmd2_mega.methods.base import CycleResult, MicroBatch, table_roles, trained_in
 from dmd2_mega.methods.dmd2.cycle import run_cycle
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.phases import PHASES
@@ -63,13 +63,12 @@ class DMD2Method:
     def plan_offload(self, cfg, ps, info: dict, budget: float) -> tuple[frozenset, dict, bool]:
         d = cfg.dmd2
         ms = mp.model_shape_from_info(cfg.model.size, info)
-        plan = mp.plan_cycle(ms, tp=ps.tp_size, dp=ps.dp_size, micro=cfg.train.micro_batch_size,
+        plan = mp.plan_cycle(ms, self.phases, tp=ps.tp_size, dp=ps.dp_size, micro=cfg.train.micro_batch_size,
                              steps=d.critic_steps_per_rollout, denoise=len(self.student_sigmas),
                              bf16=cfg.optim.bf16, recompute=cfg.model.recompute_granularity == "full",
                              guidance=d.teacher_guidance_scale, dist_opt=cfg.optim.use_distributed_optimizer,
                              cp=ps.cp_size, sp=ps.sequence_parallel)
-        # the planner's `gan`: the actor phase keeps the critic's weights (the GAN head's entry in the table)
-        return mp.choose_offload(plan, budget, gan="critic" in phase_needs(self.phases, "actor"))
+        return mp.choose_offload(plan, budget)  # the run's table: with the GAN head, the actor needs critic weights
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
         d = self.cfg.dmd2

@@ -1,11 +1,12 @@
 """DMD2's phase table (DESIGN sections 2 and 3): which roles each phase of a cycle needs, in order, and the role
-its optimizer step trains. The GAN head (--dmd2-gan) adds its roles to it (`gan.GANSettings.phase_needs`; the
-whole table of a run is `records.DMD2Settings.phases`). Read by the memory planner's callers
+its optimizer step trains. The GAN head (--dmd2-gan) adds its roles to it (`gan.GANSettings.phase_needs`); the
+whole table of a run is `table(gan)` (`records.DMD2Settings.phases`). The memory planner takes it from its callers
 (`launch/plan_memory.py`, `methods.dmd2.method.DMD2Method.plan_offload`).
 """
 from __future__ import annotations
 
-from dmd2_mega.methods.base import Phase, table_roles
+from dmd2_mega.methods.base import Phase, PhaseTable, table_roles, with_needs
+from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings
 
 PHASES = (
     Phase("rollout", {"student": "all"}),                               # the student's backward simulation
@@ -14,3 +15,9 @@ PHASES = (
 )
 
 ROLES = frozenset(table_roles(PHASES))  # student, critic, teacher
+
+
+def table(gan: bool) -> PhaseTable:
+    """The phase table of a DMD2 run with (--dmd2-gan) or without the GAN head: `PHASES` with the roles the head
+    adds (`gan.GANSettings.phase_needs`: the actor phase reads the critic's weights)."""
+    return with_needs(PHASES, (GANSettings if gan else NO_GAN).phase_needs)

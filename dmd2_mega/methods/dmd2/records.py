@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from dmd2_mega import flow
-from dmd2_mega.methods.base import PhaseTable, with_needs
-from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings, gan_part
-from dmd2_mega.methods.dmd2.phases import PHASES
+from dmd2_mega.methods.base import PhaseTable
+from dmd2_mega.methods.dmd2.gan import GANSettings, gan_part
+from dmd2_mega.methods.dmd2.phases import table
 
 @dataclass(frozen=True)
 class DMD2Settings:
@@ -38,8 +38,8 @@ class DMD2Settings:
 
     @property
     def phases(self) -> PhaseTable:
-        """DMD2's phase table (`phases.PHASES`) with the roles the GAN head adds (`gan.GANSettings.phase_needs`)."""
-        return with_needs(PHASES, (self.gan or NO_GAN).phase_needs)
+        """DMD2's phase table with the roles the GAN head adds (`phases.table`)."""
+        return table(self.gan is not None)
 
     @classmethod
     def from_config(cls, cfg, shape: tuple, device: torch.device) -> "DMD2Settings":
