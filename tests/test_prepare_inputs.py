@@ -49,12 +49,12 @@ def _twelve(bad_row=None, bad=""):
 def test_unclosed_quote_refuses_naming_its_line(tmp_path):
     path = _captions(tmp_path, _twelve(3, '"'))
     with pytest.raises(DataError, match=r"1 malformed of 12 rows \(line 5: .*quote") as e:
-        read_captions(path, "wan", 5)
+        read_captions(path, True, 5)
     assert "--skip-bad-captions" in str(e.value) and path in str(e.value)
 
 
 def test_unclosed_quote_costs_its_row_only(tmp_path):
-    got = read_captions(_captions(tmp_path, _twelve(3, '"')), "wan", 5, skip_bad=True)
+    got = read_captions(_captions(tmp_path, _twelve(3, '"')), True, 5, skip_bad=True)
     assert [c.path for c in got.clips] == [f"clip{i:02d}.gif" for i in range(12) if i != 3]
     assert all(c.caption == f"caption {int(c.path[4:6])}" for c in got.clips)
     assert got.rows == 12 and [b["line"] for b in got.bad] == [5]
@@ -62,7 +62,7 @@ def test_unclosed_quote_costs_its_row_only(tmp_path):
 
 def test_quote_closed_rows_later_is_the_opening_row_only(tmp_path):
     text = 'path,caption\nclip00.gif,a\nclip01.gif,"b\nclip02.gif,c\nclip03.gif,d"\nclip04.gif,e\n'
-    got = read_captions(_captions(tmp_path, text), "wan", 5, skip_bad=True)
+    got = read_captions(_captions(tmp_path, text), True, 5, skip_bad=True)
     assert [c.path for c in got.clips] == ["clip00.gif", "clip02.gif", "clip03.gif", "clip04.gif"]
     assert got.clips[1].caption == "c"
     assert got.rows == 5 and len(got.bad) == 1
@@ -72,8 +72,8 @@ def test_quote_closed_rows_later_is_the_opening_row_only(tmp_path):
 def test_unquoted_comma_refuses_naming_line_and_field_count(tmp_path):
     path = _captions(tmp_path, "path,caption\nclip00.gif,a cat, runs on the grass\nclip01.gif,dog\n")
     with pytest.raises(DataError, match=r"line 2: 3 fields where the header has 2"):
-        read_captions(path, "wan", 5)
-    got = read_captions(path, "wan", 5, skip_bad=True)
+        read_captions(path, True, 5)
+    got = read_captions(path, True, 5, skip_bad=True)
     assert [(c.path, c.caption) for c in got.clips] == [("clip01.gif", "dog")]
     assert got.rows == 2 and [b["line"] for b in got.bad] == [2]
 
@@ -81,8 +81,8 @@ def test_unquoted_comma_refuses_naming_line_and_field_count(tmp_path):
 def test_over_long_field_is_a_data_error_naming_its_line(tmp_path):
     path = _captions(tmp_path, f'path,caption\nclip00.gif,ok\nclip01.gif,"{"x" * 140_000}"\nclip02.gif,dog\n')
     with pytest.raises(DataError, match=r"line 3: .*field limit"):
-        read_captions(path, "wan", 5)
-    got = read_captions(path, "wan", 5, skip_bad=True)
+        read_captions(path, True, 5)
+    got = read_captions(path, True, 5, skip_bad=True)
     assert [c.path for c in got.clips] == ["clip00.gif", "clip02.gif"] and [b["line"] for b in got.bad] == [3]
 
 
@@ -92,8 +92,8 @@ def test_unclosed_quote_in_a_large_file_costs_its_row_only(tmp_path):
     rows[4] = rows[4].replace(",a caption", ',"a caption')
     path = _captions(tmp_path, "path,caption\n" + "".join(rows))
     with pytest.raises(DataError, match=r"1 malformed of 3000 rows \(line 6: "):
-        read_captions(path, "wan", 5)
-    got = read_captions(path, "wan", 5, skip_bad=True)
+        read_captions(path, True, 5)
+    got = read_captions(path, True, 5, skip_bad=True)
     assert len(got.clips) == 2999 and "clip0004.gif" not in {c.path for c in got.clips}
     assert got.clips[4] == Clip("clip0005.gif", "a caption of some length for row number 5")
     assert [b["line"] for b in got.bad] == [6]
@@ -103,7 +103,7 @@ def test_unclosed_quote_in_a_large_file_costs_its_row_only(tmp_path):
 def test_quoted_comma_line_break_and_quotes_are_kept(tmp_path, eol):
     text = eol.join(['path,caption', 'clip00.gif,"a cat, a dog"', 'clip01.gif,"line one\nline two"',
                      'clip02.gif,"say ""hi"""', 'clip03.gif,"two\n\nblank lines"', '']) + eol
-    got = read_captions(_captions(tmp_path, text), "wan", 5)
+    got = read_captions(_captions(tmp_path, text), True, 5)
     assert [c.caption for c in got.clips] == ["a cat, a dog", "line one\nline two", 'say "hi"',
                                               "two\n\nblank lines"]
     assert got.rows == 4 and got.bad == []
@@ -113,7 +113,7 @@ def test_refusal_quotes_three_rows_and_counts_the_rest(tmp_path):
     text = "path,caption\n" + "".join(f"clip{i:02d}.gif,{'a, b' if i % 2 else 'ok'}\n" for i in range(10))
     with pytest.raises(DataError, match=r"5 malformed of 10 rows \(line 3: .*; line 5: .*; line 7: [^;]*; "
                                         r"and 2 more\)"):
-        read_captions(_captions(tmp_path, text), "wan", 5)
+        read_captions(_captions(tmp_path, text), True, 5)
 
 
 def test_jsonl_bad_rows_are_listed_by_line(tmp_path):
@@ -122,8 +122,8 @@ def test_jsonl_bad_rows_are_listed_by_line(tmp_path):
     path = _captions(tmp_path, text, "captions.jsonl")
     with pytest.raises(DataError, match=r"3 malformed of 5 rows \(line 2: not a JSON object .*; line 3: .*list; "
                                         r"line 5: .*caption=3\)"):
-        read_captions(path, "wan", 5)
-    got = read_captions(path, "wan", 5, skip_bad=True)
+        read_captions(path, True, 5)
+    got = read_captions(path, True, 5, skip_bad=True)
     assert [(c.path, c.caption) for c in got.clips] == [("a.gif", "x"), ("d.gif", "y")]
     assert [b["line"] for b in got.bad] == [2, 3, 5]
 

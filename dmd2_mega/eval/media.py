@@ -164,17 +164,16 @@ def write_sample(root: str, name: str, pixels, fps: float = VIDEO_FPS) -> str:
 
 def check_vae(vae, latent_shape: Sequence[int], where: str = "--vae") -> None:
     """ConfigError starting with `where` (the flag and its value) unless the VAE decodes latents [C, *spatial] of
-    this shape: its latent channels are C, and it is a video VAE ("wan") for [C, T, H, W], an image VAE ("kl")
-    for [C, H, W]."""
+    this shape: its latent channels are C, and it is a video VAE for [C, T, H, W], an image VAE for [C, H, W]."""
     c, spatial = int(latent_shape[0]), tuple(latent_shape[1:])
     if vae.latent_channels != c:
         raise ConfigError(f"{where}: the VAE's latents have {vae.latent_channels} channels, but the model's have {c} "
                           f"(latent shape {[c, *spatial]}); expected the VAE the data was encoded with")
-    want = "wan" if len(spatial) == 3 else "kl"
-    if vae.kind != want:
+    video = len(spatial) == 3
+    if vae.video != video:
         raise ConfigError(f"{where}: a {vae.kind!r} VAE cannot decode the model's "
-                          f"{'video' if want == 'wan' else 'image'} latents {[c, *spatial]}; expected a "
-                          f"{'Wan video (AutoencoderKLWan)' if want == 'wan' else 'image (AutoencoderKL)'} VAE")
+                          f"{'video' if video else 'image'} latents {[c, *spatial]}; expected a "
+                          f"{'Wan video (AutoencoderKLWan)' if video else 'image (AutoencoderKL)'} VAE")
 
 
 def decoded(samples: torch.Tensor, vae: Optional[LatentVAE] = None) -> Iterator[torch.Tensor]:

@@ -5,7 +5,7 @@ with an index), read tensor by tensor and written sharded. The families' name an
 What a read refuses (a CheckpointError naming the file and the tensor; nothing is converted from such a folder):
 an index whose weight_map names a file outside the folder (absolute, or through ..), a tensor name held by two
 shards (the later one would silently replace the first), and a floating-point tensor with a NaN or inf
-(`check_finite`, also run on the official .pt files). A config file that is not a JSON object is a ConfigError.
+(`check_finite`, also run on the official .pt files). Config files are read by `files/json_file.read_json`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dmd2_mega.files.atomic import atomic_write
-from dmd2_mega.errors import CheckpointError, ConfigError
+from dmd2_mega.files.atomic import atomic_path, atomic_write
+from dmd2_mega.files.json_file import read_json
+from dmd2_mega.errors import CheckpointError
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -27,32 +28,17 @@ TRANSFORMER = "transformer"
 SHARD_BYTES = 5 * 2**30  # export shards at most this large (diffusers' own default is 10 GB)
 
 
-def read_json(path: str) -> dict:
-    """A JSON object file (a config); ConfigError naming it when it cannot be read or holds anything else."""
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(config).__name__}; expected a JSON object of settings "
-                          f"({{\"key\": value, ...}})")
-    return config
-
-
 def shard_files(folder: str) -> list[str]:
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+        weight_map = read_json(index, error=CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map' object of tensor -> file)")
         for key, name in weight_map.items():
             if not isinstance(name, str) or os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
                 raise CheckpointError(f"{index}: weight_map puts tensor {key!r} in {name!r}, outside {folder}; a "
                                       f"shard is a file name inside the model folder")
+        files = sorted(set(weight_map.values()))
         for name in files:
             if not os.path.isfile(os.path.join(folder, name)):
                 raise CheckpointError(f"{os.path.join(folder, name)}: shard listed in {INDEX} is missing")
@@ -126,6 +112,5 @@ def write_model_folder(out: str, tensors: dict, config: dict, dtype: torch.dtype
 
 
 def _save(tensors: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models.diffusers_folder import TRANSFORMER, read_json
+from dmd2_mega.files.json_file import read_json
+from dmd2_mega.models.diffusers_folder import TRANSFORMER
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
 from dmd2_mega.models.wan import WAN, WanSpec

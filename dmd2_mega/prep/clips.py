@@ -137,19 +137,19 @@ def _rows(path: str) -> Iterator[Row]:
         raise DataError(f"--captions {path}: {e}") from e
 
 
-def allowed_extensions(kind: str, frames: int) -> Sequence[str]:
-    """The media the VAE takes: videos for "wan" (plus images when frames == 1), images for "kl"."""
-    if kind == "wan":
+def allowed_extensions(video: bool, frames: int) -> Sequence[str]:
+    """The media the VAE takes: videos for a video VAE (plus images when frames == 1), images for an image VAE."""
+    if video:
         return VIDEO_EXT + (IMAGE_EXT if frames == 1 else ())
     return IMAGE_EXT
 
 
-def read_captions(path: str, kind: str, frames: int, skip_bad: bool = False) -> Captions:
+def read_captions(path: str, video: bool, frames: int, skip_bad: bool = False) -> Captions:
     """The checked, path-sorted clips of the captions file (module docstring); malformed rows refuse the file
     unless skip_bad."""
     if not path or not os.path.isfile(path):
         raise DataError(f"--captions {path}: no such file (expected a CSV or JSONL with 'path' and 'caption')")
-    allowed = allowed_extensions(kind, frames)
+    allowed = allowed_extensions(video, frames)
     seen, bad, rows = {}, [], 0
     for line, row, reason in _rows(path):
         rows += 1
@@ -166,7 +166,7 @@ def read_captions(path: str, kind: str, frames: int, skip_bad: bool = False) -> 
                             f"inside it")
         ext = os.path.splitext(rel)[1].lower()
         if ext not in allowed:
-            what = "a video VAE" if kind == "wan" else "an image VAE"
+            what = "a video VAE" if video else "an image VAE"
             raise DataError(f"--captions {path} line {line}: {rel!r} has extension '{ext}'; with {what} and "
                             f"--frames {frames} the media must be one of {' '.join(allowed)}")
         if norm in seen:

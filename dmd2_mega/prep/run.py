@@ -175,7 +175,7 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
             raise ConfigError(f"{flag} is required (or --pipeline DIR for --vae)" if flag == "--vae"
                               else f"{flag} is required")
     spec = VAESpec.from_folder(cfg.vae)
-    if labels and spec.kind != "kl":
+    if labels and spec.video:
         raise ConfigError(f"--vae {cfg.vae}: {spec.class_name} is a video VAE; --labels-from-folders encodes images "
                           f"with an AutoencoderKL (e.g. stabilityai/sd-vae-ft-ema)")
     frames, height, width = _size(cfg, spec.kind)
@@ -197,7 +197,7 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         listed = f"{len(clips)} images in {len(classes)} class folders ({folders.left_out} other files left out)"
         cond_line, source = f"labels in [0, {len(classes)})", {}
     else:
-        captions, classes = read_captions(cfg.captions, spec.kind, frames, cfg.skip_bad_captions), None
+        captions, classes = read_captions(cfg.captions, spec.video, frames, cfg.skip_bad_captions), None
         clips = captions.clips
         cond_shape = [cfg.max_text_len, text_config["d_model"]]
         cond = {"cond": "embedding", "cond_shape": cond_shape}
@@ -275,7 +275,7 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
     for k in mine:
         pos += len(chunks[k])
         ends[pos - 1] = k
-    video = vae.kind == "wan"
+    video = vae.video
     latents, written, kept, skipped, batch = [], [], [], [], []
 
     def flush():

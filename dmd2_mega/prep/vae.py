@@ -25,6 +25,8 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.files.json_file import read_json
 
 CLASSES = {"AutoencoderKLWan": "wan", "AutoencoderKL": "kl"}
+VIDEO_CLASSES = ("AutoencoderKLWan",)
+"""The classes whose latents have a time axis: pixels [B, 3, T, H, W] <-> latents [B, C, T', H', W']."""
 
 
 def _read_config(path: str, flag: str) -> dict:
@@ -73,7 +75,7 @@ class VAESpec:
         where = os.path.join(path, "config.json")
         name = config["_class_name"]
         kind = CLASSES[name]
-        if kind == "wan":
+        if name in VIDEO_CLASSES:
             channels = int(config.get("z_dim", 16))
             dim_mult = config.get("dim_mult", [1, 2, 4, 4])
             down_t = config.get("temperal_downsample", [False, True, True])  # diffusers' spelling
@@ -99,6 +101,11 @@ class VAESpec:
             raise ConfigError(f"{flag} {where}: latents_std must be positive, found {std.tolist()}")
         return cls(path, flag, name, kind, channels, spatial, temporal, mean, std, scaling, shift)
 
+    @property
+    def video(self) -> bool:
+        """Whether its latents have a time axis (a video VAE), or are images."""
+        return self.class_name in VIDEO_CLASSES
+
     def check_size(self, frames: int, height: int, width: int) -> None:
         """Raise ConfigError naming --frames / --height / --width when the VAE cannot take that size."""
         sf = self.spatial_factor
@@ -106,7 +113,7 @@ class VAESpec:
             if not isinstance(value, int) or value < sf or value % sf:
                 raise ConfigError(f"{name} {value}: the VAE ({self.flag} {self.path}, {self.class_name}) needs a "
                                   f"positive multiple of its spatial factor {sf}")
-        if self.kind == "wan":
+        if self.video:
             step = max(4, self.temporal_factor)  # the encoder's 1 + 4 + 4 ... chunks and its temporal factor
             if not isinstance(frames, int) or frames < 1 or (frames - 1) % step:
                 raise ConfigError(f"--frames {frames}: the VAE ({self.flag} {self.path}, {self.class_name}) needs "
@@ -119,7 +126,7 @@ class VAESpec:
         """The latent of one sample: (C, T', H', W') for "wan", (C, H', W') for "kl" (the size is checked first)."""
         self.check_size(frames, height, width)
         hw = (height // self.spatial_factor, width // self.spatial_factor)
-        if self.kind == "wan":
+        if self.video:
             return (self.latent_channels, 1 + (frames - 1) // self.temporal_factor, *hw)
         return (self.latent_channels, *hw)
 
@@ -161,6 +168,7 @@ class LatentVAE:
         return cls(spec, model.to(device).eval().requires_grad_(False), device, dtype)
 
     kind = property(lambda self: self.spec.kind)
+    video = property(lambda self: self.spec.video)
     latent_channels = property(lambda self: self.spec.latent_channels)
     spatial_factor = property(lambda self: self.spec.spatial_factor)
     temporal_factor = property(lambda self: self.spec.temporal_factor)
@@ -172,7 +180,7 @@ class LatentVAE:
         return self.spec.latent_shape(frames, height, width)
 
     def _check_layout(self, t: torch.Tensor, what: str, channels: int) -> None:
-        dims = 5 if self.kind == "wan" else 4
+        dims = 5 if self.video else 4
         if t.dim() != dims or t.shape[1] != channels:
             layout = "[B, C, T, H, W]" if dims == 5 else "[B, C, H, W]"
             raise ConfigError(f"LatentVAE.{what}: expected {layout} with C = {channels} for a {self.spec.class_name}, "
@@ -184,7 +192,7 @@ class LatentVAE:
         when `noise` (standard normal, the latent's shape) is given (a posterior draw)."""
         self._check_layout(pixels, "encode", 3)
         _, _, *size = pixels.shape
-        frames = size[0] if self.kind == "wan" else 1
+        frames = size[0] if self.video else 1
         self.check_size(frames, *size[-2:])
         posterior = self.model.encode(pixels.to(self.device, self.dtype)).latent_dist
         x = posterior.mean.float()

@@ -17,7 +17,8 @@ import torch
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.files.staging import staged_output
-from dmd2_mega.models.diffusers_folder import TRANSFORMER, iter_folder, read_json, write_model_folder
+from dmd2_mega.files.json_file import read_json
+from dmd2_mega.models.diffusers_folder import TRANSFORMER, iter_folder, write_model_folder
 from dmd2_mega.models.dit.checkpoints import (DIFFUSERS_CLASS, diffusers_config, diffusers_spec, diffusers_to_ours,
                                               is_diffusers_config, is_our_config, official_spec, official_to_ours,
                                               our_config, ours_to_diffusers, ours_to_official, read_official_file,

@@ -23,7 +23,8 @@ import re
 import torch
 
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models.diffusers_folder import iter_folder, read_json, write_model_folder
+from dmd2_mega.files.json_file import read_json
+from dmd2_mega.models.diffusers_folder import iter_folder, write_model_folder
 from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, WanSpec
 
 _RULES = [  # (ours, diffusers), applied in order to a parameter name

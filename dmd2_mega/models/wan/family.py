@@ -9,7 +9,6 @@ Data: video latents [C, T, H, W], text embeddings [L, text_dim]. Layouts: TP x C
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import replace
@@ -18,7 +17,8 @@ from typing import Optional
 import torch
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models.diffusers_folder import TRANSFORMER, read_json
+from dmd2_mega.files.json_file import read_json
+from dmd2_mega.models.diffusers_folder import TRANSFORMER
 from dmd2_mega.models.family import BuildOptions, DataShape, ModelFamily, Source, expected_shapes
 from dmd2_mega.models.wan.plan import MATHS
 from dmd2_mega.models.wan.diffusers import model_dir, read_config, read_state
@@ -37,11 +37,7 @@ def boundary_ratio(folder: str):
     index = os.path.join(folder, "model_index.json")
     for path, need in ((ours, None), (index, os.path.join(folder, EXPERTS[1], "config.json"))):
         if os.path.isfile(path) and (need is None or os.path.isfile(need)):
-            try:
-                with open(path) as f:
-                    ratio = json.load(f).get("boundary_ratio")
-            except (OSError, json.JSONDecodeError, AttributeError) as e:
-                raise ConfigError(f"{path}: cannot read ({e})") from None
+            ratio = read_json(path).get("boundary_ratio")
             if ratio is not None:
                 return float(ratio)
     return None

@@ -50,7 +50,7 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.config_keys import Key, count, positive, read_keys
-from dmd2_mega.models.diffusers_folder import read_json
+from dmd2_mega.files.json_file import read_json
 from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
