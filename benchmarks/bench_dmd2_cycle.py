@@ -2,16 +2,22 @@
 
     python benchmarks/bench_dmd2_cycle.py --model-size digits --micro-batch-size 64 --dmd2-denoising-steps 4 \
         --dmd2-critic-steps-per-rollout 5 [--bf16] [--recompute-granularity full] [--peak-tflops 989] [--csv c.csv]
+    # any family, any data the trainers read: --model-size wan-digits --data moving-digits
     # realistic latents on a GPU: --model-size 600m --data synthetic --image-size 32 --in-channels 4 --bf16
+    #                             --model-size wan2.1-1.3b --data synthetic --latent-shape 16 5 60 104 --bf16
 
-What is timed is the product's own code: the teacher trainer (`teacher_trainer.FlowTrainer`) builds a random
-DiT, perturbs its weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2
-trainer (`methods.dmd2.method.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
+What is timed is the product's own code, through the family contract only (nothing here names a family): the
+teacher trainer (`teacher_trainer.FlowTrainer`) builds a random `--model-size` model on `--data`, perturbs its
+weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2 trainer
+(`methods.dmd2.method.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
 `methods.dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
-runs), its phases timed through the cycle's hook. Critic grid,
-shift and score range are the trainer's defaults. The standalone pieces call the same phase functions (`rollout`,
-`critic_phase`, `teacher_scores`, `actor_phase`) and the plain flow-matching baseline is `FlowTrainer.train_step`.
-`--data synthetic` writes random latents as a shard directory in a temp dir (`data.write_shards`).
+runs), its phases timed through the cycle's hook. Critic grid, shift and score range are the trainer's defaults.
+The standalone pieces call the same phase functions (`rollout`, `critic_phase`, `teacher_scores`, `actor_phase`)
+and the plain flow-matching baseline is `FlowTrainer.train_step`.
+`--data` is passed to both trainers (digits, moving-digits, a shard directory); `--data synthetic` writes random
+latents as a shard directory in a temp dir (`data.write_shards`) in the shape and condition kind the family takes
+for the planner's flags (`ModelFamily.plan_data`: `--latent-shape` or `--in-channels` x `--image-size`; labels of
+`--num-classes`, or embeddings of `--cond-shape` / `--text-len`).
 Overhead ratio = cycle / (rollout + critic phase + actor step, each run alone); critic steps end at the critic
 optimizer's step (a hook). CUDA events, else perf_counter; warm-up, then every variant round-robin --repeats times,
 medians; the cycle variants of a repeat share the cycle index (same data and rollout draws). Memory per phase,
@@ -45,15 +51,18 @@ from dmd2_mega.methods.dmd2.critic import critic_phase, teacher_scores  # noqa: 
 from dmd2_mega.methods.dmd2.cycle import run_cycle  # noqa: E402
 from dmd2_mega.methods.rollout import rollout  # noqa: E402
 from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
+from dmd2_mega.models import get_size  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
 FLAGS = [("--model-size", str, "digits"), ("--micro-batch-size", int, 64), ("--dmd2-denoising-steps", int, 4),
          ("--dmd2-critic-steps-per-rollout", int, 5), ("--dmd2-teacher-guidance-scale", float, 1.0),
          ("--attention-backend", str, "sdpa"), ("--transformer-impl", str, "local"),
          ("--image-size", int, 32), ("--in-channels", int, 4), ("--num-classes", int, 1000),  # --data synthetic
+         ("--latent-shape", int, None), ("--cond-shape", int, None), ("--text-len", int, None),  # --data synthetic
          ("--warmup", int, 2), ("--repeats", int, 5), ("--threads", int, 1), ("--seed", int, 1234),
          ("--peak-tflops", float, None), ("--csv", str, None), ("--bf16", bool, False),
-         ("--recompute-granularity", str, None), ("--data", str, "digits")]  # digits | synthetic
+         ("--recompute-granularity", str, None), ("--data", str, "digits")]  # digits | moving-digits | DIR | synthetic
+LISTS = ("--latent-shape", "--cond-shape")
 CYCLES = {"cycle": ("shared", False), "cycle_original": ("original", False), "cycle_offload": ("shared", True)}
 LABELS = {"cycle": "cycle shared, offload off", "cycle_original": "cycle original, offload off",
           "cycle_offload": "cycle shared, offload on", "critic_fwd": "critic fwd (original's extra)",
@@ -62,15 +71,22 @@ LABELS = {"cycle": "cycle shared, offload off", "cycle_original": "cycle origina
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    [p.add_argument(f, **({"action": "store_true"} if t is bool else {"type": t, "default": d})) for f, t, d in FLAGS]
+    [p.add_argument(f, **({"action": "store_true"} if t is bool else {"type": t, "default": d})
+                    | ({"nargs": "+"} if f in LISTS else {})) for f, t, d in FLAGS]
     return p.parse_args(argv)
 
 
 def synthetic_shards(a, root: str, n: int) -> str:
+    """n random samples in the shape and condition kind --model-size's family takes for these flags."""
+    size = get_size(a.model_size)
+    shape = size.family.plan_data(size.spec, a.model_size, latent_shape=a.latent_shape, in_channels=a.in_channels,
+                                  image_size=a.image_size, num_classes=a.num_classes, cond_shape=a.cond_shape,
+                                  text_len=a.text_len)
     g = torch.Generator().manual_seed(a.seed)
-    x = torch.randn(n, a.in_channels, a.image_size, a.image_size, generator=g).clamp(-1, 1)
-    write_shards(os.path.join(root, "data"), x, labels=torch.randint(0, a.num_classes, (n,), generator=g),
-                 num_classes=a.num_classes)
+    x = torch.randn(n, *shape.sample_shape, generator=g).clamp(-1, 1)
+    cond = ({"labels": torch.randint(0, shape.num_classes, (n,), generator=g), "num_classes": shape.num_classes}
+            if shape.cond_shape is None else {"cond": torch.randn(n, *shape.cond_shape, generator=g)})
+    write_shards(os.path.join(root, "data"), x, **cond)
     return os.path.join(root, "data")
 
 
@@ -78,7 +94,7 @@ class Harness:
     def __init__(self, a, tmp: str):
         self.a = a
         self.k, self.b = a.dmd2_critic_steps_per_rollout, a.micro_batch_size
-        data = a.data if a.data == "digits" else synthetic_shards(a, tmp, 1024 + self.k * self.b)
+        data = synthetic_shards(a, tmp, 1024 + self.k * self.b) if a.data == "synthetic" else a.data
         common = ["--model-size", a.model_size, "--attention-backend", a.attention_backend, "--transformer-impl",
                   a.transformer_impl, "--micro-batch-size", str(self.b), "--data", data, "--seed", str(a.seed),
                   "--lr", "1e-5", "--train-iters", "1000", "--log-interval", "1000"]
@@ -97,7 +113,7 @@ class Harness:
         self.ps, self.dev = self.tr.ps, self.tr.ps.device
         self.cuda = self.dev.type == "cuda"
         self.shape = self.tr.shape
-        self.ms = mp.model_shape(a.model_size, self.shape[0], self.shape[1], num_classes=self.tr.info["num_classes"])
+        self.ms = mp.model_shape_from_info(a.model_size, self.tr.info)
         self.roles = {False: self.tr.roles, True: {n: r.with_offload(self.dev) for n, r in self.tr.roles.items()}}
         self.sleepers = {n: r.sleeper for n, r in self.roles[True].items()}
         self.probe, self.on_step, self.forwards = None, None, []

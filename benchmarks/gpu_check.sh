@@ -12,7 +12,8 @@
 #                with text [512, 4096] written by data.write_shards, a random teacher saved by one step of
 #                launch/pretrain_flow.py (no weights are available), then 6 cycles of launch/pretrain_dmd2.py
 #                (K = 5, N = 4, guidance 5, shift 3, EMA); its log lines carry rollout-ms / critic-ms /
-#                actor-ms and the model TFLOP/s per GPU (bench_dmd2_cycle.py builds the DiT only)
+#                actor-ms and the model TFLOP/s per GPU (the real trainer's log lines; bench_dmd2_cycle.py takes
+#                this shape too: --model-size wan2.1-1.3b --data synthetic --latent-shape 16 5 30 52 --text-len 512)
 #   sit_xl2_cycle  SiT-XL/2-shaped DMD2 from an imported teacher, TP=1, bf16: a random official-layout SiT-XL/2
 #                state dict (depth 28, hidden 1152, 16 heads, learned sigma; no weights are available) converted by
 #                launch/convert_checkpoint.py --from-official --parameterization sit, random 4 x 32 x 32 latents

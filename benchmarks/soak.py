@@ -1,9 +1,11 @@
 """Soak test: many DMD2 cycles with periodic checkpoints, watching the process's resident memory.
 
     nice -n 10 python benchmarks/soak.py [--cycles 1000] [--save-interval 100] [--sample-every 25]
-                                         [--model-size debug] [--results benchmarks/RESULTS.md]
+                                         [--model-size debug] [--data digits] [--results benchmarks/RESULTS.md]
+    python benchmarks/soak.py --model-size wan-digits --data moving-digits   # any family, any --data
 
-What runs: a debug-size teacher is pretrained in-process for 20 flow-matching steps (digits), then
+What runs: a `--model-size` teacher (any family) is pretrained in-process for 20 flow-matching steps on `--data`
+(digits, moving-digits, a shard directory), then
 `DMD2Trainer.train()` (the real loop, unmodified) runs `--cycles` cycles (B = 8, K = 5, teacher CFG
 1.5, --offload-inactive so that every phase sleeps and wakes roles) saving student + critic every
 `--save-interval` cycles into a temporary directory (deleted at the end), logging every 50.
@@ -48,7 +50,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-interval", type=int, default=100)
     p.add_argument("--sample-every", type=int, default=25)
     p.add_argument("--warmup", type=int, default=100, help="cycles left out of the growth estimate")
-    p.add_argument("--model-size", default="debug")
+    p.add_argument("--model-size", default="debug", help="a registered size of any family, or a model folder")
+    p.add_argument("--data", default="digits", help="digits | moving-digits | a shard directory")
     p.add_argument("--results", default=None, help="append the report to this markdown file")
     return p.parse_args()
 
@@ -91,9 +94,9 @@ def report(rows: list, args, seconds: float, saves: int) -> tuple[str, bool]:
     ok = growth < max(2.0, 0.01 * first)
     lines = ["| cycle | seconds | RSS MB | change MB | open files |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {c} | {s:.1f} | {r / 2**20:.1f} | {r / 2**20 - mb[0]:+.1f} | {o} |" for c, s, r, o in rows]
-    lines += ["", f"{args.cycles} DMD2 cycles of `--model-size {args.model_size}` (B=8, K=5, teacher CFG 1.5, "
-                  f"--offload-inactive) in {seconds:.0f} s, {saves} checkpoints (student + critic, every "
-                  f"{args.save_interval} cycles).",
+    lines += ["", f"{args.cycles} DMD2 cycles of `--model-size {args.model_size} --data {args.data}` (B=8, K=5, "
+                  f"teacher CFG 1.5, --offload-inactive) in {seconds:.0f} s, {saves} checkpoints (student + critic, "
+                  f"every {args.save_interval} cycles).",
               f"Mean RSS over the first quarter of the samples after cycle {args.warmup}: {first:.1f} MB; "
               f"last quarter: {last:.1f} MB; growth {growth:+.1f} MB ({100 * growth / first:+.2f} %): "
               f"{'no growth beyond noise' if ok else 'GROWTH above the noise threshold max(2 MB, 1 %)'}.",
@@ -107,10 +110,11 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="dmd2_soak_")
     try:
         teacher = os.path.join(work, "teacher")
-        FlowTrainer(parse_flow_args(["--model-size", args.model_size, "--train-iters", "20", "--micro-batch-size",
-                                     "16", "--lr", "3e-3", "--log-interval", "20", "--save", teacher])).train()
+        FlowTrainer(parse_flow_args(["--model-size", args.model_size, "--data", args.data, "--train-iters", "20",
+                                     "--micro-batch-size", "16", "--lr", "3e-3", "--log-interval", "20",
+                                     "--save", teacher])).train()
         tr = DMD2Trainer(parse_dmd2_args([
-            "--model-size", args.model_size, "--teacher-load", teacher, "--micro-batch-size", "8",
+            "--model-size", args.model_size, "--data", args.data, "--teacher-load", teacher, "--micro-batch-size", "8",
             "--dmd2-critic-steps-per-rollout", "5", "--dmd2-teacher-guidance-scale", "1.5", "--lr", "1e-4",
             "--train-iters", str(args.cycles), "--save", os.path.join(work, "student"),
             "--save-interval", str(args.save_interval), "--log-interval", "50", "--offload-inactive"]))
@@ -132,8 +136,9 @@ def main() -> int:
     if args.results:
         with open(args.results, "a") as f:
             f.write(f"\n## Soak: {args.cycles} DMD2 cycles with periodic saves (benchmarks/soak.py, issue 6)\n\n"
-                    f"{datetime.date.today()}, `nice -n 10 python benchmarks/soak.py --cycles {args.cycles} "
-                    f"--save-interval {args.save_interval} --sample-every {args.sample_every} --warmup {args.warmup}`; "
+                    f"{datetime.date.today()}, `nice -n 10 python benchmarks/soak.py --model-size {args.model_size} "
+                    f"--data {args.data} --cycles {args.cycles} --save-interval {args.save_interval} "
+                    f"--sample-every {args.sample_every} --warmup {args.warmup}`; "
                     f"machine: {machine()}.\n\n{table}\n")
         print(f"appended to {args.results}")
     return 0 if ok else 1

@@ -1,0 +1,63 @@
+"""The benchmarks take any family through the contract (issue 28 item 5): no file of benchmarks/ names a family
+(the acceptance grep), `--data synthetic` writes what the family of `--model-size` takes (labels for the DiT, text
+embeddings for Wan: `ModelFamily.plan_data`), and plan_vs_measured.py runs the token-split layouts only for a family
+that splits tokens. The benchmarks themselves are scripts, not tests: nothing here times anything."""
+import json
+import os
+import re
+
+import pytest
+
+from benchmarks import bench_dmd2_cycle, plan_vs_measured
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.plan import memory_plan as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the acceptance grep of issue 28 item 5: grep -rnE "family\.name|== *['\"](wan|dit)['\"]|isinstance\([^)]*(Wan|DiT)"
+FAMILY_BRANCH = re.compile(r"""family\.name|== *['"](wan|dit)['"]|isinstance\([^)]*(Wan|DiT)""")
+
+
+def test_no_file_of_benchmarks_names_a_family():
+    hits = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "benchmarks")):
+        for name in files:
+            if name.endswith((".py", ".sh", ".md")):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    hits += [f"{path}:{i}: {line.strip()}" for i, line in enumerate(f, 1) if FAMILY_BRANCH.search(line)]
+    assert not hits, "\n".join(hits)
+    assert FAMILY_BRANCH.search('if size.family.name == "wan":') and FAMILY_BRANCH.search("isinstance(m, Wan)")
+
+
+@pytest.mark.parametrize("size, flags, latent, cond", [
+    ("debug", ["--image-size", "8", "--num-classes", "10"], [4, 8, 8], {"cond": "labels", "num_classes": 10}),
+    ("debug", ["--latent-shape", "3", "6", "6", "--cond-shape", "7", "12"], [3, 6, 6],
+     {"cond": "embedding", "cond_shape": [7, 12]}),
+    ("wan-debug", ["--latent-shape", "4", "2", "4", "4", "--text-len", "3"], [4, 2, 4, 4],
+     {"cond": "embedding", "cond_shape": [3, 16]}),
+])
+def test_cycle_benchmark_synthetic_data_is_what_the_family_takes(tmp_path, size, flags, latent, cond):
+    a = bench_dmd2_cycle.parse_args(["--model-size", size, "--data", "synthetic", *flags])
+    with open(os.path.join(bench_dmd2_cycle.synthetic_shards(a, str(tmp_path), 5), "index.json")) as f:
+        index = json.load(f)
+    assert index["latent_shape"] == latent and {k: index[k] for k in cond} == cond
+    assert sum(s["num_samples"] for s in index["shards"]) == 5
+
+
+def test_cycle_benchmark_synthetic_data_refuses_a_shape_the_family_does_not_take(tmp_path):
+    a = bench_dmd2_cycle.parse_args(["--model-size", "wan-debug", "--data", "synthetic"])  # no --latent-shape
+    with pytest.raises(ConfigError, match="--latent-shape"):
+        bench_dmd2_cycle.synthetic_shards(a, str(tmp_path), 5)
+
+
+def test_plan_vs_measured_shapes_and_layouts_follow_the_family():
+    wan = plan_vs_measured.parse_args([])  # the default run: wan-debug, 75 tokens, text [3, 16]
+    ms = mp.model_shape_from_info(wan.model_size, plan_vs_measured.info(wan))
+    assert (ms.tokens, ms.cond_shape) == (75, (3, 16))
+    assert list(plan_vs_measured.layouts(ms)) == ["CP=2", "TP=2", "TP=2 SP"]
+    dit = plan_vs_measured.parse_args(["--model-size", "debug", "--latent-shape", "4", "8", "8", "--num-classes", "10"])
+    ms = mp.model_shape_from_info(dit.model_size, plan_vs_measured.info(dit))
+    assert (ms.tokens, ms.num_classes, ms.cond_shape) == (16, 10, None)
+    assert list(plan_vs_measured.layouts(ms)) == ["TP=2"]  # the DiT does not split tokens: no CP, no SP
+    x, sigma, cond = plan_vs_measured.inputs(ms, 3)
+    assert x.shape == (3, 4, 8, 8) and sigma.shape == (3,) and cond.shape == (3,) and int(cond.max()) < 10
