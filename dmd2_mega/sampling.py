@@ -203,6 +203,18 @@ def check_out_dir(out: str, flag: str = "--out", what: str = "samples.npz and gr
         raise ConfigError(f"{flag} {out!r}{where} is an existing file; expected a directory (for {what})")
 
 
+def add_sampler_flags(p) -> None:
+    """--steps, --guidance and --shift of an argparse parser (sample.py, eval_fid.py; checked by
+    `check_sampler_flags`); the guidance default is the trainers' --eval-guidance."""
+    from dmd2_mega.config import TrainConfig
+    g = TrainConfig.eval_guidance
+    p.add_argument("--steps", type=int, default=None,
+                   help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
+    p.add_argument("--guidance", type=float, default=g,
+                   help=f"teacher CFG scale (default {g:g}, as the trainers' --eval-guidance; students ignore it)")
+    p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
+
+
 def check_sampler_flags(steps: Optional[int], guidance: float, shift: Optional[float]) -> None:
     """ConfigError naming --steps / --guidance / --shift when one is out of range (sample.py, eval_fid.py)."""
     if steps is not None and steps < 1:

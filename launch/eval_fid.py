@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from dmd2_mega.files.atomic import atomic_write  # noqa: E402
 from dmd2_mega.train.checkpoint import load_payload  # noqa: E402
-from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
+from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.errors import ConfigError, NonFiniteError  # noqa: E402
 from dmd2_mega.eval.fid import (ROUNDING, check_ref_width, load_ref_stats, pixels_to_uint8, save_stats,  # noqa: E402
                                 shard_indices, stream_stats)
@@ -47,8 +47,8 @@ from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.train.resilience import run_main  # noqa: E402
-from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
-                                keyed_noise, load_sampling_model)
+from dmd2_mega.sampling import (add_sampler_flags, check_checkpoint, check_out_dir, check_sampler_flags,  # noqa: E402
+                                checkpoint_sampler, keyed_noise, load_sampling_model)
 
 PROGRESS_SECONDS = 30.0
 """A progress line at most this often (and after the last batch)."""
@@ -65,12 +65,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per batch (memory is O(batch))")
     p.add_argument("--vae", metavar="DIR", default=None, help="diffusers VAE folder decoding latents to pixels")
     p.add_argument("--data", default=None, help="default: the checkpoint's --data (pixels or latents?)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
-    p.add_argument("--guidance", type=float, default=TrainConfig.eval_guidance,
-                   help=f"teacher CFG scale (default {TrainConfig.eval_guidance:g}, as the trainers' --eval-guidance; "
-                        f"students ignore it)")
-    p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
+    add_sampler_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sample i's noise is keyed by (seed, i)")
     p.add_argument("--no-ema", action="store_true", help="DMD2 student: its raw weights, not its EMA")
     p.add_argument("--bf16", action="store_true", help="bf16 model weights and compute (the Inception stays fp32)")

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from dmd2_mega.files.atomic import atomic_write  # noqa: E402
 from dmd2_mega.train.builders import data_info  # noqa: E402
 from dmd2_mega.train.checkpoint import load_payload  # noqa: E402
-from dmd2_mega.config import ParallelConfig, TrainConfig  # noqa: E402
+from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.data import build_dataset  # noqa: E402
 from dmd2_mega.errors import ConfigError, DataError  # noqa: E402
 from dmd2_mega.data.prompts import read_prompts  # noqa: E402
@@ -59,8 +59,8 @@ from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
 from dmd2_mega.prep.vae import LatentVAE, VAESpec  # noqa: E402
 from dmd2_mega.train.resilience import run_main  # noqa: E402
-from dmd2_mega.sampling import (check_checkpoint, check_out_dir, check_sampler_flags, checkpoint_sampler,  # noqa: E402
-                                eval_conditions, load_sampling_model, sample_batches)
+from dmd2_mega.sampling import (add_sampler_flags, check_checkpoint, check_out_dir, check_sampler_flags,  # noqa: E402
+                                checkpoint_sampler, eval_conditions, load_sampling_model, sample_batches)
 
 
 def parse(argv=None):
@@ -68,12 +68,7 @@ def parse(argv=None):
     p.add_argument("--load", help="checkpoint directory (Megatron layout); required")
     p.add_argument("--iteration", type=int, default=None, help="default: latest_checkpointed_iteration.txt")
     p.add_argument("--num-samples", type=int, default=None, help="default 100, or one per prompt of --prompts")
-    p.add_argument("--steps", type=int, default=None,
-                   help="teacher: Euler steps (default 50); DMD2 student: default its own saved schedule")
-    p.add_argument("--guidance", type=float, default=TrainConfig.eval_guidance,
-                   help=f"teacher CFG scale (default {TrainConfig.eval_guidance:g}, as the trainers' --eval-guidance; "
-                        f"students ignore it)")
-    p.add_argument("--shift", type=float, default=None, help="default: the checkpoint's --timestep-shift")
+    add_sampler_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64,
                    help="samples per rank at a time (memory is O(batch), whatever --num-samples)")

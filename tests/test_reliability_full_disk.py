@@ -37,12 +37,11 @@ from dmd2_mega.errors import CheckpointError
 from dmd2_mega.distributed.parallel import ParallelState
 from dmd2_mega.teacher_trainer import FlowTrainer
 from tests.utils import PRETRAIN, find_tmp, torchrun, world_of_one
+from tests.utils import RESUMABLE_FLOW as FLOW
 
 pytestmark = pytest.mark.timeout(300)
 INTEGRATION_FIXTURES = ("tp2_checkpoint",)  # fixtures that launch processes: their tests are marked integration
 
-FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed", "5",
-        "--lr-decay-iters", "1000"]
 RANK0 = os.path.join("iter_0000004.tmp", "mp_rank_00", "model_optim_rng.pt")
 LIBC = ctypes.CDLL(None, use_errno=True)
 

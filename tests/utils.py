@@ -200,6 +200,19 @@ DMD2_TRACE_KEYS = ("critic-loss", "critic-grad_norm", "actor-dmd-loss", "actor-g
                    "dmd-fake-real-gap", "dmd-grad-rms")
 
 
+RESUMABLE_FLOW = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--log-interval", "1", "--seed",
+                  "5", "--lr-decay-iters", "1000"]
+"""Debug flow-model flags for the save / resume tests: a fixed --lr-decay-iters, so resumes with another
+--train-iters keep the LR schedule (else an error, issue 13)."""
+
+
+def resumable_dmd2_args(teacher: str) -> list:
+    """Debug DMD2 flags for the save / resume tests (fixed --lr-decay-iters, no offload)."""
+    return ["--model-size", "debug", "--teacher-load", teacher, "--micro-batch-size", "4", "--lr", "1e-3",
+            "--dmd2-critic-steps-per-rollout", "2", "--log-interval", "1", "--seed", "3", "--no-offload-inactive",
+            "--lr-decay-iters", "1000"]
+
+
 def train_debug_teacher(save: str, iters: int = 10, seed: int = 5, timeout: float = 120) -> str:
     """A deterministic debug-size flow-matching teacher in `save` (Megatron layout), for DMD2 tests:
     `iters` AdamW steps at lr 3e-3 from the seeded init (enough to move every weight off its init)."""
