@@ -231,3 +231,18 @@ def test_staged_output_refuses_a_second_writer_and_a_foreign_temporary(tmp_path,
         else:
             open(where, "w").write("ours")
     assert (out / "a" if folder else out).read_text() == "ours" and sorted(os.listdir(tmp_path)) == [out.name]
+
+
+def test_staged_output_names_the_full_disk_under_a_writers_wrapper(tmp_path):
+    """torch's zip writer raises RuntimeError('... unexpected pos A vs B') with the ENOSPC OSError as its context:
+    the one line names the full disk (as the checkpoint saves do), not the wrapper."""
+    from dmd2_mega.files.staging import staged_output
+    out = tmp_path / "export.pt"
+    with pytest.raises(CheckpointError, match=r"^writing --to-official .*export\.pt failed: No space left on device; "
+                                              r"nothing was kept at"):
+        with staged_output(str(out), "--to-official", False, "export to a new file"):
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                zip_writer_full()
+    assert os.listdir(tmp_path) == []

@@ -10,7 +10,8 @@ hook).
 `durable_replace(src, dst)`: `os.replace` a finished file or folder onto `dst`, then fsync the folder holding
 `dst`, so that the rename itself survives a power cut (a checkpoint's iter_N.tmp/ -> iter_N/). If the rename
 fails `dst` is untouched; if only the fsync fails `dst` is in place and the OSError propagates.
-`fsync_dir(d)` makes a rename inside `d` durable.
+`write_error_text(e)` says why a write failed (the OSError under any wrapper).
+`fsync_path(p)` flushes a file's data, or makes the renames inside a folder durable.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import tempfile
 from typing import Callable, IO, Iterator, Optional
 
 
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file (its data) or a folder (the renames inside it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -30,7 +32,7 @@ def fsync_dir(path: str) -> None:
 
 def durable_replace(src: str, dst: str) -> None:
     os.replace(src, dst)
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    fsync_path(os.path.dirname(os.path.abspath(dst)))
 
 
 @contextlib.contextmanager
@@ -42,11 +44,7 @@ def atomic_path(path: str, *, before_replace: Optional[Callable[[], None]] = Non
     os.close(fd)
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
         if before_replace is not None:
             before_replace()
@@ -62,3 +60,16 @@ def atomic_write(path: str, write: Callable[[IO], None], *, text: bool = False,
     with atomic_path(path, before_replace=before_replace) as tmp:
         with open(tmp, "w" if text else "wb") as f:
             write(f)
+
+
+def write_error_text(e: BaseException) -> str:
+    """A failed write in words: the OSError under any wrapper (torch's zip writer turns a full disk into
+    `RuntimeError: ... unexpected pos A vs B` whose context is the ENOSPC OSError), else the type and first line."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur.strerror or str(cur)
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

@@ -25,7 +25,7 @@ import os
 import shutil
 from typing import Callable, Iterator
 
-from dmd2_mega.files.atomic import fsync_dir
+from dmd2_mega.files.atomic import fsync_path, write_error_text
 from dmd2_mega.files.dir_lock import LOCK_NAME, DirLock
 from dmd2_mega.errors import CheckpointError, ConfigError, DataError
 
@@ -60,19 +60,13 @@ def _fsync_tree(path: str) -> None:
     """fsync every file and folder under `path` (or the file `path`), then the folder holding it."""
     for root, _, files in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [path])]:
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
 
 
 def _failure(e: BaseException, flag: str, out: str, staging: str) -> CheckpointError:
-    detail = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+    detail = str(e) if isinstance(e, CheckpointError) else write_error_text(e)  # a writer's own line: as it is
     detail = detail.replace(os.path.join(staging, os.path.basename(out)), out)
-    if not isinstance(e, (OSError, CheckpointError)):
-        detail = f"{type(e).__name__}: {detail}"
     return CheckpointError(f"writing {flag} {out} failed: {detail}; nothing was kept at {out}")
 
 
@@ -106,7 +100,7 @@ def staged_output(out: str, flag: str, folder: bool, advice: str, log: Callable 
             _fsync_tree(where)
             os.rename(where, out)
             committed = True
-            fsync_dir(os.path.dirname(os.path.abspath(out)))
+            fsync_path(os.path.dirname(os.path.abspath(out)))
         except (ConfigError, DataError):
             raise
         except Exception as e:

@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.files.atomic import atomic_write, durable_replace, fsync_dir
+from dmd2_mega.files.atomic import atomic_write, durable_replace, fsync_path, write_error_text
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.distributed.megatron_compat import rng_tracker_states, set_rng_tracker_states
 from dmd2_mega.distributed.parallel import ParallelState, any_rank, tp_partition_dim
@@ -162,19 +162,6 @@ def check_writable(root: str) -> None:
         raise CheckpointError(f"--save directory {root!r} is not writable: {e}") from e
 
 
-def write_error_text(e: BaseException) -> str:
-    """A failed write in words: the OSError under any wrapper (torch's zip writer turns a full disk into
-    `RuntimeError: ... unexpected pos A vs B` whose context is the ENOSPC OSError), else the type and first line."""
-    seen, cur = set(), e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, OSError):
-            return cur.strerror or str(cur)
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 def _first_failure(steps: Iterable[tuple[str, Callable[[], None]]]) -> Optional[tuple[str, str]]:
     """Run `steps` ((what, action) in order) until one raises: (its cause in words, its what), or None. Any
     Exception counts, whatever the writer raised; an error in producing a step (a payload) propagates as it is,
@@ -206,7 +193,7 @@ def _agree(steps: Sequence[tuple[str, Callable[[], None]]], ps: ParallelState) -
 
 def _write_tracker(root: str, iteration: int) -> None:
     atomic_write(os.path.join(root, TRACKER), lambda f: f.write(str(iteration)), text=True)
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def write_iteration(root: str, iteration: int, payload: dict, ps: ParallelState) -> str:
