@@ -72,6 +72,7 @@ class FlowTrainer(RunStateTrainer):
             lock_run_dirs([("--save", t.save)], ps)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
+        self.family = get_size(cfg.model.size).family_name  # the tag its checkpoints record
         self.media = (EvalMedia(t.data, self.dataset, t.eval_prompts, t.vae, ps.is_main, ps.device)
                       if t.eval_interval else None)  # --eval-prompts / --vae checked before any training
         self.model = cast_model(build_model(cfg.model, self.info, ps, negative=self.dataset.negative), cfg.optim.bf16)
@@ -99,7 +100,7 @@ class FlowTrainer(RunStateTrainer):
         state = replace(self.state, sampler=self.sampler.state_dict())
         payload = training_payload(self.model, self.optimizer, self.schedule, state,
                                    {"args": asdict(self.cfg), "data_info": self.info, "role": "teacher",
-                                    "family": get_size(self.cfg.model.size).family_name}, self.ps)
+                                    "family": self.family}, self.ps)
         path = save_checkpoint(self.cfg.train.save, self.iteration, payload, self.ps)
         self.state = replace(self.state, saved_iteration=self.iteration)
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
@@ -111,7 +112,7 @@ class FlowTrainer(RunStateTrainer):
                         self.ps.rank)
             return
         check_role(payload, ("teacher",), "--load", root, " (pretrain_flow.py resumes teachers only)")
-        check_family(payload, get_size(self.cfg.model.size).family_name, "--load", root)
+        check_family(payload, self.family, "--load", root)
         if not self.cfg.train.no_load_optim:
             check_resume(payload, asdict(self.cfg), RESUME_SETTINGS, root)
         load_model_weights(self.model, payload["model"], f"--load {root}",
