@@ -34,8 +34,7 @@ for the TP sum of their gradients under SP.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -50,7 +49,6 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.config_keys import Key, count, positive, read_keys
-from dmd2_mega.files.json_file import read_json
 from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
@@ -145,11 +143,6 @@ class WanSpec:
                    out_channels=c["out_channels"] or c["in_channels"], text_dim=c["text_dim"], freq_dim=c["freq_dim"],
                    patch_size=c["patch_size"], cross_attn_norm=c["cross_attn_norm"], eps=c["eps"],
                    rope_max_seq_len=c["rope_max_seq_len"])
-
-    @classmethod
-    def from_file(cls, path: str, boundary_ratio: Optional[float] = None) -> "WanSpec":
-        spec = cls.from_config(read_json(path), os.path.dirname(path) or path)
-        return replace(spec, boundary_ratio=boundary_ratio) if boundary_ratio is not None else spec
 
 
 def _tp_group(tp_size: int):
