@@ -80,11 +80,7 @@ def staged_output(out: str, flag: str, folder: bool, advice: str, log: Callable 
     if os.path.isdir(staging) and os.listdir(staging) and not os.path.exists(os.path.join(staging, LOCK_NAME)):
         raise ConfigError(f"{staging} (the temporary folder of {flag} {out}) exists and was not made by dmd2-mega "
                           f"(no {LOCK_NAME}); move it away (nothing was written)")
-    try:
-        lock = DirLock(staging, flag)
-    except OSError as e:
-        raise CheckpointError(f"{flag} {out}: cannot create its temporary folder {staging}: "
-                              f"{e.strerror or e} (nothing was written)") from None
+    lock = DirLock(staging, flag)  # a folder it cannot create is one CheckpointError line of DirLock's
     committed = False
     try:
         left = sorted(n for n in os.listdir(staging) if n != LOCK_NAME)
