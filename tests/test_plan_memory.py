@@ -443,6 +443,25 @@ def test_cycle_summary_and_acceptance_on_model_timings():
     assert [ok for _, _, ok in mp.acceptance(s, [["r", 30, 27, 14]], persistent=30)][3] is False  # 27 > 1.1 x 14
 
 
+def test_the_analytic_minimum_costs_the_steps_at_the_measured_plain_step():
+    """A model whose backward costs 1.5F (plain step 2.5F): a cycle of exactly its passes at those costs is at its
+    minimum (ratio 1), though in nominal plain steps (3F) it reads 1.07x; a cycle 10% slower reads 1.1x."""
+    k, n, b, F, plain = 5, 4, 64, 10.0, 2.5
+    p = mp.cycle_passes(k, n, 1.25, "shared", recompute=False)
+    drawn = 12.3  # the rollout's drawn stop steps, not the expected 12.5
+    cycle = (drawn + p["scoring"] + (k + 1) * plain) * F
+    t = {"cycle": cycle, "cycle_offload": cycle, "phases": cycle, "in_rollout": drawn * F, "plain": plain * F,
+         "F": F, "F_KB": k * F, "gap": F, "critic_fwd": F}
+    s = mp.cycle_summary(t, p, k=k, b=b, drawn=drawn, flops_per_sample=1000)
+    assert s["plain step in F (measured)"] == pytest.approx(plain)
+    assert s["analytic minimum in plain steps"] == pytest.approx((drawn + 2.0) / plain + k + 1)
+    assert s["cycle / analytic minimum"] == pytest.approx(1.0)
+    assert s["cycle without rollout / its analytic minimum"] == pytest.approx(1.0)
+    assert s["cycle in plain steps"] / s["nominal minimum (backward as the cost model)"] > 1.05
+    slow = mp.cycle_summary({**t, "cycle": 1.1 * cycle}, p, k=k, b=b, drawn=drawn, flops_per_sample=1000)
+    assert slow["cycle / analytic minimum"] == pytest.approx(1.1)
+
+
 def test_model_flops_leave_recomputed_forwards_out():
     """MFU counts model FLOPs: with full recompute the same cycle time gives the same TFLOP/s as without
     (the K + 1 extra forwards of recompute are hardware work, not model work)."""
