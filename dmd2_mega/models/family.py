@@ -41,6 +41,7 @@ import torch.nn as nn
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import check_backend
+from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.distributed.parallel import tp_partition_dim
 
 
@@ -106,6 +107,9 @@ class BuildOptions:
     """CP ranks that split the token sequence (`models/token_parallel.py`); the run's --context-parallel-size."""
     sequence_parallel: bool = False
     """Shard the token sequence over the TP group between the matmuls (--sequence-parallel)."""
+    causal: Optional[CausalLayout] = None
+    """A causal (streaming) student: frames in chunks, block-causal attention (`models/causal.py`; --causal-*
+    flags); None: every token sees every token. Only a family with frames builds one."""
 
 
 class FamilyModel(nn.Module, metaclass=abc.ABCMeta):

@@ -221,6 +221,12 @@ class TokenSplit:
         t = torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]) if extra else t
         return t[self.cp_rank * self.cp_tokens:(self.cp_rank + 1) * self.cp_tokens]
 
+    def local_index(self, device=None) -> torch.Tensor:
+        """The sequence index of each token this rank holds [local_tokens] (int64), padding as the last real token:
+        which row of a per-token table each local token reads."""
+        idx = torch.arange(self._start, self._start + self.local_tokens, device=device)
+        return idx.clamp_(max=self.tokens - 1)
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[B, local, ...] -> the full [B, S, ...] on every rank (SP, then CP), padding stripped."""
         if self.sp > 1:

@@ -64,6 +64,9 @@ class DiTFamily(ModelFamily):
     plan = MATHS
 
     def build(self, spec, shape, tp_size=1, options=BuildOptions()):
+        if options.causal is not None:
+            raise ConfigError(f"--causal-chunk-frames: --model-size {spec.name} is a DiT, an image model with no "
+                              f"frames to stream; causal students are video (the Wan family)")
         return DiT(spec, shape, tp_size, options)
 
     def default_shape(self, spec):

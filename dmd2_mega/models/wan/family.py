@@ -22,6 +22,7 @@ from dmd2_mega.models.diffusers_folder import TRANSFORMER
 from dmd2_mega.models.family import BuildOptions, DataShape, ModelFamily, Source, expected_shapes
 from dmd2_mega.models.wan.plan import MATHS
 from dmd2_mega.models.wan.diffusers import model_dir, read_config, read_state
+from dmd2_mega.models.wan.causal import CausalWan, check_causal
 from dmd2_mega.models.wan.experts import EXPERTS, WanExperts
 from dmd2_mega.models.wan.export import export_diffusers
 from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, TEXT_LEN, Wan, WanSpec, check_shape
@@ -71,7 +72,11 @@ class WanFamily(ModelFamily):
     plan = MATHS
 
     def build(self, spec, shape, tp_size=1, options=BuildOptions()):
-        """One Wan, or Wan 2.2 A14B's two experts when the spec has a boundary_ratio (`experts.py`)."""
+        """One Wan, Wan 2.2 A14B's two experts when the spec has a boundary_ratio (`experts.py`), or the causal
+        student when the options carry a causal layout (`causal.py`)."""
+        if options.causal is not None:
+            check_causal(spec, options)
+            return CausalWan(spec, shape, tp_size, options)
         return (WanExperts if spec.boundary_ratio is not None else Wan)(spec, shape, tp_size, options)
 
     def default_shape(self, spec):

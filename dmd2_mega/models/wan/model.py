@@ -164,6 +164,11 @@ class QKNorm(nn.Module):
         return kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+    """Attention of q [B, S, heads, d] over k, v [B, S_kv, heads, d] (`models/attention.py`) -> [B, S, heads, d]."""
+    return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend).transpose(1, 2)
+
+
 class WanAttention(nn.Module):
     """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads.
     Under CP / SP the tokens are this rank's share (`models/token_parallel.py`)."""
@@ -184,17 +189,27 @@ class WanAttention(nn.Module):
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.local_heads, self.head_dim))  # [B, S, heads_local, d]
 
-    def forward(self, x: torch.Tensor, ctx: Optional[torch.Tensor], split: TokenSplit, rope=None) -> torch.Tensor:
-        """x [B, local tokens, D]; ctx None for self-attention, else the text [B, L, D] (whole on every rank)."""
+    def text_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention's k, v [B, L, heads_local, d] of the text: megatron's column linears (their backward
+        all-reduces the text's gradient over TP)."""
+        return self._heads(self.norm_k(self.to_k(ctx))), self._heads(self.to_v(ctx))
+
+    def forward(self, x: torch.Tensor, ctx: Optional[torch.Tensor], split: TokenSplit, rope=None,
+                mixer=None) -> torch.Tensor:
+        """x [B, local tokens, D]; ctx None for self-attention, else the text [B, L, D] (whole on every rank).
+        mixer: None (every token sees every token), or a causal model's per-layer attention (`models/wan/causal.py`:
+        `self_attention(q, k, v, backend)` on [B, S, heads, d], `text_kv(compute)`), which may cache k / v."""
         if ctx is None:  # every token for this rank's heads (Ulysses under CP), the padding dropped
             q, k, v = split.sp_linears(x, self.to_q, self.to_k, self.to_v)  # [B, CP chunk, D / TP] each
             q, k = self.norm_q(q, rope), self.norm_k(k, rope)
             q, k, v = (split.attention_heads(self._heads(t)) for t in (q, k, v))
-        else:  # megatron's column linears on the text (their backward all-reduces its gradient over TP)
-            q = self._heads(self.norm_q(split.sp_linears(x, self.to_q)[0]))
-            k, v = self._heads(self.norm_k(self.to_k(ctx))), self._heads(self.to_v(ctx))
-        a = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend).transpose(1, 2)
-        a = (split.attention_tokens(a) if ctx is None else a).flatten(2)
+            a = mixer.self_attention(q, k, v, self.backend) if mixer is not None else attend(q, k, v, self.backend)
+            return self._out(split.attention_tokens(a).flatten(2), split)
+        q = self._heads(self.norm_q(split.sp_linears(x, self.to_q)[0]))
+        k, v = self.text_kv(ctx) if mixer is None else mixer.text_kv(lambda: self.text_kv(ctx))
+        return self._out(attend(q, k, v, self.backend).flatten(2), split)
+
+    def _out(self, a: torch.Tensor, split: TokenSplit) -> torch.Tensor:
         if split.sp > 1:
             return split.sp_reduce_scatter(self.to_out.matmul(a)) + self.to_out.bias
         return self.to_out(a)
@@ -218,20 +233,40 @@ class WanBlock(nn.Module):
         norm = list(self.norm2.parameters()) if self.norm2 is not None else []
         return [self.scale_shift_table, self.attn1.to_out.bias, self.attn2.to_out.bias, self.fc2.bias, *norm]
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope, split: TokenSplit) -> torch.Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + mod.float()).unbind(1)
-        n = kernels.adaln_modulate(h, shift1, scale1, eps=self.eps)
-        h = (h.float() + self.attn1(n, None, split, rope) * gate1[:, None]).type_as(h)
+    def forward(self, h: torch.Tensor, ctx: torch.Tensor, mod: torch.Tensor, rope, split: TokenSplit,
+                mixer=None) -> torch.Tensor:
+        """mod [B, 6, D] per sample, or [B, R, 6, D] per row of tokens (`modulate`); mixer: `WanAttention`."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + mod.float()).unbind(-2)
+        n = modulate(h, shift1, scale1, self.eps)
+        h = (h.float() + gated(self.attn1(n, None, split, rope, mixer), gate1)).type_as(h)
         n = h if self.norm2 is None else F.layer_norm(h.float(), h.shape[-1:], self.norm2.weight.float(),
                                                       self.norm2.bias.float(), self.eps).type_as(h)
-        h = h + self.attn2(n, ctx, split)
-        n = kernels.adaln_modulate(h, shift2, scale2, eps=self.eps)
+        h = h + self.attn2(n, ctx, split, mixer=mixer)
+        n = modulate(h, shift2, scale2, self.eps)
         if split.sp > 1:  # MLP on the whole CP chunk of this rank's FFN columns; each rank keeps its tokens
             f = F.gelu(split.sp_linears(n, self.fc1)[0], approximate="tanh")
             m = split.sp_reduce_scatter(self.fc2.matmul(f)) + self.fc2.bias
         else:
             m = self.fc2(F.gelu(self.fc1(n), approximate="tanh"))
-        return (h.float() + m.float() * gate2[:, None]).type_as(h)
+        return (h.float() + gated(m.float(), gate2)).type_as(h)
+
+
+def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """LN(h) (1 + scale) + shift of tokens h [B, L, D] (`kernels.adaln_modulate`): shift / scale [B, D] per sample,
+    or [B, R, D] per row of L / R consecutive tokens (a causal model's frames), the same fused kernel on
+    [B R, L / R, D]."""
+    if shift.dim() == 2:
+        return kernels.adaln_modulate(h, shift, scale, eps=eps)
+    b, r, d = shift.shape
+    out = kernels.adaln_modulate(h.reshape(b * r, -1, d), shift.reshape(b * r, d), scale.reshape(b * r, d), eps=eps)
+    return out.view(h.shape)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [B, L, D] times gate [B, D] per sample, or [B, R, D] per row of L / R consecutive tokens (`modulate`)."""
+    if gate.dim() == 2:
+        return x * gate[:, None]
+    return (x.unflatten(1, (gate.shape[1], -1)) * gate[:, :, None]).flatten(1, 2)
 
 
 class ConditionEmbedder(nn.Module):
@@ -248,11 +283,18 @@ class ConditionEmbedder(nn.Module):
             nn.init.xavier_uniform_(lin.weight)
             nn.init.zeros_(lin.bias)
 
-    def forward(self, sigma: torch.Tensor, cond: torch.Tensor):
+    def time(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temb [B, D], mod [B, 6, D]) of sigma [B]."""
         w = self.time_embedder[0].weight
         temb = self.time_embedder(sincos_1d(sigma * 1000.0, self.freq_dim).to(w.dtype))
-        mod = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
-        return temb, mod, self.text_embedder(cond.to(self.text_embedder[0].weight.dtype))
+        return temb, self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+
+    def text(self, cond: torch.Tensor) -> torch.Tensor:
+        """ctx [B, L, D] of the text embeddings cond [B, L, text_dim]."""
+        return self.text_embedder(cond.to(self.text_embedder[0].weight.dtype))
+
+    def forward(self, sigma: torch.Tensor, cond: torch.Tensor):
+        return *self.time(sigma), self.text(cond)
 
 
 class Wan(FamilyModel):
@@ -290,44 +332,58 @@ class Wan(FamilyModel):
             raise ValueError(f"Wan takes latents [B, C, T, H, W], got shape {tuple(x.shape)}")
         return tuple(n // p for n, p in zip(x.shape[2:], self.spec.patch_size))
 
-    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
-        """(this rank's tokens [B, local, D], ctx [B, L, D], temb [B, D], mod [B, 6, D], rope (cos, sin) of this
-        CP chunk [chunk, d/2], split): the tokens are split over CP (and TP under SP) before the patch embedding."""
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, first_frame: int = 0):
+        """(this rank's tokens [B, local, D], ctx [B, L, D], temb, mod (`_conditions`), rope (cos, sin) of this CP
+        chunk [chunk, d/2], split): the tokens are split over CP (and TP under SP) before the patch embedding.
+        first_frame: the rotary frame index of x's first frame (a streamed chunk's place in its video)."""
         b, c = x.shape[:2]
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)
         x = x.to(self.patch_embedding.weight.dtype)
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
-        cos, sin = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device)
-        temb, mod, ctx = self.condition_embedder(sigma, cond)
+        cos, sin = rope_tables((first_frame + f, hh, ww), self.spec.head_dim, device=x.device)
+        if first_frame:
+            cos, sin = cos[first_frame * hh * ww:], sin[first_frame * hh * ww:]
+        temb, mod, ctx = self._conditions(sigma, cond, (f, hh, ww), split)
         tokens = self.patch_embedding(split.shard(patches))
         return tokens, ctx, split.enter_sp(temb), split.enter_sp(mod), (split.cp_rows(cos), split.cp_rows(sin)), split
 
-    def _block(self, i: int, h, ctx, mod, rope, split):
-        blk = self.blocks[i]
-        if self.options.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, split, use_reentrant=False)
-        return blk(h, ctx, mod, rope, split)
+    def _conditions(self, sigma: torch.Tensor, cond: torch.Tensor, grid: tuple, split: TokenSplit):
+        """(temb, mod, ctx): temb [B, D] and mod [B, 6, D] per sample (a causal model's may be per row of tokens,
+        [B, R, D] and [B, R, 6, D]: `modulate`), ctx [B, L, D]."""
+        return self.condition_embedder(sigma, cond)
 
-    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+    def _block(self, i: int, h, ctx, mod, rope, split, mixer=None):
+        blk, mixer = self.blocks[i], mixer.layer(i) if mixer is not None else None
+        if self.options.recompute and self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, split, mixer, use_reentrant=False)
+        return blk(h, ctx, mod, rope, split, mixer)
+
+    def _features(self, x, sigma, cond, layer: int, mixer=None) -> torch.Tensor:
         if not 0 <= layer < len(self.blocks):
             raise IndexError(f"feature layer {layer} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
         h, ctx, _, mod, rope, split = self._embed(x, sigma, cond)
         for i in range(layer + 1):
-            h = self._block(i, h, ctx, mod, rope, split)
+            h = self._block(i, h, ctx, mod, rope, split, mixer)
         return split.token_mean(h)
+
+    def _forward(self, x, sigma, cond, mixer=None, first_frame: int = 0) -> torch.Tensor:
+        b, c = x.shape[:2]
+        (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
+        h, ctx, temb, mod, rope, split = self._embed(x, sigma, cond, first_frame)
+        for i in range(len(self.blocks)):
+            h = self._block(i, h, ctx, mod, rope, split, mixer)
+        shift, scale = (self.scale_shift_table + temb.float().unsqueeze(-2)).unbind(-2)
+        out = split.gather(self.proj_out(modulate(h, shift, scale, self.spec.eps)))
+        out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return out.reshape(b, c, f * pt, hh * ph, ww * pw)
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        return self._features(x, sigma, cond, layer)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W]."""
-        b, c = x.shape[:2]
-        (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
-        h, ctx, temb, mod, rope, split = self._embed(x, sigma, cond)
-        for i in range(len(self.blocks)):
-            h = self._block(i, h, ctx, mod, rope, split)
-        shift, scale = (self.scale_shift_table + temb.float()[:, None]).unbind(1)
-        out = split.gather(self.proj_out(kernels.adaln_modulate(h, shift, scale, eps=self.spec.eps)))
-        out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return out.reshape(b, c, f * pt, hh * ph, ww * pw)
+        return self._forward(x, sigma, cond)
 
 
 def check_shape(spec: WanSpec, shape: DataShape, tp_size: int) -> None:

@@ -1,0 +1,175 @@
+"""The causal Wan student: the Wan's weights with block-causal self-attention and a noise level per chunk.
+
+Built by `family.WanFamily.build` when the build options carry a `CausalLayout` (`models/causal.py`: chunks,
+rolling window, sink); it has exactly the Wan's parameters, so it initialises from a converted diffusers folder
+or a teacher checkpoint and exports to the same layout. Cross-attention to the text is unchanged.
+
+    sigma [B]            one noise level for every chunk (the package's convention)
+    sigma [B, chunks]    a level per chunk: the time embedding and the modulation of a token are its chunk's
+                         (per frame rows [B, F, 6, D] on the fused kernels: `model.modulate`; under CP / SP, where
+                         a rank's tokens need not start at a frame, per token)
+
+Two forward paths compute the same thing:
+- `forward` (training): one parallel pass over the whole clip; self-attention runs chunk by chunk over the key
+  ranges each chunk sees (`BlockCausal`), dense calls with no mask.
+- `stream_forward` (generation): one chunk at a time with a `KVCache`: per layer this rank's self-attention
+  k / v of the earlier chunks it still sees (its heads under TP; under CP the head group the all-to-all gives it,
+  over every token), and the text's k / v, computed once. With `write=True` the chunk's own k / v join the cache
+  and chunks that no later chunk sees are evicted (the rolling window); rotary positions keep counting.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.models.causal import CausalLayout
+from dmd2_mega.models.family import BuildOptions, DataShape
+from dmd2_mega.models.token_parallel import TokenSplit
+from dmd2_mega.models.wan.model import Wan, WanSpec, attend
+
+
+def _cat(t: torch.Tensor, ranges: list) -> torch.Tensor:
+    """Tokens [B, S, ...] of t in `ranges` [(start, end)], in order (a view for one range)."""
+    if len(ranges) == 1:
+        return t[:, ranges[0][0]:ranges[0][1]]
+    return torch.cat([t[:, a:b] for a, b in ranges], dim=1)
+
+
+class BlockCausal:
+    """The parallel pass's self-attention: each chunk's queries over the key ranges it sees
+    (`CausalLayout.key_ranges`); one chunk is plain full attention (exactly the bidirectional Wan's)."""
+
+    def __init__(self, layout: CausalLayout, frames: int, per_frame: int):
+        self.spans = [(a * per_frame, b * per_frame, layout.key_ranges(i, frames, per_frame))
+                      for i, (a, b) in enumerate(layout.chunks(frames))]
+
+    def layer(self, i: int) -> "BlockCausal":
+        return self
+
+    def self_attention(self, q, k, v, backend: str) -> torch.Tensor:
+        if len(self.spans) == 1:
+            return attend(q, k, v, backend)
+        return torch.cat([attend(q[:, a:b], _cat(k, r), _cat(v, r), backend) for a, b, r in self.spans], dim=1)
+
+    @staticmethod
+    def text_kv(compute: Callable):
+        return compute()
+
+
+class KVCache:
+    """What streaming generation keeps between chunks (module docstring): per layer {chunk: (k, v)} of the chunks a
+    later chunk still sees and the text's (k, v); `chunks` / `frames`: how many have been written."""
+
+    def __init__(self, layout: CausalLayout, num_layers: int):
+        self.layout, self.chunks, self.frames = layout, 0, 0
+        self.self_kv: list[dict] = [{} for _ in range(num_layers)]
+        self.text: list[Optional[tuple]] = [None] * num_layers
+
+    def nbytes(self) -> int:
+        """Bytes held on this rank (self-attention k / v and the text's)."""
+        held = [t for layer in self.self_kv for kv in layer.values() for t in kv]
+        held += [t for kv in self.text if kv is not None for t in kv]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def step(self, write: bool) -> "_CachedStep":
+        return _CachedStep(self, write)
+
+    def advance(self, frames: int) -> None:
+        """Chunk `chunks` is written: count it and evict what the next chunk no longer sees."""
+        self.chunks, self.frames = self.chunks + 1, self.frames + frames
+        keep = set(self.layout.kept(self.chunks))
+        for layer in self.self_kv:
+            for j in [j for j in layer if j not in keep]:
+                del layer[j]
+
+
+class _CachedStep:
+    """One chunk's forward against a `KVCache` (the mixer of `Wan._forward`); writes its k / v when asked."""
+
+    def __init__(self, cache: KVCache, write: bool):
+        self.cache, self.write, self.i = cache, write, 0
+
+    def layer(self, i: int) -> "_CachedStep":
+        self.i = i
+        return self
+
+    def self_attention(self, q, k, v, backend: str) -> torch.Tensor:
+        cache, i = self.cache, self.i
+        held = cache.self_kv[i]
+        past = [held[j] for j in cache.layout.kept(cache.chunks)]
+        if self.write:
+            held[cache.chunks] = (k, v)
+        if not past:
+            return attend(q, k, v, backend)
+        return attend(q, torch.cat([kv[0] for kv in past] + [k], 1), torch.cat([kv[1] for kv in past] + [v], 1),
+                      backend)
+
+    def text_kv(self, compute: Callable):
+        text = self.cache.text
+        if text[self.i] is None:
+            text[self.i] = compute()
+        return text[self.i]
+
+
+class CausalWan(Wan):
+    """The Wan with block-causal attention over chunks of frames (module docstring)."""
+
+    def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
+        super().__init__(spec, shape, tp_size, options)
+        self.layout: CausalLayout = options.causal
+
+    def _rows(self, t: torch.Tensor, frames: list, grid: tuple, split: TokenSplit) -> torch.Tensor:
+        """Per-chunk rows [B, chunks, ...] -> rows of this rank's tokens: per frame [B, F, ...] for the whole clip,
+        per token [B, local, ...] when the tokens are split."""
+        per_frame = grid[1] * grid[2]
+        t = t[:, frames]
+        if split.cp == split.sp == 1:
+            return t
+        return t[:, split.local_index(t.device) // per_frame]
+
+    def _conditions(self, sigma, cond, grid, split):
+        if sigma.dim() == 1:
+            return super()._conditions(sigma, cond, grid, split)
+        spans = self.layout.chunks(grid[0])
+        if sigma.dim() != 2 or sigma.shape[1] != len(spans):
+            raise ValueError(f"a causal Wan takes sigma [B] or [B, chunks] = [B, {len(spans)}] for {grid[0]} frames "
+                             f"in chunks of {self.layout.chunk_frames}; got shape {tuple(sigma.shape)}")
+        # chunk by chunk, each a [B] batch as the [B] path and a streamed chunk run it: equal levels give equal rows
+        temb, mod = (torch.stack(t, 1) for t in zip(*(self.condition_embedder.time(s) for s in sigma.unbind(1))))
+        ctx = self.condition_embedder.text(cond)
+        frames = [i for i, (s, e) in enumerate(spans) for _ in range(s, e)]
+        return self._rows(temb, frames, grid, split), self._rows(mod, frames, grid, split), ctx
+
+    def _mixer(self, x: torch.Tensor) -> BlockCausal:
+        f, hh, ww = self._grid(x)
+        return BlockCausal(self.layout, f, hh * ww)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """v [B, C, T, H, W] of the whole clip, block-causal; sigma [B] or [B, chunks]."""
+        return self._forward(x, sigma, cond, self._mixer(x))
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        return self._features(x, sigma, cond, layer, self._mixer(x))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.layout, len(self.blocks))
+
+    def stream_forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, cache: KVCache,
+                       write: bool = False) -> torch.Tensor:
+        """v [B, C, f, H, W] of the next chunk x (f frames, its rotary positions after the cache's frames) against
+        the cache; sigma [B]. write: add this chunk's k / v to the cache (the chunk is then done)."""
+        if sigma.dim() != 1:
+            raise ValueError(f"stream_forward takes one noise level per sample, sigma [B]; got {tuple(sigma.shape)}")
+        v = self._forward(x, sigma, cond, cache.step(write), first_frame=cache.frames)
+        if write:
+            cache.advance(self._grid(x)[0])
+        return v
+
+
+def check_causal(spec: WanSpec, options: BuildOptions) -> None:
+    """ConfigError for a causal build the Wan family cannot make."""
+    if spec.boundary_ratio is not None:
+        raise ConfigError(f"--causal-chunk-frames: a causal student is one model; {spec.name} is Wan 2.2's two "
+                          f"experts (distil into one expert's weights: --from-diffusers ... --subfolder transformer)")
