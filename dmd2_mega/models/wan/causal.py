@@ -26,7 +26,6 @@ import torch
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.family import BuildOptions, DataShape
-from dmd2_mega.models.token_parallel import TokenSplit
 from dmd2_mega.models.wan.model import Wan, WanSpec, attend
 
 
@@ -120,27 +119,17 @@ class CausalWan(Wan):
         super().__init__(spec, shape, tp_size, options)
         self.layout: CausalLayout = options.causal
 
-    def _rows(self, t: torch.Tensor, frames: list, grid: tuple, split: TokenSplit) -> torch.Tensor:
-        """Per-chunk rows [B, chunks, ...] -> rows of this rank's tokens: per frame [B, F, ...] for the whole clip,
-        per token [B, local, ...] when the tokens are split."""
-        per_frame = grid[1] * grid[2]
-        t = t[:, frames]
-        if split.cp == split.sp == 1:
-            return t
-        return t[:, split.local_index(t.device) // per_frame]
-
-    def _conditions(self, sigma, cond, grid, split):
+    def _conditions(self, sigma, cond, frames):
         if sigma.dim() == 1:
-            return super()._conditions(sigma, cond, grid, split)
-        spans = self.layout.chunks(grid[0])
+            return super()._conditions(sigma, cond, frames)
+        spans = self.layout.chunks(frames)
         if sigma.dim() != 2 or sigma.shape[1] != len(spans):
-            raise ValueError(f"a causal Wan takes sigma [B] or [B, chunks] = [B, {len(spans)}] for {grid[0]} frames "
+            raise ValueError(f"a causal Wan takes sigma [B] or [B, chunks] = [B, {len(spans)}] for {frames} frames "
                              f"in chunks of {self.layout.chunk_frames}; got shape {tuple(sigma.shape)}")
         # chunk by chunk, each a [B] batch as the [B] path and a streamed chunk run it: equal levels give equal rows
         temb, mod = (torch.stack(t, 1) for t in zip(*(self.condition_embedder.time(s) for s in sigma.unbind(1))))
-        ctx = self.condition_embedder.text(cond)
-        frames = [i for i, (s, e) in enumerate(spans) for _ in range(s, e)]
-        return self._rows(temb, frames, grid, split), self._rows(mod, frames, grid, split), ctx
+        of_frame = [i for i, (s, e) in enumerate(spans) for _ in range(s, e)]
+        return temb[:, of_frame], mod[:, of_frame], self.condition_embedder.text(cond)
 
     def _mixer(self, x: torch.Tensor) -> BlockCausal:
         f, hh, ww = self._grid(x)

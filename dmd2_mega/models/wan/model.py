@@ -344,13 +344,17 @@ class Wan(FamilyModel):
         cos, sin = rope_tables((first_frame + f, hh, ww), self.spec.head_dim, device=x.device)
         if first_frame:
             cos, sin = cos[first_frame * hh * ww:], sin[first_frame * hh * ww:]
-        temb, mod, ctx = self._conditions(sigma, cond, (f, hh, ww), split)
+        temb, mod, ctx = self._conditions(sigma, cond, f)
+        temb, mod = split.enter_sp(temb), split.enter_sp(mod)  # replicated over TP: enter SP before any split
+        if temb.dim() == 3 and (split.cp > 1 or split.sp > 1):  # per frame: this rank's tokens read their frame's
+            rows = split.local_index(x.device) // (hh * ww)
+            temb, mod = temb[:, rows], mod[:, rows]
         tokens = self.patch_embedding(split.shard(patches))
-        return tokens, ctx, split.enter_sp(temb), split.enter_sp(mod), (split.cp_rows(cos), split.cp_rows(sin)), split
+        return tokens, ctx, temb, mod, (split.cp_rows(cos), split.cp_rows(sin)), split
 
-    def _conditions(self, sigma: torch.Tensor, cond: torch.Tensor, grid: tuple, split: TokenSplit):
-        """(temb, mod, ctx): temb [B, D] and mod [B, 6, D] per sample (a causal model's may be per row of tokens,
-        [B, R, D] and [B, R, 6, D]: `modulate`), ctx [B, L, D]."""
+    def _conditions(self, sigma: torch.Tensor, cond: torch.Tensor, frames: int):
+        """(temb, mod, ctx): temb [B, D] and mod [B, 6, D] per sample, or per frame [B, F, D] and [B, F, 6, D] (a
+        causal model's levels per chunk: `modulate` runs rows of tokens); ctx [B, L, D]."""
         return self.condition_embedder(sigma, cond)
 
     def _block(self, i: int, h, ctx, mod, rope, split, mixer=None):
