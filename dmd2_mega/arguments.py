@@ -50,6 +50,15 @@ PLANNED = {
         help=f"one of {', '.join(MODEL_SIZES)}, or a diffusers config.json / model folder a family recognises")),
     "--recompute-granularity": (ModelConfig, "recompute_granularity", dict(
         help="full: recompute each block in backward")),
+    "--causal": (ModelConfig, "causal", dict(
+        action="store_true",
+        help="a causal streaming model: frames in chunks, each attending to itself and earlier chunks")),
+    "--causal-chunk-frames": (ModelConfig, "causal_chunk_frames", dict(
+        type=int, help="latent frames per chunk (3: chunk-wise; 1: frame-wise); the first chunk may be shorter")),
+    "--causal-local-attn-chunks": (ModelConfig, "causal_local_attn_chunks", dict(
+        type=int, help="attend to the last W chunks only (rolling window; default: all)")),
+    "--causal-sink-chunks": (ModelConfig, "causal_sink_chunks", dict(
+        type=int, help="with a window, the first S chunks stay visible (attention sink)")),
     "--tensor-model-parallel-size": (ParallelConfig, "tensor_model_parallel_size", dict(type=int)),
     "--context-parallel-size": (ParallelConfig, "context_parallel_size", dict(
         type=int, help="ranks that split each sample's tokens (Ulysses; TP x CP must divide the heads)")),
@@ -102,6 +111,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--attention-backend", ModelConfig, "attention_backend", help="sdpa | flash (flash-attn, CUDA)")
     _flag(g, "--transformer-impl", ModelConfig, "transformer_impl", help="local | transformer_engine")
     _planned(g, "--recompute-granularity")
+    c = p.add_argument_group("causal student (docs/causal.md)")
+    _planned(c, "--causal", "--causal-chunk-frames", "--causal-local-attn-chunks", "--causal-sink-chunks")
+    _flag(c, "--causal-context-noise", ModelConfig, "causal_context_noise", type=float,
+          help="level at which a generated chunk is re-run to write the KV cache (0: clean)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ exist: `TrainConfig.resolve_batches`, `methods.dmd2.gan.resolve_layer`.)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -14,6 +15,7 @@ from typing import Optional
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.family import BuildOptions
 from dmd2_mega.models.registry import get_size
 from dmd2_mega.files.path_guard import check_outputs_apart
@@ -36,9 +38,23 @@ class ModelConfig:
     """local (megatron-core tensor_parallel linears) or transformer_engine (TE linears)."""
     recompute_granularity: Optional[str] = None
     """None or 'full': megatron-core activation checkpointing of each block."""
+    causal: bool = False
+    """--causal: a causal streaming student (`models/causal.py`): frames in chunks, block-causal attention, a KV
+    cache for generation. The weights are the bidirectional model's."""
+    causal_chunk_frames: int = 3
+    """--causal-chunk-frames: latent frames per chunk (3: Self-Forcing's chunk-wise; 1: frame-wise)."""
+    causal_local_attn_chunks: Optional[int] = None
+    """--causal-local-attn-chunks W: a chunk attends to the last W chunks only (rolling window); None: all."""
+    causal_sink_chunks: int = 0
+    """--causal-sink-chunks S: with a window, the first S chunks stay visible (attention sink)."""
+    causal_context_noise: float = 0.0
+    """--causal-context-noise: the level at which a generated chunk is re-run to write the KV cache (0: clean)."""
 
     def __post_init__(self):
         get_size(self.size)  # ConfigError naming --model-size and the choices
+        self.causal_layout()  # ConfigError naming the --causal-* flag
+        _check(0.0 <= self.causal_context_noise < 1.0,
+               f"--causal-context-noise must lie in [0, 1), got {self.causal_context_noise}")
         _check(self.attention_backend in ("sdpa", "flash"),
                f"--attention-backend must be 'sdpa' or 'flash', got {self.attention_backend!r}")
         _check(self.transformer_impl in ("local", "transformer_engine"),
@@ -46,8 +62,30 @@ class ModelConfig:
         _check(self.recompute_granularity in (None, "full"),
                f"--recompute-granularity must be 'full' when given, got {self.recompute_granularity!r}")
 
+    @classmethod
+    def saved(cls, args: dict) -> "ModelConfig":
+        """The model config a checkpoint's saved `args` record (a checkpoint older than a field takes its default)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in ((args or {}).get("model") or {}).items() if k in known})
+
+    def weights_only(self) -> "ModelConfig":
+        """What the weights need of this config (the size and a causal layout), the run-time choices (attention
+        backend, linear implementation, recompute) at their defaults: how a sampler rebuilds a saved model."""
+        return ModelConfig(self.size, **{f: getattr(self, f) for f in _CAUSAL_FIELDS})
+
+    def causal_layout(self) -> Optional[CausalLayout]:
+        """The causal layout of --causal (None without it)."""
+        if not self.causal:
+            return None
+        return CausalLayout(self.causal_chunk_frames, self.causal_local_attn_chunks, self.causal_sink_chunks)
+
     def options(self) -> BuildOptions:
-        return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity == "full")
+        return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity == "full",
+                            causal=self.causal_layout())
+
+
+_CAUSAL_FIELDS = ("causal", "causal_chunk_frames", "causal_local_attn_chunks", "causal_sink_chunks",
+                  "causal_context_noise")
 
 
 @dataclass

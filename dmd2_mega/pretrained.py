@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.train.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
-from dmd2_mega.config import ParallelConfig
+from dmd2_mega.config import ModelConfig, ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models import FAMILIES, DataShape, FamilyModel, ModelFamily, ModelSize, get_size, source_family
+from dmd2_mega.models import FAMILIES, BuildOptions, DataShape, FamilyModel, ModelFamily, ModelSize, get_size, source_family
 from dmd2_mega.distributed.parallel import ParallelState, init_distributed, tp_partition_dim
 from dmd2_mega.files.staging import check_free, staged_output
 
@@ -171,8 +171,9 @@ def load_model(path: str, ema: bool = True, parameterization: Optional[str] = No
         payload = _read_ours(path, "load_model")
         size = checkpoint_spec(path, payload)
         family, spec = size.family, size.spec
-        info = payload.get("data_info")
-        model = family.build(spec, family.default_shape(spec) if info is None else DataShape.from_info(info), 1)
+        info, causal = payload.get("data_info"), ModelConfig.saved(payload.get("args")).causal_layout()
+        model = family.build(spec, family.default_shape(spec) if info is None else DataShape.from_info(info), 1,
+                             BuildOptions(causal=causal))  # a causal student streams: `stream_forward`
         state = {**payload["model"], **payload["ema"]} if ema and "ema" in payload else payload["model"]
         load_model_weights(model, state, path)
         return model.float().eval()

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -98,6 +98,17 @@ def few_step_sample(model, noise: torch.Tensor, cond: torch.Tensor, sigmas: torc
         if i + 1 < len(sigmas):
             x = flow.add_noise(x0, noise[i + 1], sigmas[i + 1].expand(b).to(x.device))
     return x0
+
+
+def stream_student(model, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor, context_noise: float = 0.0):
+    """A causal student's streaming generation (`FamilyModel.stream`): yields x0 chunk by chunk, each chunk
+    sampled with the few-step sampler on `sigmas` against the KV cache. noise [draws, B, C, F, H, W]: draws =
+    len(sigmas) (the start and the re-noising draws), plus one when context_noise > 0 (the cache re-run's)."""
+    steps = len(sigmas)
+
+    def denoise(predict, draws):
+        return few_step_sample(predict, draws[:steps], cond, sigmas)
+    return model.stream(noise, cond, denoise, context_noise)
 
 
 @torch.no_grad()
@@ -247,7 +258,7 @@ def load_sampling_model(payload: dict, info: dict, ps, *, no_ema: bool = False, 
     from dmd2_mega.train.builders import build_model, cast_model
     from dmd2_mega.train.checkpoint import load_model_weights
     from dmd2_mega.config import ModelConfig
-    model = build_model(ModelConfig(size=payload["args"]["model"]["size"]), info, ps, negative=negative)
+    model = build_model(ModelConfig.saved(payload["args"]).weights_only(), info, ps, negative=negative)
     state, weights = payload["model"], "raw weights"
     if "ema" in payload and not no_ema:
         state, weights = {**state, **payload["ema"]}, "EMA weights"
@@ -258,11 +269,16 @@ def load_sampling_model(payload: dict, info: dict, ps, *, no_ema: bool = False, 
 @dataclass(frozen=True)
 class Sampler:
     """A DMD2 student's few-step sampler on `sigmas` [steps] (no CFG), or (sigmas None) the teacher's Euler
-    sampler with `steps` steps, CFG `guidance` and timestep `shift`."""
+    sampler with `steps` steps, CFG `guidance` and timestep `shift`. `stream`: a causal student generates chunk
+    by chunk (`stream_student`, cache re-runs at `context_noise`), calling on_chunk(x0 chunk, first frame) as each
+    chunk is done."""
     sigmas: Optional[torch.Tensor]
     steps: int
     guidance: float
     shift: float
+    stream: bool = False
+    context_noise: float = 0.0
+    on_chunk: Optional[Callable] = field(default=None, compare=False)
 
     @property
     def student(self) -> bool:
@@ -270,10 +286,13 @@ class Sampler:
 
     @property
     def draws(self) -> int:
-        """Noise draws per sample: the start and one fresh draw per later student step; 1 for Euler."""
-        return len(self.sigmas) if self.student else 1
+        """Noise draws per sample: the start and one fresh draw per later student step (and a streamed chunk's
+        cache re-run above level 0); 1 for Euler."""
+        return len(self.sigmas) + (self.stream and self.context_noise > 0) if self.student else 1
 
     def describe(self) -> str:
+        if self.stream:
+            return f"causal student streaming, {self.steps} steps per chunk, cache at level {self.context_noise:g}"
         if self.student:
             return f"student {self.steps} steps"
         return f"teacher {self.steps} Euler steps, guidance {self.guidance:g}, shift {self.shift:g}"
@@ -281,6 +300,14 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, model, noise: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """noise [draws, B, *shape] and cond [B, ...] on the model's device -> samples [B, *shape] in [-1, 1]."""
+        if self.stream:
+            chunks, first = [], 0
+            for x0 in stream_student(model, noise, cond, self.sigmas.to(noise.device), self.context_noise):
+                chunks.append(x0.float().clamp_(-1, 1))
+                if self.on_chunk is not None:
+                    self.on_chunk(chunks[-1], first)
+                first += x0.shape[-3]
+            return torch.cat(chunks, dim=-3)
         if self.student:
             x0 = few_step_sample(model, noise, cond, self.sigmas.to(noise.device))
         else:
@@ -290,12 +317,23 @@ class Sampler:
         return x0.float().clamp_(-1, 1)
 
 
-def checkpoint_sampler(payload: dict, steps: Optional[int], guidance: float, shift: Optional[float]) -> Sampler:
+def checkpoint_sampler(payload: dict, steps: Optional[int], guidance: float, shift: Optional[float],
+                       stream: bool = False, on_chunk: Optional[Callable] = None) -> Sampler:
     """A DMD2 student (its payload holds "student_sigmas"): its saved grid, or with `steps` the shifted `steps`-point
     grid; guidance 1. A teacher: `steps` (default 50) Euler steps with CFG `guidance`. `shift` defaults to the
-    checkpoint's --timestep-shift."""
+    checkpoint's --timestep-shift. `stream`: a causal checkpoint's streaming sampler (its saved grid, else the
+    `steps`-point grid, default 4), its cache re-run at the checkpoint's --causal-context-noise."""
+    from dmd2_mega.config import ModelConfig
     if shift is None:
         shift = (payload["args"].get("train") or {}).get("timestep_shift", 1.0)
+    if stream:
+        saved = ModelConfig.saved(payload["args"])
+        if not saved.causal:
+            raise ConfigError("--stream needs a causal checkpoint (one trained or initialised with --causal); this "
+                              "one attends over the whole clip")
+        sigmas = (torch.tensor(payload["student_sigmas"], dtype=torch.float32)
+                  if "student_sigmas" in payload and steps is None else flow.student_sigmas(steps or 4, None, shift))
+        return Sampler(sigmas, len(sigmas), 1.0, shift, True, saved.causal_context_noise, on_chunk)
     if "student_sigmas" in payload:
         sigmas = (torch.tensor(payload["student_sigmas"], dtype=torch.float32) if steps is None
                   else flow.student_sigmas(steps, None, shift))

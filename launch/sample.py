@@ -36,6 +36,7 @@ A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file,
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,8 +53,8 @@ from dmd2_mega.data.prompts import read_prompts  # noqa: E402
 from dmd2_mega.data.moving_digits import DIRECTIONS  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
 from dmd2_mega.eval.npz_stream import NpzStream  # noqa: E402
-from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
-                                  write_samples)
+from dmd2_mega.eval.media import (check_vae, decoded, holds_pixels, media_names, require_ffmpeg,  # noqa: E402
+                                  viewable_scale, write_png, write_samples)
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
@@ -81,6 +82,12 @@ def parse(argv=None):
                    help="eval-prompts file (prepare_data.py --prompts-only): the conditions, instead of --data's")
     p.add_argument("--vae", metavar="DIR", default=None,
                    help="diffusers VAE folder: decode the latents and write MP4 + GIF (video) / PNG (image) media")
+    p.add_argument("--stream", action="store_true",
+                   help="a causal checkpoint (--causal): generate chunk by chunk with its KV cache, print the time to "
+                        "the first chunk and the chunks per second; with media, each chunk's frames are written as "
+                        "they come (<out>/stream/<name>/frame_NNNN.png)")
+    p.add_argument("--num-frames", type=int, default=None, metavar="F",
+                   help="--stream: latent frames to generate (default: the training length; more runs on past it)")
     p.add_argument("--num-media", type=int, default=None, metavar="N",
                    help="media for the first N samples only (default: one per prompt of --prompts, else 40 videos "
                         "or the grid's 10 images per class; 0: none)")
@@ -101,6 +108,9 @@ def parse(argv=None):
         raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
     if a.num_media is not None and a.num_media < 0:
         raise ConfigError(f"--num-media must be >= 0, got {a.num_media}")
+    if a.num_frames is not None and (not a.stream or a.num_frames < 1):
+        raise ConfigError(f"--num-frames {a.num_frames}: " + ("must be >= 1" if a.stream else
+                          "sets the length of a streamed clip; give --stream (a causal checkpoint)"))
     return a
 
 
@@ -134,17 +144,22 @@ def sample(a: argparse.Namespace) -> None:
         prompts = read_prompts(a.prompts, info["cond_shape"], flag="--prompts")
     a.num_samples = a.num_samples or (len(prompts.texts) if prompts is not None else 100)
     shape = DataShape.from_info(info).sample_shape
+    if a.num_frames is not None:
+        if len(shape) != 4:
+            raise ConfigError(f"--num-frames: --load {a.load} makes images {list(shape)}, not video")
+        shape = (shape[0], a.num_frames, *shape[2:])
     media = check_media(a, vae_spec, data, shape)
     vae = LatentVAE.from_folder(a.vae, device=ps.device, flag="--vae") if a.vae and ps.is_main else None
     negative = (prompts.negative.float() if prompts is not None and prompts.negative is not None else
                 dataset.negative if dataset is not None else None)
     model, weights = load_sampling_model(payload, info, ps, no_ema=a.no_ema, bf16=a.bf16, source=f"--load {a.load}",
                                          negative=negative)  # a DMD2 student: its EMA unless --no-ema
-    sampler = checkpoint_sampler(payload, a.steps, a.guidance, a.shift)
     n, k = a.num_samples, 10 * (info["num_classes"] or 10)  # at most 10 samples per class in the grid
     n_media = min(n, a.num_media if a.num_media is not None else
                   len(prompts.texts) if prompts is not None else DEFAULT_MEDIA if len(shape) == 4 else k)
     media = media and n_media > 0
+    clock = StreamClock(a.out, n_media if media and ps.is_main else 0, vae, ps.device) if a.stream else None
+    sampler = checkpoint_sampler(payload, a.steps, a.guidance, a.shift, a.stream, clock and clock.chunk)
     head = min(n, max(k if len(shape) == 3 else 16, n_media if media else 0))  # kept for the grid and media
 
     def cond_of(lo: int, hi: int) -> torch.Tensor:  # samples lo .. hi - 1; prompts: sample i gets prompt i % P
@@ -191,10 +206,13 @@ def sample(a: argparse.Namespace) -> None:
             os.makedirs(a.out, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"--out {a.out!r}: cannot create the output directory: {e.strerror}") from e
+        clock and clock.start()
         atomic_write(os.path.join(a.out, "samples.npz"), write)
     else:
         for _ in batches:  # the other ranks' shares of every batch
             pass
+    if clock is not None and ps.is_main:
+        print(clock.summary(sampler.describe()), flush=True)
     a.steps, a.guidance = sampler.steps, sampler.guidance
     del model, batches  # the VAE decodes next
     if ps.is_main:
@@ -214,6 +232,43 @@ def sample(a: argparse.Namespace) -> None:
         print(f"> wrote {n} samples {list(shape)} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
               + f" and {grid}" + (f"; media in {a.out}/media" if media else ""), flush=True)
+
+
+class StreamClock:
+    """--stream: times the chunks as they come (the first one from the start of sampling) and writes the frames of
+    the first `n_media` samples of the first batch as PNGs, decoded by `vae` when given, chunk by chunk."""
+
+    def __init__(self, out: str, n_media: int, vae, device):
+        self.out, self.n_media, self.vae, self.device = out, n_media, vae, device
+        self.t0, self.first, self.chunks, self.frames, self.batch = None, None, 0, 0, -1
+        self.written: dict = {}  # sample -> frames written
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def chunk(self, x0: torch.Tensor, first_frame: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter() - (self.t0 or time.perf_counter())
+        self.batch += first_frame == 0
+        self.first = now if self.first is None else self.first
+        self.chunks, self.frames, self.elapsed = self.chunks + 1, self.frames + x0.shape[-3], now
+        if self.batch == 0:  # frames numbered in order over the chunks (each chunk decoded on its own)
+            for i, pixels in zip(range(self.n_media), decoded(x0[:self.n_media], self.vae)):
+                folder = os.path.join(self.out, "stream", f"{i:03d}")
+                os.makedirs(folder, exist_ok=True)
+                done = self.written.get(i, 0)
+                for t in range(pixels.shape[1]):
+                    write_png(os.path.join(folder, f"frame_{done + t:05d}.png"), pixels[:, t])
+                self.written[i] = done + pixels.shape[1]
+
+    def summary(self, how: str) -> str:
+        if not self.chunks:
+            return "> streamed nothing"
+        return (f"> streamed {self.chunks} chunks ({self.frames} latent frames, {how}): first chunk after "
+                f"{self.first:.3f} s, {self.chunks / self.elapsed:.2f} chunks/s, {self.frames / self.elapsed:.2f} "
+                f"latent frames/s" + (f"; frames of the first {self.n_media} samples in {self.out}/stream"
+                                      if self.n_media else ""))
 
 
 DEFAULT_MEDIA = 40

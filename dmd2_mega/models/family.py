@@ -145,6 +145,14 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
                               f"embeddings {list(neg.shape)}")
         neg.copy_(emb)
 
+    causal_layout = None
+    """A causal student's `CausalLayout` (`models/causal.py`), None for a model whose tokens all see each other."""
+
+    def stream(self, noise: torch.Tensor, cond: torch.Tensor, denoise: Callable, context_noise: float = 0.0):
+        """A causal student generates chunk by chunk (`models/wan/causal.py`); any other model refuses."""
+        raise ConfigError(f"{self.spec.name} is not a causal model: streaming generation needs a student trained or "
+                          f"initialised with --causal")
+
     def expert_modules(self) -> tuple:
         """Sub-models of which each forward runs only some (Wan 2.2's two experts), else (): a frozen role keeps
         only the running one resident when it is time-sliced (`offload.ExpertSleeper`)."""
@@ -161,7 +169,10 @@ class PlanMaths(NamedTuple):
     layer(ms, n, tp, bf16, cp, sp) kept for backward and block_input(ms, n, bf16, tp, cp, sp) under full recompute;
     outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks; nograd(ms, n, tp, bf16, cp, sp) the peak
     of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps beyond the fused
-    kernels. cp / sp split the tokens; a family that does not split tokens is only asked for cp = 1, sp = False."""
+    kernels; kv_cache(ms, n, frames, tp, bf16, cp, sp) per layer, a causal student's KV cache: (the self-attention
+    k / v of one cached chunk of `frames` token frames, the text's k / v), ConfigError for a family or spec with no
+    causal student. cp / sp split the tokens; a family that does not split tokens is only asked for cp = 1,
+    sp = False."""
 
     param_counts: Callable
     forward_flops: Callable
@@ -170,6 +181,7 @@ class PlanMaths(NamedTuple):
     outside: Callable
     nograd: Callable
     scores: Callable
+    kv_cache: Callable
 
 
 class Source(NamedTuple):

@@ -23,7 +23,10 @@ LEGACY_ROLE = "teacher"  # the role of a payload that records none
 
 # (flag, path in the saved `args` dict) of the settings a resume must keep
 RESUME_SETTINGS = (("--model-size", ("model", "size")), ("--micro-batch-size", ("train", "micro_batch_size")),
-                   ("--global-batch-size", ("train", "global_batch_size")))
+                   ("--global-batch-size", ("train", "global_batch_size")), ("--causal", ("model", "causal")),
+                   ("--causal-chunk-frames", ("model", "causal_chunk_frames")),
+                   ("--causal-local-attn-chunks", ("model", "causal_local_attn_chunks")),
+                   ("--causal-sink-chunks", ("model", "causal_sink_chunks")))
 DMD2_RESUME_SETTINGS = RESUME_SETTINGS + (
     ("--dmd2-critic-steps-per-rollout", ("dmd2", "critic_steps_per_rollout")),
     ("--dmd2-critic-scoring", ("dmd2", "critic_scoring")),

@@ -78,5 +78,10 @@ def score_bytes(ms, *_) -> int:
     raise ConfigError("--attention-kernel math is modelled for the Wan family only")
 
 
+def kv_cache_bytes(ms, *_) -> tuple[int, int]:
+    raise ConfigError(f"--causal-chunk-frames: --model-size {ms.spec.name} is a DiT, an image model with no frames "
+                      f"to stream; causal students are video (the Wan family)")
+
+
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes)

@@ -117,15 +117,15 @@ class CausalWan(Wan):
 
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__(spec, shape, tp_size, options)
-        self.layout: CausalLayout = options.causal
+        self.causal_layout: CausalLayout = options.causal
 
     def _conditions(self, sigma, cond, frames):
         if sigma.dim() == 1:
             return super()._conditions(sigma, cond, frames)
-        spans = self.layout.chunks(frames)
+        spans = self.causal_layout.chunks(frames)
         if sigma.dim() != 2 or sigma.shape[1] != len(spans):
             raise ValueError(f"a causal Wan takes sigma [B] or [B, chunks] = [B, {len(spans)}] for {frames} frames "
-                             f"in chunks of {self.layout.chunk_frames}; got shape {tuple(sigma.shape)}")
+                             f"in chunks of {self.causal_layout.chunk_frames}; got shape {tuple(sigma.shape)}")
         # chunk by chunk, each a [B] batch as the [B] path and a streamed chunk run it: equal levels give equal rows
         temb, mod = (torch.stack(t, 1) for t in zip(*(self.condition_embedder.time(s) for s in sigma.unbind(1))))
         of_frame = [i for i, (s, e) in enumerate(spans) for _ in range(s, e)]
@@ -133,7 +133,7 @@ class CausalWan(Wan):
 
     def _mixer(self, x: torch.Tensor) -> BlockCausal:
         f, hh, ww = self._grid(x)
-        return BlockCausal(self.layout, f, hh * ww)
+        return BlockCausal(self.causal_layout, f, hh * ww)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W] of the whole clip, block-causal; sigma [B] or [B, chunks]."""
@@ -142,8 +142,28 @@ class CausalWan(Wan):
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         return self._features(x, sigma, cond, layer, self._mixer(x))
 
+    def stream(self, noise: torch.Tensor, cond: torch.Tensor, denoise: Callable, context_noise: float = 0.0):
+        """Generate a clip chunk by chunk; yields each chunk's x0 [B, C, f, H, W] as it is done.
+
+        noise [draws, B, C, F, H, W] (F frames, any number: past the training length the rolling window bounds
+        the cache); `denoise(predict, noise_chunk)` -> x0 samples one chunk from its noise [draws, B, C, f, H, W]
+        with predict(x, sigma [B], cond) -> v run against the cache (the few-step sampler:
+        `sampling.stream_student`). The chunk is then re-run at `context_noise` (x0 itself at 0, else x0
+        re-noised with the chunk's last draw) to write its k / v into the cache (--causal-context-noise)."""
+        cache, b = self.new_cache(), noise.shape[1]
+
+        def predict(x, sigma, c):
+            return self.stream_forward(x, sigma, c, cache)
+        for first, end in self.causal_layout.chunks(noise.shape[-3]):
+            draws = noise[..., first:end, :, :]
+            x0 = denoise(predict, draws)
+            level = torch.full((b,), float(context_noise), device=x0.device)
+            context = x0 if context_noise == 0 else (1 - context_noise) * x0 + context_noise * draws[-1].to(x0)
+            self.stream_forward(context, level, cond, cache, write=True)
+            yield x0
+
     def new_cache(self) -> KVCache:
-        return KVCache(self.layout, len(self.blocks))
+        return KVCache(self.causal_layout, len(self.blocks))
 
     def stream_forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, cache: KVCache,
                        write: bool = False) -> torch.Tensor:

@@ -50,12 +50,23 @@ A no-grad forward of n samples holds about n L (E + D + 2D/t) w (text embeddings
     token, the largest of: the fp32 residual update (h, its modulated input and the attention / FFN output at
     w, with its fp32 product and sum and, under --bf16, the fp32 copy of h: 3Dw + 4D(2 + [bf16])) and the
     attention (2Dw + 5Dw/t) or FFN (2Dw + 2Fw/t) temporaries. An estimate: not measured by the tests.
+KV cache of a causal student (`models/wan/causal.py`, `KVCache`), per layer on one rank, for n samples: a cached
+    chunk of f token frames has T = f (H/ph)(W/pw) tokens, T' padded like the sequence (a multiple of C, x t
+    under SP: the cache keeps views of the padded all-to-all / gather output; T' = T when the split divides it);
+        self-attention   2 n T' (a / (t C)) d w   per chunk held: k and v of this rank's heads over EVERY token
+                                                  of the chunk (Ulysses: a CP rank holds a head group, all tokens)
+        text             2 n L (a / t) d w        once: cross-attention's k and v (whole text, not split over CP)
+    At TP=1, CP=1 in bf16 a token costs 2 D w = 4 D bytes per layer (Wan 2.1 14B: 20 KiB); the per-rank
+    self-attention bytes times t C, and the text's times t, give the TP=1 cache (tests/test_plan_kv_cache.py
+    checks the formula against `KVCache.nbytes()` of a streamed model).
 """
 from __future__ import annotations
 
 import math
 
-from dmd2_mega.models.family import PlanMaths
+from dmd2_mega.models.causal import CausalLayout
+from dmd2_mega.models.family import BuildOptions, PlanMaths
+from dmd2_mega.models.wan.causal import check_causal
 
 
 def _dims(ms):
@@ -140,5 +151,17 @@ def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bo
     return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * max(Ss * residual, Sc * inner)
 
 
+def kv_cache_bytes(ms, n: int, frames: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> tuple[int, int]:
+    """Per layer on one rank (module docstring): (the self-attention k / v of one cached chunk of `frames` token
+    frames, the text's k / v). ConfigError for a spec that cannot be causal (Wan 2.2's two experts)."""
+    s, _, _, _, _, L = _dims(ms)
+    check_causal(s, BuildOptions(causal=CausalLayout()))
+    per_frame = math.prod(side // p for side, p in zip(ms.spatial[1:], s.patch_size[1:]))
+    parts = cp * (tp if sp else 1)
+    tokens = -(-frames * per_frame // parts) * parts
+    w = 2 if bf16 else 4
+    return 2 * n * tokens * (s.num_heads // tp // cp) * s.head_dim * w, 2 * n * L * (s.num_heads // tp) * s.head_dim * w
+
+
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes)
