@@ -24,6 +24,13 @@ plus an activation estimate; and the peak against --gpu-memory-gb. The maths is 
 dmd2_mega/plan/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
 built models in tests/test_plan_memory.py); activations are an estimate (see that module), divided
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
+--causal (with the trainer's --causal-chunk-frames N, --causal-local-attn-chunks W, --causal-sink-chunks S:
+`models/causal.CausalLayout`) plans a causal student's KV cache at the layout planned (or chosen): per layer, per
+rank and over the TP x CP ranks, at its peak over the chunks, for streaming generation of --stream-frames F latent frames (default the data's) and
+for the training-time rollout (the same stream over the data's frames at the micro-batch), each with one chunk's
+no-grad forward (`memory_plan.kv_cache_plan`):
+    python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
+        --micro-batch-size 1 --bf16 --world-size 64 --search --causal --causal-chunk-frames 3 --stream-frames 63
 --search tries every layout of --world-size GPUs (TP inside a node, CP, DP, recompute, offload), prints
 them best first and the chosen one's phases; --emit-flags prints only the chosen layout's trainer flags
 (what the SLURM recipes read), its time-slicing as --offload-roles ROLE[,ROLE] (a planned subset),
@@ -87,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--patch", type=int, default=None, help="default: the size's patch")
     g.add_argument("--num-classes", type=int, default=1000, help="class-conditional (default)")
     g.add_argument("--cond-shape", type=int, nargs="+", default=None, help="text embeddings [L, D] instead")
+    g.add_argument("--stream-frames", type=int, default=None, metavar="F",
+                   help="with --causal: latent frames of the streamed generation (default: the data's)")
     return p
 
 
@@ -97,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = parser().parse_args(argv)
     check_args(a)
     a.run = memory_plan_configs(a)  # the trainer's checks of its own flags
+    a.causal = a.run.model.causal_layout()
+    if a.causal is None and a.stream_frames is not None:
+        raise ConfigError("--stream-frames: the length of a causal student's streamed generation; add --causal")
     a.gpu_memory_gb = a.run.dmd2.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB
     if a.search and a.world_size is None:
         raise ConfigError("--search needs --world-size (the job's GPUs)")
@@ -108,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_args(a: argparse.Namespace) -> None:
     """ConfigError naming the first of the planner's own flags out of range (counts and sizes >= 1)."""
     for flag in ("data_parallel_size", "image_size", "in_channels", "num_classes", "patch", "text_len", "world_size",
-                 "gpus_per_node"):
+                 "gpus_per_node", "stream_frames"):
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
@@ -193,9 +205,13 @@ def plan(a: argparse.Namespace) -> None:
     if cp > 1 and ms.spec.num_heads % (tp * cp):
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} must divide the "
                           f"{ms.spec.num_heads} heads")
+    b = run.train.micro_batch_size
+    kv = None if a.causal is None else (  # its ConfigError (a family or spec with no causal student) before any line
+        mp.kv_cache_plan(ms, a.causal, b, tp, bf16, cp, sp, frames=a.stream_frames),
+        mp.kv_cache_plan(ms, a.causal, b, tp, bf16, cp, sp))
     counts = mp.param_counts(ms)
     total = counts["sharded"] + counts["replicated"]
-    k, n, b, g = d.critic_steps_per_rollout, d.denoising_steps, run.train.micro_batch_size, d.teacher_guidance_scale
+    k, n, g = d.critic_steps_per_rollout, d.denoising_steps, d.teacher_guidance_scale
     recompute = run.model.recompute_granularity
     plan = mp.plan_cycle(ms, phase_table(a), tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16,
                          recompute=recompute == "full", guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
@@ -238,6 +254,34 @@ def plan(a: argparse.Namespace) -> None:
           f"{'+'.join(sorted(roles)) or 'none'} -> peak {fmt_bytes(max(totals.values()))}"
           + ("" if fits else f" (over {mp.PLAN_HEADROOM:g} x the budget even so)")
           + f"; flags {' '.join(mp.offload_flags(roles, plan.roles))}")
+    if kv is not None:
+        print_kv_cache(a, plan, *kv, layout=f"TP={tp} CP={cp}{' SP' if sp else ''}")
+
+
+def print_kv_cache(a: argparse.Namespace, plan: mp.CyclePlan, gen: mp.KVCachePlan, roll: mp.KVCachePlan,
+                   layout: str) -> None:
+    """The causal student's KV cache at this layout (`memory_plan.kv_cache_plan`): streaming generation of
+    --stream-frames (`gen`) and the training-time rollout (`roll`), per layer, per rank and over the TP x CP ranks."""
+    b, budget = a.run.train.micro_batch_size, a.gpu_memory_gb * 2 ** 30
+    print(f"\nKV cache of the causal student ({a.causal.describe()}), per rank at {layout}, B={b}, "
+          f"{'bf16' if a.run.optim.bf16 else 'fp32'}; at its peak chunk (the chunks held while it is written):")
+    rows = []
+    for name, k in ((f"generation, {gen.frames} frames", gen), (f"rollout, {roll.frames} frames (data)", roll)):
+        rows.append([name, f"{k.peak_chunk + 1} of {k.chunks}", str(len(k.held)), fmt_bytes(k.self_layer),
+                     fmt_bytes(k.text_layer), fmt_bytes(k.per_layer), fmt_bytes(k.total), fmt_bytes(k.group_total),
+                     fmt_bytes(k.forward), fmt_bytes(k.with_forward)])
+    head = ["stream", "peak chunk", "chunks held", "self k/v per layer", "text k/v per layer", "per layer",
+            f"per rank ({gen.layers} layers)", f"x {gen.group} ranks", "chunk fwd (est.)", "cache + fwd"]
+    print(mp.format_table(head, rows))
+    weights = plan.roles["student"]["weights"]
+    print(f"generation per rank: student weights {fmt_bytes(weights)} + cache {fmt_bytes(gen.total)} + one chunk's "
+          f"forward {fmt_bytes(gen.forward)} = {fmt_bytes(weights + gen.with_forward)}")
+    row = plan.phases[("rollout", True)]
+    roles = row["total"] - row["activations"]
+    total = roles + roll.with_forward
+    verdict = "fits" if total <= 0.9 * budget else ("tight (> 90%)" if total <= budget else "does NOT fit")
+    print(f"streamed rollout phase per rank (time-sliced roles {fmt_bytes(roles)} + cache + one chunk's forward): "
+          f"{fmt_bytes(total)} -> {verdict} in {a.gpu_memory_gb:g} GiB")
 
 
 if __name__ == "__main__":

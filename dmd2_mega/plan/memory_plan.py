@@ -23,11 +23,22 @@ optimizer shards over DP x CP, the ranks that hold the same weights.
 Phases: which roles each phase needs is the method's phase table, passed in (`methods.base.Phase`: name,
 needs {role: "all" | "weights"}, trains; DMD2's is `methods.dmd2.phases.table(gan)`, a run's `Method.phases`);
 this module, below methods/, never restates it. A role no phase trains is frozen (weights only).
+KV cache of a causal student (`kv_cache_plan`, `models/causal.CausalLayout`): a stream of F token frames is split
+    into chunks (the first one shorter); while chunk i is written the cache holds, per layer, the k / v of the chunks
+    H(i) = kept(i) + [i] (every earlier chunk, or the sink and the last W - 1 with a rolling window) and the text's:
+        cache(i)   = N (sum_{j in H(i)} kv_self(T_j) + kv_text)           N layers, T_j tokens of chunk j
+        forward(i) = nograd(chunk i) + sum_{j in H(i)} kv_self(T_j)       one chunk's no-grad forward (the family's
+                     estimate) and one layer's keys and values concatenated for its attention call (none for chunk 0)
+    kv_self / kv_text are the family's per-rank formulas (`PlanMaths.kv_cache`: heads over TP x CP for
+    self-attention, over TP for the text). Streaming generation of F frames peaks at max_i cache(i) (+ forward(i));
+    the training-time rollout of a causal student (Self-Forcing) is the same stream at the micro-batch over the
+    data's frames.
 The cycle's cost model (`cycle_passes`, in forwards of B samples) and its comparison with measured
 times (`cycle_summary`, `acceptance`) serve benchmarks/bench_dmd2_cycle.py; `format_table` prints both.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -35,6 +46,7 @@ from typing import Optional
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import FAMILIES, DataShape, ModelFamily, PlanMaths, family_of, get_spec
+from dmd2_mega.models.causal import CausalLayout
 
 PHASES = ("rollout", "critic", "actor")
 """The phases of a DMD2 cycle whose activations `plan_cycle` estimates (its cost model); which roles each needs is
@@ -187,6 +199,70 @@ def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, re
         return _maths(ms, cp, sp).nograd(ms, n, tp, bf16, cp, sp)
     extra = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores) if recompute else 0  # the block recomputed
     return saved_activation_bytes(ms, n, tp, bf16, recompute, cp, sp, scores) + extra
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """A causal student's KV cache on one rank at its peak over the chunks of a stream (`kv_cache_plan`)."""
+
+    layout: CausalLayout
+    frames: int
+    """Token frames streamed."""
+    chunks: int
+    peak_chunk: int
+    """The chunk i (from 0) whose forward holds the most: its own k / v written beside kept(i)'s."""
+    held: tuple
+    """The chunks whose k / v each layer holds at the peak."""
+    self_layer: int
+    """Self-attention k / v of the held chunks, per layer on one rank."""
+    text_layer: int
+    """The text's k / v, per layer on one rank."""
+    layers: int
+    forward: int
+    """One chunk's no-grad forward at the peak chunk (module docstring)."""
+    group: int
+    """TP x CP: the ranks that hold one sample's cache."""
+
+    @property
+    def per_layer(self) -> int:
+        return self.self_layer + self.text_layer
+
+    @property
+    def total(self) -> int:
+        """The cache on one rank, every layer."""
+        return self.layers * self.per_layer
+
+    @property
+    def with_forward(self) -> int:
+        return self.total + self.forward
+
+    @property
+    def group_total(self) -> int:
+        """Summed over the TP x CP ranks (the text's k / v counted on each CP rank, which holds its own copy)."""
+        return self.total * self.group
+
+
+def kv_cache_plan(ms: ModelShape, layout: CausalLayout, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False,
+                  frames: Optional[int] = None) -> KVCachePlan:
+    """The peak over the chunks of a stream of `frames` latent frames (default the data's) of n samples (module
+    docstring). ConfigError for a family or spec with no causal student, or frames the temporal patch does not
+    divide."""
+    f = _maths(ms, cp, sp)
+    text = f.kv_cache(ms, n, 1, tp, bf16, cp, sp)[1]  # the family's ConfigError first (no frames to stream)
+    latent = ms.spatial[0] if frames is None else frames
+    pt = ms.patch[0]
+    if latent < 1 or latent % pt:
+        raise ConfigError(f"--stream-frames {latent}: a stream needs a positive number of latent frames that the "
+                          f"temporal patch {pt} divides")
+    spans = layout.chunks(latent // pt)
+    size = [b - a for a, b in spans]
+    held = [(*layout.kept(i), i) for i in range(len(spans))]
+    kv = [sum(f.kv_cache(ms, n, size[j], tp, bf16, cp, sp)[0] for j in h) for h in held]
+    i = kv.index(max(kv))
+    chunk = dataclasses.replace(ms, spatial=(size[i] * pt, *ms.spatial[1:]))
+    forward = f.nograd(chunk, n, tp, bf16, cp, sp) + (kv[i] if len(held[i]) > 1 else 0)
+    return KVCachePlan(layout, latent // pt, len(spans), i, held[i], kv[i], text, ms.spec.num_layers, forward,
+                       tp * cp)
 
 
 @dataclass
