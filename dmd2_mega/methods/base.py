@@ -122,5 +122,10 @@ class Method(Protocol):
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
         """Model FLOPs of one iteration on this rank (None when unknown)."""
 
+    # Optional members (absent: the default in brackets):
+    #   reads_trajectories: bool   class attribute [False]: --data is a trajectory set (`data.trajectories`), whose
+    #                              samples (`MicroBatch.real`) are the teacher's paths [F*B, N + 1, *shape]
+    #   check_data(dataset)        ConfigError when the data does not fit the method (e.g. another student grid)
+
 
 MethodBuilder = Callable[..., Method]  # (cfg: config.DistillConfig, shape, device) -> Method

@@ -31,6 +31,7 @@ from dmd2_mega.config import DistillConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
+from dmd2_mega.data.trajectories import TrajectoryDataset
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.eval.media import EvalMedia
@@ -80,7 +81,9 @@ class StudentTrainer(RunStateTrainer):
                 check_writable(role_dir(t.save, name))
             lock_run_dirs([("--save", t.save), *((f"--save (its {name} directory)", role_dir(t.save, name))
                                                  for name in others)], ps)
-        self.dataset = build_dataset(t.data, "train")
+        # a method that regresses onto teacher paths reads --data as a trajectory set (`data/trajectories.py`)
+        self.dataset = TrajectoryDataset(t.data) if getattr(build, "reads_trajectories", False) else \
+            build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
         self.media = (EvalMedia(t.data, self.dataset, t.eval_prompts, t.vae, ps.is_main, ps.device)
                       if t.eval_interval else None)  # --eval-prompts / --vae checked before any training
@@ -99,6 +102,8 @@ class StudentTrainer(RunStateTrainer):
                                   f"but --data {t.data} is {self.info}")
         self.shape = DataShape.from_info(self.info).sample_shape
         self.method = method = build(cfg, self.shape, ps.device)
+        if hasattr(method, "check_data"):  # e.g. trajectories stored at the method's grid
+            method.check_data(self.dataset)
         self.trained_in = trained_in(method.phases)  # phase -> the role its optimizer step trains
         models = {name: self._build_model(name, teacher_payload) for name in build.roles}
         student = models["student"]

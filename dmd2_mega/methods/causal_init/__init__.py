@@ -1,0 +1,1 @@
+"""Initialising a causal student from its teacher's ODE trajectories (`method.CausalInitMethod`)."""
