@@ -6,12 +6,15 @@
      regression written out here in float64 on the same draws.
   b. Through the shared trainer on a trajectory set (written here: random paths of the moving-digits shape): the
      student starts at the teacher's weights and learns (the loss falls), a resume from cycle 2 continues the
-     uninterrupted trace exactly, and TP = 2 (torchrun) gives the TP = 1 trace (fp32, 1e-5).
+     uninterrupted trace exactly, and TP = 2 (torchrun) gives the TP = 1 trace (fp32, 1e-5). Its checkpoint streams
+     with launch/sample.py --stream past the training length, and the streamed first chunk equals sample.py's
+     non-streamed few-step sample of the same seed.
   c. Bad input: no --causal, paths stored at another grid, a shard set without paths: one-line errors.
 """
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -134,6 +137,19 @@ def test_init_learns_resumes_exactly_and_tp2_matches(teacher, tmp_path):
     assert [r["iteration"] for r in resumed] == list(range(1, 7))
     for a, b in zip(resumed, trace):
         assert a["init-loss"] == b["init-loss"], f"iteration {a['iteration']}: resume is not exact"
+    # the init checkpoint is a few-step student: sample.py streams it past the training length, and its streamed
+    # first chunk equals the non-streamed sample of the same seed (the first chunk sees only itself either way)
+    from launch import sample
+    common = ["--load", full, "--data", "moving-digits", "--num-samples", "3", "--seed", "2", "--num-media", "0"]
+    with world_of_one():
+        assert sample.main([*common, "--stream", "--num-frames", "8", "--out", str(tmp_path / "long")]) == 0
+        assert sample.main([*common, "--stream", "--out", str(tmp_path / "s")]) == 0
+        assert sample.main([*common, "--out", str(tmp_path / "p")]) == 0
+    with np.load(tmp_path / "long" / "samples.npz") as npz:
+        assert npz["images"].shape == (3, *SHAPE[:1], 8, *SHAPE[2:])
+    with np.load(tmp_path / "s" / "samples.npz") as s, np.load(tmp_path / "p" / "samples.npz") as p:
+        np.testing.assert_allclose(s["images"][:, :, :2], p["images"][:, :, :2], rtol=0, atol=1e-6)
+        assert np.abs(s["images"][:, :, 2:] - p["images"][:, :, 2:]).max() > 1e-4
     tp2 = str(tmp_path / "tp2")
     torchrun(2, os.path.join(ROOT, "launch", "pretrain_causal_init.py"),
              args(ckpt, paths, tp2, 6, "--tensor-model-parallel-size", "2")).check("TP=2")
