@@ -141,7 +141,8 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     T = TrainConfig
-    _flag(g, "--data", T, "data", help="'digits' or a directory of safetensors shards")
+    _flag(g, "--data", T, "data", help="'digits', 'moving-digits' (4-frame clips), 'moving-digits:T' (T frames, "
+          "wrapping round the canvas) or a directory of safetensors shards")
     _planned(g, "--micro-batch-size")
     for name, typ in (("global_batch_size", int), ("train_iters", int), ("seed", int),
                       ("num_workers", int), ("cond_dropout", float), ("timestep_shift", float), ("save_interval", int),

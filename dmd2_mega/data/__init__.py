@@ -13,7 +13,9 @@ float32; shard sets stream in their stored dtype (`loader.MicroBatchLoader` cast
 
 `build_dataset("digits", split)` -> `DigitsDataset`; `build_dataset("moving-digits", split)` ->
 `MovingDigitsDataset` (video clips x [N, 1, 4, 16, 16], prompt embeddings cond [N, 4, 16] of
-(digit, direction), negative = the empty prompt's embedding); `build_dataset(path)` -> `ShardDataset`.
+(digit, direction), negative = the empty prompt's embedding), `build_dataset("moving-digits:T", split)` the
+same clips T frames long (wrapping round the canvas; `moving_digits.frames_of_spec` parses the name);
+`build_dataset(path)` -> `ShardDataset`.
 Which indices each rank reads per iteration is `GlobalBatchSampler`'s job (sampler.py).
 Modules: `dataset` (LatentDataset, ImageDataset), `digits`, `moving_digits`, `shards` (ShardDataset, load_shards),
 `shard_index` (the format's checks), `safetensors_rows` (header + row reads), `shard_writer` (write_shards),
@@ -26,24 +28,26 @@ from dmd2_mega.errors import DataError
 
 from .dataset import ImageDataset, LatentDataset
 from .digits import DigitsDataset
-from .moving_digits import MovingDigitsDataset
+from .moving_digits import MovingDigitsDataset, frames_of_spec
 from .sampler import GlobalBatchSampler
 from .shard_writer import write_shards
 from .shards import ShardDataset, load_shards
 
 
 def build_dataset(spec: str, split: str = "train") -> LatentDataset:
-    """`--data` value -> dataset. 'digits' -> DigitsDataset(split); 'moving-digits' -> MovingDigitsDataset(split);
-    a directory -> ShardDataset."""
+    """`--data` value -> dataset. 'digits' -> DigitsDataset(split); 'moving-digits' -> MovingDigitsDataset(split)
+    (4 frames), 'moving-digits:T' -> MovingDigitsDataset(split, T); a directory -> ShardDataset."""
     if split not in ("train", "heldout"):
         raise DataError(f"split must be 'train' or 'heldout', got {split!r}")
     if spec == "digits":
         return DigitsDataset(split)
-    if spec == "moving-digits":
-        return MovingDigitsDataset(split)
+    frames = frames_of_spec(spec)
+    if frames is not None:
+        return MovingDigitsDataset(split, frames)
     if not spec or not os.path.isdir(spec):
-        raise DataError(f"--data must be 'digits', 'moving-digits' or a directory of safetensors shards with "
-                        f"index.json; got {spec!r}, which is not an existing directory")
+        raise DataError(f"--data must be 'digits', 'moving-digits', 'moving-digits:T' (T frames per clip) or a "
+                        f"directory of safetensors shards with index.json; got {spec!r}, which is not an existing "
+                        f"directory")
     if split != "train":
         raise DataError(f"--data {spec}: shard datasets define only split='train'; there is no "
                         f"held-out split (got split={split!r})")

@@ -1,19 +1,30 @@
 """Moving digits: an embedded, text-conditioned video set made from scikit-learn's 8x8 digits.
 
 Each clip is one 8x8 digit (`digits.py`, pixels value / 8 - 1 in [-1, 1]) sliding across a blank
-(-1) canvas of H x W = 16 x 16 over T = 4 frames, in one of 4 directions at 1 or 2 px / frame:
+(-1) canvas of H x W = 16 x 16 over T frames (`--data moving-digits`: T = FRAMES = 4; `--data moving-digits:T`:
+any T >= 2), in one of 4 directions at 1 or 2 px / frame:
     x    float32 [N, 1, T, H, W] in [-1, 1]      frame t = the digit with its top-left corner at
-                                                 (row0 + t * s * dy_d, col0 + t * s * dx_d)
+                                                 ((row0 + t * s * dy_d) mod H, (col0 + t * s * dx_d) mod W)
     direction d in 0..3 = right, left, down, up  (dy, dx) = (0, +1), (0, -1), (+1, 0), (-1, 0)
     speed s in {1, 2} px / frame                 (rows grow downwards, as in the image)
-The path is centred, so the whole 8x8 digit stays inside the canvas in every frame: across the motion
-the corner sits at (W - 8) / 2 = 4, along it the path of s (T - 1) px is centred in the 8 px of room,
-starting at (8 - s (T - 1)) // 2 (moving right / down; mirrored for left / up): speed 1 visits 2..5,
+The path is centred, so over 4 frames the whole 8x8 digit stays inside the canvas: across the motion
+the corner sits at (W - 8) / 2 = 4, along it the path of s (4 - 1) px is centred in the 8 px of room,
+starting at (8 - 3 s) // 2 (moving right / down; mirrored for left / up): speed 1 visits 2..5,
 speed 2 visits 1, 3, 5, 7. A clip is thus fixed by (glyph, direction, speed); the variety is the
 digit's handwriting and the speed. Why not a random start: a Wan transformer knows positions only
 relatively (rotary, no absolute embedding), and with random starts the (digit, direction) condition
 explains 8% of the clips' pixel variance (centred: 51%); the wan-digits teacher then did not learn
 the direction in the CPU budget (25% direction accuracy after 1,200 steps, vs 69% after 1,000 centred).
+
+Long clips live on a torus: the canvas wraps round, canvas pixel (r, c) of frame t shows glyph pixel
+((r - row_t) mod H, (c - col_t) mod W) where both are < 8 (`render`), so a digit leaving one edge re-enters at
+the opposite one, every frame holds the whole digit (its pixel mass is the same in all frames), and frame t + 1
+is frame t circularly shifted by the velocity s * (dy_d, dx_d): any T is valid and the motion never changes
+(period H / s = 16 / s frames). The start (row0, col0) is the 4-frame clip's centred one for every T, and
+the 4-frame clips never touch an edge (corners 1..7, glyph 8 px, canvas 16 px), so frames 0..3 of a T-frame
+clip equal the 4-frame clip bit for bit and `--data moving-digits` is exactly the set it was before clips had
+a length. `--data moving-digits:T` names the length in the --data string itself, which checkpoints record
+(args.train.data) and which launch/sample.py and the evals rebuild the data from (`frames_of_spec`).
 
 Conditioning is a text-like embedding, not a label, as a frozen text encoder would give it:
 the prompt "digit <k> moves <direction>" is the L = 4 tokens [digit, k, moves, direction] of the
@@ -29,19 +40,26 @@ Splits reuse `digits.split_indices()`: the train clips are made from the 1,438 t
 the held-out clips from the 359 held-out ones (no digit image in both). Every image gives
 CLIPS_PER_IMAGE = 4 clips, one per direction (so (digit, direction) is as balanced as the
 digits), with the speed from `numpy.random.RandomState(GEOMETRY_SEED + split_id)`:
-train 5,752 clips, held-out 1,436. All clips are rendered at once with tensor ops (`render`).
+train 5,752 clips, held-out 1,436 (for every T: the speeds do not depend on T). All clips are rendered at
+once with tensor ops (`render`): memory 1 KiB per frame and clip (T = 24: 141 MB for the train split).
 """
+import re
 from functools import lru_cache
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dmd2_mega.errors import DataError
 from .dataset import ImageDataset
 from .digits import NUM_CLASSES, _load, split_indices
 
 FRAMES, HEIGHT, WIDTH = 4, 16, 16
+"""FRAMES: the length of `--data moving-digits` (and the start of every longer clip's centred path)."""
+MIN_FRAMES = 2
+"""The shortest `--data moving-digits:T`: a clip shows its direction (the prompt names it) from 2 frames on."""
+SPEC = "moving-digits"
 GLYPH = 8
 """The side of a scikit-learn digit."""
 DIRECTIONS = ("right", "left", "down", "up")
@@ -60,29 +78,59 @@ PAD = 0
 
 def render(glyphs: torch.Tensor, corners: torch.Tensor) -> torch.Tensor:
     """glyphs float [N, 8, 8] in [-1, 1], corners int64 [N, T, 2] (row, col of the glyph's top-left per
-    frame, glyph inside the canvas) -> clips float32 [N, 1, T, HEIGHT, WIDTH], background -1.
+    frame, any integers: taken mod (H, W)) -> clips float32 [N, 1, T, HEIGHT, WIDTH], background -1.
 
-    Canvas pixel (r, c) of frame t reads glyph pixel (r - row_t, c - col_t) where that lies in the glyph."""
-    rows = torch.arange(HEIGHT).view(1, 1, HEIGHT, 1) - corners[..., 0, None, None]  # [N, T, H, 1]
-    cols = torch.arange(WIDTH).view(1, 1, 1, WIDTH) - corners[..., 1, None, None]   # [N, T, 1, W]
-    inside = (rows >= 0) & (rows < GLYPH) & (cols >= 0) & (cols < GLYPH)             # [N, T, H, W]
-    flat = rows.clamp(0, GLYPH - 1) * GLYPH + cols.clamp(0, GLYPH - 1)
-    n, t = corners.shape[:2]
-    pix = glyphs.reshape(n, 1, GLYPH * GLYPH).float().expand(n, t, -1).gather(2, flat.reshape(n, t, -1))
-    return torch.where(inside, pix.view(n, t, HEIGHT, WIDTH), -1.0).unsqueeze(1)
+    On the torus (module docstring): canvas pixel (r, c) of frame t reads glyph pixel ((r - row_t) mod H,
+    (c - col_t) mod W) where both are < 8, else the background; for a glyph inside the canvas that is the glyph
+    pasted at its corner. One gather from the glyph on a blank canvas, indexed by [N, T, H] rows x [N, T, W]
+    columns."""
+    n = len(glyphs)
+    canvas = F.pad(glyphs.float(), (0, WIDTH - GLYPH, 0, HEIGHT - GLYPH), value=-1.0)           # [N, H, W]
+    rows = (torch.arange(HEIGHT) - corners[..., 0, None]) % HEIGHT                              # [N, T, H]
+    cols = (torch.arange(WIDTH) - corners[..., 1, None]) % WIDTH                                # [N, T, W]
+    return canvas[torch.arange(n).view(n, 1, 1, 1), rows[..., :, None], cols[..., None, :]].unsqueeze(1)
 
 
-def trajectories(directions: torch.Tensor, rng: np.random.RandomState) -> Tuple[torch.Tensor, torch.Tensor]:
-    """directions int64 [N] -> (speeds int64 [N], corners int64 [N, T, 2]): a uniform speed of SPEEDS and the
-    centred path of that (direction, speed) (module docstring)."""
+def trajectories(directions: torch.Tensor, rng: np.random.RandomState,
+                 frames: int = FRAMES) -> Tuple[torch.Tensor, torch.Tensor]:
+    """directions int64 [N] -> (speeds int64 [N], corners int64 [N, T = frames, 2] in [0, H) x [0, W)): a
+    uniform speed of SPEEDS and the path of that (direction, speed) from the 4-frame clip's centred start,
+    wrapping round the torus (module docstring)."""
     n = len(directions)
     room = torch.tensor([HEIGHT - GLYPH, WIDTH - GLYPH])
     speeds = torch.as_tensor(np.asarray(SPEEDS)[rng.randint(0, len(SPEEDS), n)], dtype=torch.int64)
     step = STEPS[directions] * speeds[:, None]                          # [N, 2] px / frame
-    travel = step.abs() * (FRAMES - 1)                                   # [N, 2] px over the clip
+    travel = step.abs() * (FRAMES - 1)                                   # [N, 2] px over the 4-frame clip
     start = (room - travel) // 2 + torch.where(step < 0, travel, 0)
-    corners = start[:, None] + torch.arange(FRAMES).view(1, -1, 1) * step[:, None]
-    return speeds, corners
+    corners = start[:, None] + torch.arange(frames).view(1, -1, 1) * step[:, None]
+    return speeds, corners % torch.tensor([HEIGHT, WIDTH])
+
+
+def frames_of_spec(spec: Optional[str]) -> Optional[int]:
+    """A --data value -> the clip length it names: 'moving-digits' -> FRAMES, 'moving-digits:T' -> T, anything
+    else (digits, a shard directory) -> None. DataError naming --data unless T is an integer >= MIN_FRAMES."""
+    if spec == SPEC:
+        return FRAMES
+    if not isinstance(spec, str) or not spec.startswith(SPEC + ":"):
+        return None
+    count = spec[len(SPEC) + 1:]
+    if not re.fullmatch(r"[0-9]+", count) or int(count) < MIN_FRAMES:
+        raise DataError(f"--data {spec}: the frame count T of moving-digits:T must be an integer >= {MIN_FRAMES}, "
+                        f"got {count!r}")
+    return int(count)
+
+
+def spec_of_frames(frames: int) -> str:
+    """The --data value of clips of `frames` frames: 'moving-digits' for FRAMES, else 'moving-digits:T'."""
+    return SPEC if frames == FRAMES else f"{SPEC}:{frames}"
+
+
+def check_frames(frames) -> int:
+    """`frames` as an int; DataError (naming --data moving-digits:T) unless it is an integer >= MIN_FRAMES."""
+    if isinstance(frames, bool) or not isinstance(frames, (int, np.integer)) or frames < MIN_FRAMES:
+        raise DataError(f"--data moving-digits:T: the frame count T must be an integer >= {MIN_FRAMES}, "
+                        f"got {frames!r}")
+    return int(frames)
 
 
 @lru_cache(maxsize=1)
@@ -155,31 +203,42 @@ def balanced_pairs(n: int, start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     return k % NUM_CLASSES, (k // NUM_CLASSES) % len(DIRECTIONS)
 
 
-def make_clips(split: str):
-    """(clips float32 [N, 1, T, H, W], digit, direction, speed int64 [N], corners int64 [N, T, 2], image index
-    into `load_digits()` order int64 [N]) of a split; deterministic."""
+def clip_geometry(split: str, frames: int = FRAMES):
+    """(glyphs float64 [N, 8, 8] in [-1, 1], digit, direction, speed int64 [N], corners int64 [N, T, 2], image
+    index into `load_digits()` order int64 [N]) of a split's clips of T = `frames` frames; deterministic.
+    `render(glyphs, corners)` draws them (all, or the rows of a subset)."""
     if split not in SPLITS:
         raise DataError(f"moving-digits split must be 'train' or 'heldout', got {split!r}")
+    frames = check_frames(frames)
     images, labels = _load()
     index = torch.from_numpy(split_indices()[SPLITS.index(split)]).repeat_interleave(CLIPS_PER_IMAGE)
     direction = torch.arange(CLIPS_PER_IMAGE).repeat(len(index) // CLIPS_PER_IMAGE)
     rng = np.random.RandomState(GEOMETRY_SEED + SPLITS.index(split))
-    speed, corners = trajectories(direction, rng)
+    speed, corners = trajectories(direction, rng, frames)
     glyphs = torch.from_numpy(images)[index] / 8.0 - 1.0
-    clips = render(glyphs, corners)
-    return clips, torch.from_numpy(labels)[index], direction, speed, corners, index
+    return glyphs, torch.from_numpy(labels)[index], direction, speed, corners, index
+
+
+def make_clips(split: str, frames: int = FRAMES):
+    """(clips float32 [N, 1, T, H, W], digit, direction, speed int64 [N], corners int64 [N, T, 2], image index
+    into `load_digits()` order int64 [N]) of a split, T = `frames`; deterministic."""
+    glyphs, digit, direction, speed, corners, index = clip_geometry(split, frames)
+    return render(glyphs, corners), digit, direction, speed, corners, index
 
 
 class MovingDigitsDataset(ImageDataset):
-    """`--data moving-digits`: x float32 [N, 1, 4, 16, 16] in [-1, 1], cond float32 [N, 4, 16] (the prompt
-    embedding of (digit, direction)), negative = the empty prompt; see the module docstring."""
+    """`--data moving-digits[:T]`: x float32 [N, 1, T, 16, 16] in [-1, 1] (T = frames, default 4), cond float32
+    [N, 4, 16] (the prompt embedding of (digit, direction)), negative = the empty prompt; see the module
+    docstring."""
 
-    def __init__(self, split: str = "train"):
-        clips, digit, direction, speed, corners, index = make_clips(split)
+    def __init__(self, split: str = "train", frames: int = FRAMES):
+        clips, digit, direction, speed, corners, index = make_clips(split, frames)
         super().__init__(clips, prompt_embedding(digit, direction), num_classes=None,
-                         cond_shape=(PROMPT_LEN, EMBED_DIM), source=f"moving-digits[{split}]")
+                         cond_shape=(PROMPT_LEN, EMBED_DIM), source=f"{spec_of_frames(int(frames))}[{split}]")
         self.set_negative(empty_prompt(), f"{self.source} (the empty prompt)")
         self.split = split
+        self.frames = int(frames)
+        """T, the clip length."""
         self.digit, self.direction, self.speed = digit, direction, speed
         """int64 [N] each: the digit class, direction id (DIRECTIONS) and speed (px / frame) of every clip."""
         self.corners = corners

@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from dmd2_mega.files.atomic import atomic_path, atomic_write
+from dmd2_mega.data.moving_digits import frames_of_spec
 from dmd2_mega.data.prompts import Prompts, read_prompts
 from dmd2_mega.errors import ConfigError, DataError, EvalInputError
 from dmd2_mega.eval.grid import save_grid
@@ -49,14 +50,14 @@ PIXEL_FPS = 4
 MEDIA_SAMPLES = 8
 """Eval samples written as media when there are no --eval-prompts."""
 PIXEL_DATA = ("digits", "moving-digits")
-"""The --data values that hold pixels (shard directories hold latents)."""
+"""The --data values that hold pixels (and 'moving-digits:T'; shard directories hold latents)."""
 CRF = 18
 """x264's constant rate factor for the MP4s (18: visually lossless)."""
 
 
 def holds_pixels(data: Optional[str]) -> bool:
     """Whether a --data value holds pixels in [-1, 1] (which need no VAE), not latents."""
-    return data in PIXEL_DATA
+    return data in PIXEL_DATA or frames_of_spec(data) is not None
 
 
 def viewable_scale(height: int, width: int) -> int:

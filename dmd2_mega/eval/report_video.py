@@ -3,11 +3,13 @@
     python -m dmd2_mega.eval.report_video "teacher, 50 steps=runs/qv/samples/teacher_50step/samples.npz" \
         "student, 1 step=..." [--json metrics.json] [--gif grid.gif]
 reads each samples.npz (`images` [N, 1, T, H, W], `digits`, `directions`: launch/sample.py on a --data
-moving-digits model) and prints a Markdown table, one row per NAME=PATH: the per-frame Frechet distance (and
+moving-digits[:T] model) and prints a Markdown table, one row per NAME=PATH: the per-frame Frechet distance (and
 its ratio to the real-clips floor), digit accuracy, direction accuracy, mean speed, consistency (the digit
-kept from frame to frame) and warp error (`eval.moving_digits` defines each). --gif writes one looping GIF
-whose row r shows sample set r, column j a sample of digit j moving in direction j mod 4 (right, left, down,
-up; the first sample of digit j if that pair was not sampled; black if neither).
+kept from frame to frame) and warp error (`eval.moving_digits` defines each). Every sample set must have the
+T frames of the first (the floor and the held-out reference are per T; a one-line error names the file that
+differs). --gif writes one looping GIF of T frames whose row r shows sample set r, column j a sample of digit j
+moving in direction j mod 4 (right, left, down, up; the first sample of digit j if that pair was not sampled;
+black if neither).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from dmd2_mega.data.digits import NUM_CLASSES
 from dmd2_mega.data.moving_digits import DIRECTIONS
+from dmd2_mega.errors import EvalInputError
 from dmd2_mega.eval.moving_digits import evaluate_moving_digits, load_samples
 from dmd2_mega.eval.report import report_main
 
@@ -33,8 +36,9 @@ def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray) -> 
 
 def markdown(results: list[tuple[str, dict]]) -> str:
     floor = results[0][1]["frechet_floor"] if results else float("nan")
-    lines = [f"| model | FD per frame (floor {floor:.3f}) | FD / floor | digit acc | direction acc | speed px/frame "
-             f"| consistency | warp error |", "|---|---|---|---|---|---|---|---|"]
+    frames = results[0][1]["num_frames"] if results else "?"
+    lines = [f"| model ({frames} frames) | FD per frame (floor {floor:.3f}) | FD / floor | digit acc | direction acc "
+             f"| speed px/frame | consistency | warp error |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results:
         lines.append(f"| {name} | {r['frechet_distance']:.3f} | {r['fd_ratio']:.2f} | {100 * r['digit_accuracy']:.1f}% "
                      f"| {100 * r['direction_accuracy']:.1f}% | {r['mean_speed']:.2f} | "
@@ -43,9 +47,20 @@ def markdown(results: list[tuple[str, dict]]) -> str:
 
 
 def main(argv=None) -> int:
+    frames = None  # the first sample set's T: every other must have it
+
+    def evaluate(images, digits, directions) -> dict:
+        nonlocal frames
+        if frames is not None and np.ndim(images) == 5 and np.shape(images)[2] != frames:
+            raise EvalInputError(f"clips of {np.shape(images)[2]} frames, but the first sample set's have {frames}: "
+                                 f"one report compares sample sets of one length")
+        result = evaluate_moving_digits(images, digits, directions)
+        frames = result["num_frames"]
+        return result
+
     return report_main(argv, "python -m dmd2_mega.eval.report_video", __doc__,
-                       "NAME=PATH to a samples.npz of a --data moving-digits model", load_samples,
-                       evaluate_moving_digits, markdown, showcase)
+                       "NAME=PATH to a samples.npz of a --data moving-digits[:T] model", load_samples,
+                       evaluate, markdown, showcase)
 
 
 if __name__ == "__main__":
