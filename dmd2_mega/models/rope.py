@@ -23,20 +23,21 @@ def axis_dims(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * hw, hw, hw
 
 
-def _angles(n: int, dim: int, theta: float) -> torch.Tensor:
-    """[n, dim / 2] float64: position p, pair k -> p * theta^(-2k / dim)."""
+def _angles(n: int, dim: int, theta: float, first: int = 0) -> torch.Tensor:
+    """[n, dim / 2] float64: position p in [first, first + n), pair k -> p * theta^(-2k / dim)."""
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    return torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    return torch.outer(torch.arange(first, first + n, dtype=torch.float64), inv)
 
 
 @functools.lru_cache(maxsize=16)
 def rope_tables(grid: tuple[int, int, int], head_dim: int, theta: float = 10000.0,
-                device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [F * H * W, head_dim / 2] float32 on `device` for a token grid (F, H, W); cached per grid and
+                device: torch.device = torch.device("cpu"), first_frame: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [F * H * W, head_dim / 2] float32 on `device` for a token grid (F, H, W) whose frames are
+    first_frame .. first_frame + F - 1 (a streamed chunk's place in its video); cached per grid, offset and
     device, so a forward neither recomputes them nor copies them to the GPU (16 MB at Wan 480p)."""
     f, h, w = grid
     dt, dh, dw = axis_dims(head_dim)
-    at, ah, aw = _angles(f, dt, theta), _angles(h, dh, theta), _angles(w, dw, theta)
+    at, ah, aw = _angles(f, dt, theta, first_frame), _angles(h, dh, theta), _angles(w, dw, theta)
     ang = torch.cat([at[:, None, None].expand(f, h, w, -1), ah[None, :, None].expand(f, h, w, -1),
                      aw[None, None, :].expand(f, h, w, -1)], dim=-1).reshape(f * h * w, head_dim // 2)
     return ang.cos().float().to(device), ang.sin().float().to(device)

@@ -180,5 +180,5 @@ class CausalWan(Wan):
 def check_causal(spec: WanSpec, options: BuildOptions) -> None:
     """ConfigError for a causal build the Wan family cannot make."""
     if spec.boundary_ratio is not None:
-        raise ConfigError(f"--causal-chunk-frames: a causal student is one model; {spec.name} is Wan 2.2's two "
+        raise ConfigError(f"--causal: a causal student is one model; {spec.name} is Wan 2.2's two "
                           f"experts (distil into one expert's weights: --from-diffusers ... --subfolder transformer)")

@@ -341,9 +341,7 @@ class Wan(FamilyModel):
         split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)
         x = x.to(self.patch_embedding.weight.dtype)
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
-        cos, sin = rope_tables((first_frame + f, hh, ww), self.spec.head_dim, device=x.device)
-        if first_frame:
-            cos, sin = cos[first_frame * hh * ww:], sin[first_frame * hh * ww:]
+        cos, sin = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device, first_frame=first_frame)
         temb, mod, ctx = self._conditions(sigma, cond, f)
         temb, mod = split.enter_sp(temb), split.enter_sp(mod)  # replicated over TP: enter SP before any split
         if temb.dim() == 3 and (split.cp > 1 or split.sp > 1):  # per frame: this rank's tokens read their frame's
