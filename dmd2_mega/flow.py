@@ -14,8 +14,9 @@ A grid is N points of UNSHIFTED sigma in (0, 1], s_i = (N - i) / N (`unshifted_g
 use. Three grids are built from it here: the Euler sampler's (`sigma_grid`), the few-step student's
 (`student_sigmas`, or an explicit list) and DMD2's critic grid with its score-range mask (`critic_grid`).
 Sampling integrates dx/dsigma = v(x, sigma) from sigma = 1 (x = noise) down to sigma = 0 with
-Euler steps. The model receives sigma itself (a [B] fp32 tensor); the timestep sigma * 1000 is the
-model's business.
+Euler steps: `euler_path` over any explicit grid, keeping the states asked for; `euler_sampler` over the
+sampler's grid; teacher ODE trajectories over `trajectory_grid`, the sampler's grid through the student's points.
+The model receives sigma itself (a [B] fp32 tensor); the timestep sigma * 1000 is the model's business.
 """
 from __future__ import annotations
 
@@ -165,6 +166,56 @@ def _batch_null_cond(cond: Tensor, null_cond: Tensor) -> Tensor:
     return null_cond.expand(b, *cond.shape[1:]) if null_cond.shape[0] != b else null_cond
 
 
+def trajectory_grid(teacher_steps: int, student: Tensor, shift: float = 1.0) -> tuple[list, list]:
+    """(grid, keep): the Euler grid through the student's points, for teacher ODE trajectories.
+
+    grid: the descending float64 floats of `sigma_grid(teacher_steps, shift)`, the student sigmas `student` [N]
+    (shifted, fp32: `student_sigmas`) and 0, duplicates merged; a student point equal in fp32 to a teacher point
+    is that teacher point, so a student grid on the teacher's leaves the teacher's grid (and its Euler path) as it
+    is. keep [N]: the position in `grid` of each student point (`euler_path`'s `keep`).
+    """
+    teacher = sigma_grid(teacher_steps, shift, dtype=torch.float64).tolist()
+    as_fp32 = {float(torch.tensor(t, dtype=torch.float32)): t for t in teacher}
+    points = [as_fp32.get(s, s) for s in student.to(torch.float32).tolist()]
+    grid = sorted(set(teacher) | set(points) | {0.0}, reverse=True)
+    return grid, [grid.index(p) for p in points]
+
+
+@torch.no_grad()
+def euler_path(model_fn: ModelFn, noise: Tensor, cond: Tensor, null_cond: Optional[Tensor] = None,
+               grid: Sequence[float] = (1.0, 0.0), guidance: Union[float, Tensor] = 1.0,
+               keep: Sequence[int] = ()) -> tuple[Tensor, list]:
+    """Euler integration of dx/dsigma = v over the explicit descending grid sigma_0 > ... > sigma_M (floats; noise
+    [B, *D] is x at sigma_0): M steps x <- x + (sigma_{i+1} - sigma_i) v, v = model_fn(x, sigma_i [B] fp32, cond
+    [B, ...]), CFG as in `euler_sampler`. Returns (x at sigma_M in noise.dtype, [x at sigma_i for i in keep]); the
+    state at i = 0 is `noise` itself.
+    """
+    grid = [float(s) for s in grid]
+    if len(grid) < 2 or not all(math.isfinite(s) for s in grid) or any(b > a for a, b in zip(grid, grid[1:])):
+        raise FlowError(f"grid must be >= 2 finite, non-increasing sigmas, got {grid}")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(grid) for i in keep):
+        raise FlowError(f"keep must hold grid positions in [0, {len(grid)}), got {list(keep)}")
+    use_cfg = isinstance(guidance, Tensor) or float(guidance) != 1.0
+    b = noise.shape[0]
+    if use_cfg:
+        if null_cond is None:
+            raise FlowError(f"guidance={guidance} != 1 needs null_cond (the negative / null condition)")
+        cond_in = torch.cat([cond, _batch_null_cond(cond, null_cond)], dim=0)
+    wanted = set(keep)
+    x, states = noise, {0: noise}  # only the kept states are held
+    for i, (sig, sig_next) in enumerate(zip(grid[:-1], grid[1:])):
+        sigma = torch.full((b,), sig, dtype=torch.float32, device=noise.device)
+        if use_cfg:
+            out = model_fn(torch.cat([x, x], dim=0), torch.cat([sigma, sigma], dim=0), cond_in)
+            v = cfg_velocity(out[:b], out[b:], guidance)
+        else:
+            v = model_fn(x, sigma, cond)
+        x = x + (sig_next - sig) * v.to(x.dtype)
+        if i + 1 in wanted:
+            states[i + 1] = x
+    return x, [states[i] for i in keep]
+
+
 @torch.no_grad()
 def euler_sampler(model_fn: ModelFn, noise: Tensor, cond: Tensor, null_cond: Optional[Tensor] = None,
                   steps: int = 50, guidance: Union[float, Tensor] = 1.0, shift: float = 1.0) -> Tensor:
@@ -174,25 +225,10 @@ def euler_sampler(model_fn: ModelFn, noise: Tensor, cond: Tensor, null_cond: Opt
     each step x <- x + (sigma_next - sigma) v with v = model_fn(x, sigma [B] fp32, cond [B, ...]).
     With guidance g != 1 (or a [B] tensor g) the positive and null conditions run as ONE forward
     of batch 2B (x, sigma and cond/null_cond concatenated) and v = v_neg + g (v_pos - v_neg).
-    Returns the final x, the x0 estimate, in noise.dtype.
+    Returns the final x, the x0 estimate, in noise.dtype (`euler_path` on that grid).
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise FlowError(f"steps must be an int >= 1, got {steps!r}")
-    use_cfg = isinstance(guidance, Tensor) or float(guidance) != 1.0
-    b = noise.shape[0]
-    if use_cfg:
-        if null_cond is None:
-            raise FlowError(f"guidance={guidance} != 1 needs null_cond (the negative / null condition)")
-        cond_in = torch.cat([cond, _batch_null_cond(cond, null_cond)], dim=0)
     # Host-side grid (CPU tensor -> floats): no device syncs inside the loop.
     grid = sigma_grid(steps, shift, dtype=torch.float64).tolist() + [0.0]
-    x = noise
-    for sig, sig_next in zip(grid[:-1], grid[1:]):
-        sigma = torch.full((b,), sig, dtype=torch.float32, device=noise.device)
-        if use_cfg:
-            out = model_fn(torch.cat([x, x], dim=0), torch.cat([sigma, sigma], dim=0), cond_in)
-            v = cfg_velocity(out[:b], out[b:], guidance)
-        else:
-            v = model_fn(x, sigma, cond)
-        x = x + (sig_next - sig) * v.to(x.dtype)
-    return x
+    return euler_path(model_fn, noise, cond, null_cond, grid, guidance)[0]

@@ -8,6 +8,7 @@ Modules:
     folders --labels-from-folders: DIR/<class>/<image> -> class names + the labelled image list (ImageFolder's order)
     writer  the files: resumable shards, index.json, negative.safetensors or classes.json, report.json
     run     `prepare` (torchrun ranks, each encoding its shards) and `prepare_prompts` (--prompts-only)
+    trajectories  launch/prepare_trajectories.py: a teacher's Euler paths at the student grid, as resumable shards
 Layers: media < clips < folders, writer; vae, text; run uses them all. Nothing here imports diffusers or transformers
 at import time (only when a model folder is loaded).
 """
