@@ -3,7 +3,7 @@
 `launch/pretrain_causal_init.py`.
 
   a. Each chunk's frames come from its own path state (against a loop written here), and the loss is the x0
-     regression written out here in float64 on the same draws.
+     regression written out here in float64 on the same draws (a chunk at the context level reads the clean x0).
   b. Through the shared trainer on a trajectory set (written here: random paths of the moving-digits shape): the
      student starts at the teacher's weights and learns (the loss falls), a resume from cycle 2 continues the
      uninterrupted trace exactly, and TP = 2 (torchrun) gives the TP = 1 trace (fp32, 1e-5). Its checkpoint streams
@@ -85,9 +85,10 @@ def test_the_loss_is_the_x0_regression_in_float64():
     student = type("Role", (), {"model": Linear(method.chunks)})()
     paths = torch.randn(2, 5, 1, 7, 4, 4, generator=torch.Generator().manual_seed(1))
     got = method.loss(student, paths, None, torch.Generator().manual_seed(9))
-    k = torch.randint(4, (2, 3), generator=torch.Generator().manual_seed(9))  # the same draws
-    s = method.student_sigmas.double()[k]
-    p = paths.double()
+    k = torch.randint(5, (2, 3), generator=torch.Generator().manual_seed(9))  # the same draws; 4: the context
+    assert (k == 4).any() and (k < 4).any(), "the draws should show both kinds of level"
+    s = torch.cat([method.student_sigmas.double(), torch.zeros(1, dtype=torch.float64)])[k]
+    p = paths.double()  # p[:, 4] is x0: the clean context (--causal-context-noise 0)
     want = 0.0
     for b in range(2):
         for c, (lo, hi) in enumerate(method.chunks):

@@ -3,14 +3,17 @@ shared student trainer (`methods.base.Method`, `methods.trainer.StudentTrainer`;
 
 Data: a trajectory set (`data/trajectories.py`, written by launch/prepare_trajectories.py): per sample the teacher's
 Euler path x_{s_0}, ..., x_{s_{N-1}} at the N student sigmas and its x0. One phase, "regress" (the student alone,
-trained): per micro-batch and per chunk c of the causal layout a grid index k_c ~ U{0..N-1} from the ACTOR stream,
+trained): per micro-batch and per chunk c of the causal layout an index k_c ~ U{0..N} from the ACTOR stream,
 
     x   = the path's state at s_{k_c} on the frames of chunk c          (each chunk at its own level)
+          k_c = N: the context level s_N = --causal-context-noise, x = (1 - s_N) x0 + s_N eps (0: the clean x0)
     x0^ = x - s_{k_c} v_student(x, s [B, chunks], cond)                 (frame by frame)
     loss = mean((x0^ - x0_teacher)^2)
 
-so the block-causal student learns to map any mix of levels along the teacher's paths to the teacher's x0. The
-student starts from the teacher's weights (--teacher-load); no teacher, critic or rollout runs during training.
+so the block-causal student learns to map any mix of levels along the teacher's paths to the teacher's x0,
+including chunks that follow chunks at the context level: what streaming generation feeds it (a finished chunk is
+written to the KV cache at --causal-context-noise). The student starts from the teacher's weights
+(--teacher-load); no teacher, critic or rollout runs during training.
 """
 from __future__ import annotations
 
@@ -61,13 +64,18 @@ class CausalInitMethod:
                               f"{list(shape)}")
         self.chunks = self.layout.chunks(shape[1])
         self.student_sigmas = flow.student_sigmas(d.denoising_steps, d.student_sigmas, t.timestep_shift).to(device)
+        self.context_noise = cfg.model.causal_context_noise
+        self.levels = torch.cat([self.student_sigmas, self.student_sigmas.new_tensor([self.context_noise])])
 
     def loss(self, student, paths: torch.Tensor, cond: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """The regression loss of one micro-batch of paths [B, N + 1, *shape] (module docstring)."""
-        n, b = len(self.student_sigmas), paths.shape[0]
-        k = torch.randint(n, (b, len(self.chunks)), generator=gen, device=paths.device)
+        n, b, c = len(self.student_sigmas), paths.shape[0], self.context_noise
+        k = torch.randint(n + 1, (b, len(self.chunks)), generator=gen, device=paths.device)
+        if c > 0:  # the context level is not on the path: x0 re-noised, as the cache re-run does
+            eps = torch.randn(paths[:, -1].shape, generator=gen, device=paths.device, dtype=paths.dtype)
+            paths = torch.cat([paths[:, :-1], ((1 - c) * paths[:, -1] + c * eps)[:, None], paths[:, -1:]], 1)
         x = path_states(paths, k, self.chunks)
-        sigma = self.student_sigmas[k]  # [B, chunks]
+        sigma = self.levels[k]  # [B, chunks]
         v = student.model(x, sigma, cond).to(x.dtype)
         per_frame = torch.cat([sigma[:, i:i + 1].expand(b, e - s) for i, (s, e) in enumerate(self.chunks)], 1)
         x0 = x - per_frame[:, None, :, None, None] * v
@@ -103,7 +111,8 @@ class CausalInitMethod:
         return ""
 
     def describe(self, num_micro_batches: int, null_note: str) -> str:
-        return f"M={num_micro_batches}; student sigmas {[round(s, 4) for s in self.student_sigmas.tolist()]}"
+        return (f"M={num_micro_batches}; student sigmas {[round(s, 4) for s in self.student_sigmas.tolist()]}, "
+                f"and the context level {self.context_noise:g}")
 
     def describe_parts(self, roles: dict) -> str:
         return f"{self.layout.describe()}; {len(self.chunks)} chunks of {[e - s for s, e in self.chunks]} frames"
