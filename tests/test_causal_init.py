@@ -6,9 +6,9 @@
      regression written out here in float64 on the same draws (a chunk at the context level reads the clean x0).
   b. Through the shared trainer on a trajectory set (written here: random paths of the moving-digits shape): the
      student starts at the teacher's weights and learns (the loss falls), a resume from cycle 2 continues the
-     uninterrupted trace exactly, and TP = 2 (torchrun) gives the TP = 1 trace (fp32, 1e-5). Its checkpoint streams
-     with launch/sample.py --stream past the training length, and the streamed first chunk equals sample.py's
-     non-streamed few-step sample of the same seed.
+     uninterrupted trace exactly, and TP = 2, CP = 2 and DP = 2 (torchrun) give the world of one's trace (fp32,
+     1e-5). Its checkpoint streams with launch/sample.py --stream past the training length, and the streamed first
+     chunk equals sample.py's non-streamed few-step sample of the same seed.
   c. Bad input: no --causal, paths stored at another grid, a shard set without paths: one-line errors.
 """
 import json
@@ -119,7 +119,7 @@ def args(teacher: str, paths: str, save: str, iters: int, *more) -> list:
             *more]
 
 
-def test_init_learns_resumes_exactly_and_tp2_matches(teacher, tmp_path):
+def test_init_learns_resumes_exactly_and_tp_cp_dp_match(teacher, tmp_path):
     from launch import pretrain_causal_init
     ckpt, paths = teacher
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
@@ -151,13 +151,15 @@ def test_init_learns_resumes_exactly_and_tp2_matches(teacher, tmp_path):
     with np.load(tmp_path / "s" / "samples.npz") as s, np.load(tmp_path / "p" / "samples.npz") as p:
         np.testing.assert_allclose(s["images"][:, :, :2], p["images"][:, :, :2], rtol=0, atol=1e-6)
         assert np.abs(s["images"][:, :, 2:] - p["images"][:, :, 2:]).max() > 1e-4
-    tp2 = str(tmp_path / "tp2")
-    torchrun(2, os.path.join(ROOT, "launch", "pretrain_causal_init.py"),
-             args(ckpt, paths, tp2, 6, "--tensor-model-parallel-size", "2")).check("TP=2")
-    tp2_trace = read_trace(tp2 + ".trace.jsonl")
-    assert [r["iteration"] for r in tp2_trace] == list(range(1, 7))
-    for a, b in zip(tp2_trace, trace):
-        assert a["init-loss"] == pytest.approx(b["init-loss"], rel=1e-5), a["iteration"]
+    for name, layout in (("TP=2", ["--tensor-model-parallel-size", "2"]), ("CP=2", ["--context-parallel-size", "2"]),
+                         ("DP=2", [])):
+        run = str(tmp_path / name.replace("=", ""))
+        torchrun(2, os.path.join(ROOT, "launch", "pretrain_causal_init.py"),
+                 args(ckpt, paths, run, 6, *layout)).check(name)
+        got = read_trace(run + ".trace.jsonl")
+        assert [r["iteration"] for r in got] == list(range(1, 7)), name
+        for a, b in zip(got, trace):
+            assert a["init-loss"] == pytest.approx(b["init-loss"], rel=1e-5), (name, a["iteration"])
 
 
 # ---- c. bad input -------------------------------------------------------------------------------------------
