@@ -53,8 +53,8 @@ from dmd2_mega.data.prompts import read_prompts  # noqa: E402
 from dmd2_mega.data.moving_digits import DIRECTIONS  # noqa: E402
 from dmd2_mega.eval.grid import save_grid, save_video_grid  # noqa: E402
 from dmd2_mega.eval.npz_stream import NpzStream  # noqa: E402
-from dmd2_mega.eval.media import (check_vae, decoded, holds_pixels, media_names, require_ffmpeg,  # noqa: E402
-                                  viewable_scale, write_png, write_samples)
+from dmd2_mega.eval.media import (check_vae, holds_pixels, media_names, require_ffmpeg, viewable_scale,  # noqa: E402
+                                  write_png, write_samples)
 from dmd2_mega.models import DataShape  # noqa: E402
 from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed  # noqa: E402
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
@@ -236,12 +236,14 @@ def sample(a: argparse.Namespace) -> None:
 
 class StreamClock:
     """--stream: times the chunks as they come (the first one from the start of sampling) and writes the frames of
-    the first `n_media` samples of the first batch as PNGs, decoded by `vae` when given, chunk by chunk."""
+    the first `n_media` samples of the first batch as PNGs as each chunk comes, decoded by `vae` when given with its
+    causal cache kept between chunks (`prep.vae.StreamDecoder`: the frames are the whole clip's decode)."""
 
     def __init__(self, out: str, n_media: int, vae, device):
         self.out, self.n_media, self.vae, self.device = out, n_media, vae, device
         self.t0, self.first, self.chunks, self.frames, self.batch = None, None, 0, 0, -1
         self.written: dict = {}  # sample -> frames written
+        self.decoder = None  # --vae: the stream decoder of the first batch's media samples
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -253,8 +255,12 @@ class StreamClock:
         self.batch += first_frame == 0
         self.first = now if self.first is None else self.first
         self.chunks, self.frames, self.elapsed = self.chunks + 1, self.frames + x0.shape[-3], now
-        if self.batch == 0:  # frames numbered in order over the chunks (each chunk decoded on its own)
-            for i, pixels in zip(range(self.n_media), decoded(x0[:self.n_media], self.vae)):
+        if self.batch == 0 and self.n_media:  # the VAE's causal cache kept from chunk to chunk: the whole clip's frames
+            if first_frame == 0 and self.vae is not None:
+                self.decoder = self.vae.stream_decoder()
+            media = x0[:self.n_media]
+            media = self.decoder.decode(media) if self.vae is not None else media
+            for i, pixels in enumerate(media.float().cpu()):
                 folder = os.path.join(self.out, "stream", f"{i:03d}")
                 os.makedirs(folder, exist_ok=True)
                 done = self.written.get(i, 0)

@@ -37,7 +37,7 @@ from dmd2_mega.data.prompts import write_prompts
 from dmd2_mega.errors import ConfigError, EvalInputError
 from dmd2_mega.eval import media
 from dmd2_mega.train.logger import TrainLogger
-from dmd2_mega.prep.vae import LatentVAE, VAESpec
+from dmd2_mega.prep.vae import LatentVAE, StreamDecoder, VAESpec
 from launch import pretrain_dmd2, pretrain_flow
 from launch import sample as sample_script
 from tests.utils import find_tmp, world_of_one
@@ -245,26 +245,28 @@ def test_sample_vae_decodes_like_diffusers(wan_run, tmp_path, monkeypatch):
 
 @pytest.mark.integration
 def test_sample_stream_decodes_each_chunk_as_it_comes(wan_run, tmp_path, monkeypatch):
-    """sample.py --stream --vae on a causal wan-debug (chunks of 1 latent frame): the frames of each chunk are decoded
-    and written as the chunk comes (<out>/stream/<i>/frame_NNNNN.png), each chunk decoded on its own (a Wan VAE
-    makes 1 frame of 1 latent frame); the first chunk's frame is the whole clip's first decoded frame."""
+    """sample.py --stream --vae on a causal wan-debug (chunks of 1 latent frame): each chunk's frames are decoded and
+    written as the chunk comes (<out>/stream/<i>/frame_NNNNN.png) with the Wan VAE's causal cache kept between
+    chunks, so the chunks give 1 + 4 + 4 frames and together are the whole clip's decode (as the media's MP4)."""
     d, save, out = wan_run, str(tmp_path / "causal"), str(tmp_path / "out")
     with world_of_one():
         assert pretrain_flow.main(flow_argv(d, **{"--save": save, "--tensorboard-dir": None, "--eval-interval": None,
                                                  "--eval-prompts": None, "--vae": None, "--eval-steps": None,
                                                  "--eval-guidance": None}) + ["--causal", "--causal-chunk-frames", "1"]) == 0
-    got = []
-    decode = LatentVAE.decode
-    monkeypatch.setattr(LatentVAE, "decode", lambda self, z: got.append(decode(self, z)) or got[-1])
+    chunks, whole = [], []
+    stream_decode, decode = StreamDecoder.decode, LatentVAE.decode
+    monkeypatch.setattr(StreamDecoder, "decode", lambda self, z: chunks.append(stream_decode(self, z)) or chunks[-1])
+    monkeypatch.setattr(LatentVAE, "decode", lambda self, z: whole.append(decode(self, z)) or whole[-1])
     with world_of_one():
         assert sample_script.main(["--load", save, "--prompts", f"{d}/prompts.safetensors", "--vae", f"{d}/vae",
                                    "--stream", "--steps", "2", "--out", out]) == 0
     for i in range(2):
         names = sorted(os.listdir(os.path.join(out, "stream", f"{i:03d}")))
-        assert names == [f"frame_{t:05d}.png" for t in range(3)], names
-    chunks, whole = got[:6], got[6:]  # 3 chunks x 2 samples as they came, then the media's whole clips
-    assert [tuple(c.shape) for c in chunks] == [(1, 3, 1, 32, 48)] * 6 and whole[0].shape == (1, 3, 9, 32, 48)
-    assert torch.allclose(chunks[0][:, :, 0], whole[0][:, :, 0], atol=1e-5, rtol=0)
+        assert names == [f"frame_{t:05d}.png" for t in range(9)], names
+    assert [c.shape[2] for c in chunks] == [1, 4, 4] and all(c.shape[:2] == (2, 3) for c in chunks)
+    streamed = torch.cat(chunks, 2)  # [2 samples, 3, 9, 32, 48]
+    assert len(whole) == 2 and whole[0].shape == (1, 3, 9, 32, 48)
+    assert torch.allclose(streamed, torch.cat(whole), atol=1e-5, rtol=0), (streamed - torch.cat(whole)).abs().max()
 
 
 def test_sample_prompts_negative_is_cfg_negative(wan_run, tmp_path):

@@ -210,5 +210,43 @@ class LatentVAE:
         raw = self.spec.denormalise(latents.to(self.device)).to(self.dtype)
         return self.model.decode(raw).sample.float().clamp(-1, 1)
 
+    def stream_decoder(self) -> "StreamDecoder":
+        """A decoder of one video's latents chunk by chunk (a causal student's stream): `StreamDecoder`."""
+        return StreamDecoder(self)
 
-__all__: Sequence[str] = ("LatentVAE", "VAESpec", "CLASSES")
+
+class StreamDecoder:
+    """Decodes a video's latents chunk by chunk, keeping the Wan VAE's causal convolution cache between chunks, as
+    `AutoencoderKLWan.decode` does between the frames of a whole clip (it decodes latent frame by frame, the first
+    one as its own "first chunk"): the chunks' frames joined are the whole clip's decode. One decoder per batch of
+    videos, its chunks in order; the VAE's own `decode` must not run in between (it clears the cache). Uses
+    diffusers' per-frame decoder step and cache (`_feat_map`, `_conv_idx`), checked present at construction."""
+
+    def __init__(self, vae: LatentVAE):
+        m = vae.model
+        if not vae.video or not all(hasattr(m, a) for a in ("clear_cache", "decoder", "post_quant_conv")):
+            raise ConfigError(f"a {vae.spec.class_name} has no causal decoder cache to decode a stream chunk by chunk")
+        self.vae, self.first = vae, True
+        m.clear_cache()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """The next chunk's normalised latents [B, C, f, h, w] -> its pixels [B, 3, frames, H, W] in [-1, 1]."""
+        vae, m = self.vae, self.vae.model
+        vae._check_layout(latents, "decode", vae.latent_channels)
+        x = m.post_quant_conv(vae.spec.denormalise(latents.to(vae.device)).to(vae.dtype))
+        out = []
+        for i in range(x.shape[2]):
+            m._conv_idx = [0]
+            step = x[:, :, i:i + 1]
+            out.append(m.decoder(step, feat_cache=m._feat_map, feat_idx=m._conv_idx, first_chunk=True) if self.first
+                       else m.decoder(step, feat_cache=m._feat_map, feat_idx=m._conv_idx))
+            self.first = False
+        pixels = torch.cat(out, 2)
+        if getattr(m.config, "patch_size", None) is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+            pixels = unpatchify(pixels, patch_size=m.config.patch_size)
+        return pixels.float().clamp(-1, 1)
+
+
+__all__: Sequence[str] = ("LatentVAE", "StreamDecoder", "VAESpec", "CLASSES")
