@@ -235,15 +235,17 @@ def sample(a: argparse.Namespace) -> None:
 
 
 class StreamClock:
-    """--stream: times the chunks as they come (the first one from the start of sampling) and writes the frames of
-    the first `n_media` samples of the first batch as PNGs as each chunk comes, decoded by `vae` when given with its
-    causal cache kept between chunks (`prep.vae.StreamDecoder`: the frames are the whole clip's decode)."""
+    """--stream: times the chunks as they come (the first one from the start of sampling; the media writing below is
+    not counted) and writes the frames of the first `n_media` samples of the first batch as PNGs as each chunk comes,
+    decoded by `vae` when given with its causal cache kept between chunks (`prep.vae.StreamDecoder`: the frames are
+    the whole clip's decode)."""
 
     def __init__(self, out: str, n_media: int, vae, device):
         self.out, self.n_media, self.vae, self.device = out, n_media, vae, device
         self.t0, self.first, self.chunks, self.frames, self.batch = None, None, 0, 0, -1
         self.written: dict = {}  # sample -> frames written
         self.decoder = None  # --vae: the stream decoder of the first batch's media samples
+        self.paused = 0.0  # seconds spent decoding and writing media: not the model's time
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -251,10 +253,11 @@ class StreamClock:
     def chunk(self, x0: torch.Tensor, first_frame: int) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        now = time.perf_counter() - (self.t0 or time.perf_counter())
+        now = time.perf_counter() - (self.t0 or time.perf_counter()) - self.paused  # the media writes not counted
         self.batch += first_frame == 0
         self.first = now if self.first is None else self.first
         self.chunks, self.frames, self.elapsed = self.chunks + 1, self.frames + x0.shape[-3], now
+        start = time.perf_counter()
         if self.batch == 0 and self.n_media:  # the VAE's causal cache kept from chunk to chunk: the whole clip's frames
             if first_frame == 0 and self.vae is not None:
                 self.decoder = self.vae.stream_decoder()
@@ -267,6 +270,7 @@ class StreamClock:
                 for t in range(pixels.shape[1]):
                     write_png(os.path.join(folder, f"frame_{done + t:05d}.png"), pixels[:, t])
                 self.written[i] = done + pixels.shape[1]
+        self.paused += time.perf_counter() - start
 
     def summary(self, how: str) -> str:
         if not self.chunks:
