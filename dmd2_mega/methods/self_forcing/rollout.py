@@ -1,0 +1,94 @@
+"""Self-Forcing's autoregressive rollout of a causal student (`models/wan/causal.py`), with backward simulation.
+
+A causal student generates each sample's whole video chunk by chunk with its KV cache. Chunk c runs the few-step
+schedule sigma_0 = 1 > ... > sigma_{N-1} (`flow.student_sigmas`) up to its exit step e_c and keeps the x0 there:
+
+    x^(0) = eps_0[chunk c]
+    for i = 0 .. e_c:
+        x0^(i) = x^(i) - sigma_i v(x^(i), sigma_i | cache)
+        i < e_c:  x^(i+1) = (1 - sigma_{i+1}) x0^(i) + sigma_{i+1} eps_{i+1}[chunk c]      (fresh noise)
+    keep x_c = x^(e_c), sigma_c = sigma_{e_c}, x0_c = x0^(e_c)
+    context_c = (1 - s) x0_c + s eps_N[chunk c],  s = --causal-context-noise (0: x0_c itself)
+    one forward at (context_c, s) writes chunk c's k / v into the cache for the chunks after it
+
+The generated video is x0 = [x0_0, ..., x0_{C-1}]: what the critic and the DMD loss read. The actor replays each
+chunk's exit step with grad from (x_c, sigma_c) over the contexts of the earlier chunks (their cache inputs), which
+is why the rollout keeps `x`, `sigma` and `context`.
+
+Exit steps: `per_chunk=True` (Self-Forcing's): e_c ~ U{0..N-1} drawn once per chunk for the whole batch; False: per
+sample and chunk. Samples that exit earlier in a chunk run on with the others (their later outputs are not kept), so
+every forward is the whole batch against one cache.
+
+Generator consumption, independent of the exit steps (so TP / CP ranks with equal generators roll out identically):
+    1. exit steps from `stop_gen` (CPU): torch.randint(0, N, (chunks,)) or (n, chunks)
+    2. from `noise_gen`: eps_0 [n, *video], then eps_1 .. eps_{N-1} (one full video each), then eps_N (the
+       context re-noise, drawn only when s > 0)
+All under torch.no_grad(). Shapes: video (C, F, H, W); x, x0hat, context [n, C, F, H, W]; sigma, exit_step
+[n, chunks] (fp32, int64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmd2_mega.errors import RolloutError
+
+
+@dataclass
+class CausalRollout:
+    """One rollout of n samples (module docstring)."""
+
+    x: Tensor          # [n, C, F, H, W]  each chunk's input at its exit step
+    sigma: Tensor      # [n, chunks] fp32 each chunk's exit level
+    x0hat: Tensor      # [n, C, F, H, W]  the generated video: each chunk's x0 at its exit step (detached)
+    context: Tensor    # [n, C, F, H, W]  what each chunk's cache was written from (at the context level)
+    cond: Tensor       # [n, ...]
+    exit_step: Tensor  # [n, chunks] int64
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+
+@torch.no_grad()
+def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator, cond: Tensor, sigmas: Tensor, *,
+                   shape, context_noise: float = 0.0, per_chunk: bool = True,
+                   dtype: torch.dtype = torch.float32) -> CausalRollout:
+    """The rollout of len(cond) samples of video `shape` (C, F, H, W) by the causal `model` (module docstring)."""
+    layout = getattr(model, "causal_layout", None)
+    if layout is None:
+        raise RolloutError("a Self-Forcing rollout needs a causal student (built with --causal)")
+    if sigmas.ndim != 1 or sigmas.numel() < 1:
+        raise RolloutError(f"sigmas must be a 1-D [N] tensor with N >= 1, got shape {tuple(sigmas.shape)}")
+    if stop_gen.device.type != "cpu":
+        raise RolloutError(f"the exit steps are drawn on the host: pass a CPU stop_gen (got {stop_gen.device})")
+    n, steps, device = cond.shape[0], sigmas.numel(), cond.device
+    chunks = layout.chunks(shape[1])
+    exits = torch.randint(0, steps, (len(chunks),) if per_chunk else (n, len(chunks)), generator=stop_gen)
+    exits = exits.expand(n, len(chunks)) if per_chunk else exits
+    eps = [torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
+           for _ in range(steps)]
+    ctx_eps = (torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
+               if context_noise > 0 else None)
+    sig = sigmas.to(device=device, dtype=torch.float32)
+    levels = sigmas.float().cpu().tolist()  # host floats (one copy, before the loop): the update's arithmetic in `dtype`
+    cache = model.new_cache()
+    x_out, x0_out, ctx_out = (torch.empty((n, *shape), device=device, dtype=dtype) for _ in range(3))
+    for c, (a, b) in enumerate(chunks):
+        last = int(exits[:, c].max())  # the batch runs until its latest exit
+        mine = exits[:, c].to(device).view(n, 1, 1, 1, 1)
+        x = eps[0][:, :, a:b]
+        for i in range(last + 1):
+            s = sig[i].expand(n)
+            x0 = x - levels[i] * model.stream_forward(x, s, cond, cache).to(dtype)
+            here = mine == i
+            x_out[:, :, a:b] = torch.where(here, x, x_out[:, :, a:b])
+            x0_out[:, :, a:b] = torch.where(here, x0, x0_out[:, :, a:b])
+            if i < last:
+                x = (1 - levels[i + 1]) * x0 + levels[i + 1] * eps[i + 1][:, :, a:b]
+        done = x0_out[:, :, a:b]
+        ctx = done if ctx_eps is None else (1 - context_noise) * done + context_noise * ctx_eps[:, :, a:b]
+        ctx_out[:, :, a:b] = ctx
+        model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
+    return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device))
