@@ -3,12 +3,14 @@ float64 per-sample transcription of Self-Forcing's loop written here: each sampl
 each chunk's schedule exactly up to its exit step (no batch, no masking), keeps x, sigma and x0 there, re-noises x0 to
 the context level and writes the chunk to its cache. Exit steps per chunk (Self-Forcing's) and per sample, a context
 level 0 and > 0, a rolling window; the generators are consumed independently of the exit steps.
+The actor's gradient path (`replay`): it reproduces the rollout's video, its weight gradient equals that of a rollout
+that keeps its graph (written here, float64), and a chunk's gradient comes from its own exit forward only.
 """
 import pytest
 import torch
 
 from dmd2_mega.errors import RolloutError
-from dmd2_mega.methods.self_forcing.rollout import causal_rollout
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, replay
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.wan.family import WanFamily
@@ -86,3 +88,72 @@ def test_a_bidirectional_model_cannot_roll_out_causally(world):
     bi = WanFamily().build(SPEC, DataShape(4, SHAPE[1:], cond_shape=(3, 16)))
     with pytest.raises(RolloutError, match="needs a causal student"):
         causal_rollout(bi, torch.Generator(), torch.Generator(), torch.zeros(1, 3, 16), SIGMAS, shape=SHAPE)
+
+
+# ---- the actor's gradient path: replay ----------------------------------------------------------------------
+
+def graph_rollout(model, cond, exits, eps):
+    """The rollout that keeps its graph, written here (per-chunk exits): the steps before each chunk's exit and the
+    cache writes without grad, the exit step with grad. Returns the video x0 with its graph."""
+    n = cond.shape[0]
+    cache, out = model.new_cache(), []
+    for c, (a, b) in enumerate(model.causal_layout.chunks(SHAPE[1])):
+        x = eps[0][:, :, a:b]
+        e = int(exits[0, c])
+        for i in range(e):
+            with torch.no_grad():
+                s = float(SIGMAS[i])
+                x0 = x - s * model.stream_forward(x, SIGMAS[i].expand(n), cond, cache)
+                x = (1 - float(SIGMAS[i + 1])) * x0 + float(SIGMAS[i + 1]) * eps[i + 1][:, :, a:b]
+        x0 = x - float(SIGMAS[e]) * model.stream_forward(x, SIGMAS[e].expand(n), cond, cache)  # with grad
+        out.append(x0)
+        with torch.no_grad():
+            model.stream_forward(x0.detach(), torch.zeros(n), cond, cache, write=True)
+    return torch.cat(out, 2)
+
+
+def grads(model, video, weight):
+    model.zero_grad()
+    (video * weight).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_replay_is_the_rollout_and_its_gradient_the_graph_keeping_rollouts(world):
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    n = 2
+    cond = torch.randn(n, 3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
+                       shape=SHAPE, dtype=torch.float64)
+    video = replay(model, r)
+    assert float((video.detach() - r.x0hat).abs().max()) <= 1e-10 * float(r.x0hat.abs().max())
+    g = torch.Generator().manual_seed(7)
+    eps = [torch.randn((n, *SHAPE), generator=g, dtype=torch.float64) for _ in range(3)]
+    weight = torch.randn(video.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    want, got = grads(model, graph_rollout(model, cond, r.exit_step.cpu(), eps), weight), grads(model, video, weight)
+    assert want.keys() == got.keys() and len(got) == len(list(model.parameters()))
+    for name, w in want.items():
+        assert float((got[name] - w).abs().max()) <= 1e-9 * max(float(w.abs().max()), 1e-12), name
+
+
+def test_a_chunks_gradient_sees_only_its_own_exit_forward(world):
+    """A loss on chunk 0 alone: its weight gradient is the same whatever the later chunks' exit inputs are; a loss
+    on the last chunk: the same whatever the earlier chunks' exit inputs are (the cache holds their contexts)."""
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    cond = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
+                       shape=SHAPE, dtype=torch.float64)
+    weight = torch.zeros(r.x.shape, dtype=torch.float64)
+    weight[:, :, :1] = 1.0  # chunk 0 is frame 0
+    before = grads(model, replay(model, r), weight)
+    r.x[:, :, 1:] += 3.0  # other exit inputs for chunks 1 and 2
+    after = grads(model, replay(model, r), weight)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # and a loss on the last chunk reads the earlier chunks through their (detached) contexts, not their exit steps
+    last = torch.zeros(r.x.shape, dtype=torch.float64)
+    last[:, :, 3:] = 1.0  # chunk 2 is frames 3-4
+    before = grads(model, replay(model, r), last)
+    r.x[:, :, :3] -= 2.0
+    after = grads(model, replay(model, r), last)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    r.context[:, :, :1] += 1.0  # the context of chunk 0 does move it
+    assert any(not torch.equal(before[k], v) for k, v in grads(model, replay(model, r), last).items())

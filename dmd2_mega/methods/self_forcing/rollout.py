@@ -13,7 +13,8 @@ schedule sigma_0 = 1 > ... > sigma_{N-1} (`flow.student_sigmas`) up to its exit 
 
 The generated video is x0 = [x0_0, ..., x0_{C-1}]: what the critic and the DMD loss read. The actor replays each
 chunk's exit step with grad from (x_c, sigma_c) over the contexts of the earlier chunks (their cache inputs), which
-is why the rollout keeps `x`, `sigma` and `context`.
+is why the rollout keeps `x`, `sigma` and `context` (`replay`): Self-Forcing's gradient path, the DMD gradient on the
+whole video reaching every chunk's exit-step output and, through the cache, nothing of the earlier chunks.
 
 Exit steps: `per_chunk=True` (Self-Forcing's): e_c ~ U{0..N-1} drawn once per chunk for the whole batch; False: per
 sample and chunk. Samples that exit earlier in a chunk run on with the others (their later outputs are not kept), so
@@ -92,3 +93,18 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
         ctx_out[:, :, a:b] = ctx
         model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
     return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device))
+
+
+def replay(model, rollout: CausalRollout, context_noise: float = 0.0) -> Tensor:
+    """The rollout's video x0 [n, C, F, H, W] again, with grad through each chunk's exit step only: chunk by chunk,
+    x0_c = x_c - sigma_c v(x_c, sigma_c | cache), the cache written without grad from the earlier chunks' contexts
+    at `context_noise` (as the rollout wrote it). Equal to the rollout's x0hat (up to float rounding)."""
+    n, cond, out = len(rollout), rollout.cond, []
+    cache = model.new_cache()
+    level = torch.full((n,), float(context_noise), device=cond.device)
+    for c, (a, b) in enumerate(model.causal_layout.chunks(rollout.x.shape[2])):
+        x, sigma = rollout.x[:, :, a:b], rollout.sigma[:, c]
+        out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * model.stream_forward(x, sigma, cond, cache).to(x.dtype))
+        with torch.no_grad():
+            model.stream_forward(rollout.context[:, :, a:b], level, cond, cache, write=True)
+    return torch.cat(out, dim=2)
