@@ -292,6 +292,11 @@ class DMD2Config:
 
     teacher_load: Optional[str] = None
     """--teacher-load: teacher checkpoint directory (Megatron layout); required."""
+    distill_method: str = "dmd2"
+    """--distill-method: dmd2 (a few-step student), or self-forcing (a causal student, --causal, on its own
+    autoregressive rollouts: `methods/self_forcing/`)."""
+    self_forcing_exit: str = "chunk"
+    """--self-forcing-exit: chunk (one exit step per chunk for the whole batch, Self-Forcing's) or sample."""
     student_load: Optional[str] = None
     """--student-load: student init (default: the teacher)."""
     critic_load: Optional[str] = None
@@ -365,6 +370,10 @@ class DMD2Config:
         for flag, v in (("--critic-adam-beta1", self.critic_adam_beta1),
                         ("--critic-adam-beta2", self.critic_adam_beta2)):
             _check(v is None or 0 <= v < 1, f"{flag} must be in [0, 1), got {v}")
+        _check(self.distill_method in ("dmd2", "self-forcing"),
+               f"--distill-method must be dmd2 or self-forcing, got {self.distill_method!r}")
+        _check(self.self_forcing_exit in ("chunk", "sample"),
+               f"--self-forcing-exit must be chunk or sample, got {self.self_forcing_exit!r}")
         _check(self.denoising_steps is None or self.denoising_steps >= 1,
                f"--dmd2-denoising-steps must be an int >= 1, got {self.denoising_steps}")
         self.denoising_steps = self._resolve_denoising_steps()

@@ -126,6 +126,8 @@ class Method(Protocol):
     #   reads_trajectories: bool   class attribute [False]: --data is a trajectory set (`data.trajectories`), whose
     #                              samples (`MicroBatch.real`) are the teacher's paths [F*B, N + 1, *shape]
     #   check_data(dataset)        ConfigError when the data does not fit the method (e.g. another student grid)
+    #   model_config(name, cfg)    the `config.ModelConfig` role `name` is built with [cfg] (Self-Forcing: a causal
+    #                              student beside a bidirectional critic and teacher)
 
 
 MethodBuilder = Callable[..., Method]  # (cfg: config.DistillConfig, shape, device) -> Method

@@ -138,7 +138,9 @@ class StudentTrainer(RunStateTrainer):
         """The role's model with its init weights: --<name>-load, else the teacher's; the method may wrap it
         (DMD2's GAN head: the critic is a GANCritic)."""
         cfg, ps, d = self.cfg, self.ps, self.cfg.dmd2
-        model = build_model(cfg.model, self.info, ps, negative=self.dataset.negative)
+        # a method may build a role otherwise (Self-Forcing: only the student is causal)
+        model_cfg = self.method.model_config(name, cfg.model) if hasattr(self.method, "model_config") else cfg.model
+        model = build_model(model_cfg, self.info, ps, negative=self.dataset.negative)
         own = getattr(d, f"{name}_load", None)
         source = own or d.teacher_load
         flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"

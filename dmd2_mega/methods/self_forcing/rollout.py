@@ -47,15 +47,24 @@ class CausalRollout:
     context: Tensor    # [n, C, F, H, W]  what each chunk's cache was written from (at the context level)
     cond: Tensor       # [n, ...]
     exit_step: Tensor  # [n, chunks] int64
+    sample_id: Tensor  # [n] int64
 
     def __len__(self) -> int:
         return self.x.shape[0]
 
+    def micro_batch(self, k: int, size: int) -> "CausalRollout":
+        """Rows [k * size, (k + 1) * size): micro-batch k of size `size` (what DMD2's critic phase reads)."""
+        if k < 0 or size < 1 or (k + 1) * size > len(self):
+            raise RolloutError(f"micro-batch {k} of size {size} is outside a rollout of {len(self)} samples")
+        sl = slice(k * size, (k + 1) * size)
+        return CausalRollout(self.x[sl], self.sigma[sl], self.x0hat[sl], self.context[sl], self.cond[sl],
+                             self.exit_step[sl], self.sample_id[sl])
+
 
 @torch.no_grad()
 def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator, cond: Tensor, sigmas: Tensor, *,
-                   shape, context_noise: float = 0.0, per_chunk: bool = True,
-                   dtype: torch.dtype = torch.float32) -> CausalRollout:
+                   shape, context_noise: float = 0.0, per_chunk: bool = True, dtype: torch.dtype = torch.float32,
+                   sample_id_offset: int = 0) -> CausalRollout:
     """The rollout of len(cond) samples of video `shape` (C, F, H, W) by the causal `model` (module docstring)."""
     layout = getattr(model, "causal_layout", None)
     if layout is None:
@@ -92,7 +101,8 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
         ctx = done if ctx_eps is None else (1 - context_noise) * done + context_noise * ctx_eps[:, :, a:b]
         ctx_out[:, :, a:b] = ctx
         model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
-    return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device))
+    ids = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
+    return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device), ids)
 
 
 def replay(model, rollout: CausalRollout, context_noise: float = 0.0) -> Tensor:

@@ -1,0 +1,93 @@
+"""Self-Forcing DMD as a method of the shared student trainer (`methods.base.Method`; --distill-method
+self-forcing, launch/pretrain_dmd2.py).
+
+DMD2's phase table, settings, critic phase (K flow-matching steps of a bidirectional critic on the generated
+videos, the bidirectional teacher's CFG score) and GAN head, with two parts of its own:
+    rollout  the causal student generates each sample's whole video chunk by chunk with its KV cache, each chunk
+             to its exit step (`rollout.causal_rollout`; exits per chunk, or per sample: --self-forcing-exit)
+    actor    the DMD gradient on the whole video reaches each chunk's exit-step output, the earlier chunks read
+             through the detached cache (`rollout.replay`, chunk by chunk)
+Only the student is causal: the critic and the teacher are built bidirectional from the same --model-size
+(`model_config`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+import kernels
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.methods.base import CycleResult, MicroBatch
+from dmd2_mega.methods.dmd2.critic import critic_phase
+from dmd2_mega.methods.dmd2.gan import NO_GAN
+from dmd2_mega.methods.dmd2.method import DMD2Method
+from dmd2_mega.methods.roles import enter_phase
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, replay
+from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS
+from dmd2_mega.train.optim import step_optimizer
+
+
+class SelfForcingMethod(DMD2Method):
+    """Self-Forcing DMD (module docstring); the members are `base.Method`'s, DMD2's where not overridden."""
+
+    name = "Self-Forcing"
+    resume_settings = DMD2_RESUME_SETTINGS + (("--distill-method", ("dmd2", "distill_method")),
+                                              ("--self-forcing-exit", ("dmd2", "self_forcing_exit")))
+
+    def __init__(self, cfg, shape: tuple, device: torch.device):
+        if not cfg.model.causal:
+            raise ConfigError("--distill-method self-forcing trains a causal student: give --causal (and "
+                              "--causal-chunk-frames; --student-load the causal init, launch/pretrain_causal_init.py)")
+        super().__init__(cfg, shape, device)
+        self.context_noise = cfg.model.causal_context_noise
+        self.per_chunk = cfg.dmd2.self_forcing_exit == "chunk"
+
+    def model_config(self, name: str, model_cfg):
+        """The student is causal; the critic and the teacher see whole videos."""
+        return model_cfg if name == "student" else replace(model_cfg, causal=False)
+
+    def cycle(self, roles: dict, batches: list[MicroBatch], hook: Optional[Callable[[str], None]] = None) -> CycleResult:
+        hook = hook or (lambda phase: None)
+        st, table, resident = self.settings, self.phases, {}
+        hook("rollout")
+        resident["rollout"] = enter_phase("rollout", roles, table)
+        student = roles["student"].model
+        rollouts = [causal_rollout(student, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas, shape=st.shape,
+                                   context_noise=self.context_noise, per_chunk=self.per_chunk,
+                                   sample_id_offset=mb.sample_id_offset) for mb in batches]
+        hook("critic")
+        resident["critic"] = enter_phase("critic", roles, table)
+        scores, metrics = critic_phase(roles["critic"], roles["teacher"], rollouts, batches, st)
+        hook("actor")
+        resident["actor"] = enter_phase("actor", roles, table)
+        scored = [r.micro_batch(st.critic_steps - 1, st.micro_batch_size) for r in rollouts]
+        metrics.update(self.actor(roles["student"], scored, scores, roles["critic"], batches))
+        forwards = torch.stack([(r.exit_step.float().mean(1) + 1).sum() for r in rollouts]).sum()
+        return CycleResult(metrics, resident, forwards)
+
+    def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch]) -> dict:
+        """One student step: the DMD loss (`kernels.dmd_loss`) on each scored video replayed with grad (plus the
+        GAN head's generator term), gradients accumulated over the micro-batches."""
+        dev, m, head = scores[0].x.device, len(scores), self.settings.gan or NO_GAN
+        inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
+        total, objective = torch.zeros((), device=dev), torch.zeros((), device=dev)
+        for j, (b, sc) in enumerate(zip(scored, scores)):
+            with student.accumulating(last=j == m - 1):
+                x0hat = replay(student.model, b, self.context_noise)
+                loss, _ = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
+                added, _ = head.actor_term(critic, x0hat, batches[j].actor_gen, sc.cond)
+                obj = loss if added is None else loss + added
+                (obj / m).backward(inputs=inputs)
+            total, objective = total + loss.detach() / m, objective + obj.detach() / m
+        norm = step_optimizer(student.optimizer, objective)
+        student.optimizer.zero_grad()
+        return {"actor-dmd-loss": total, "actor-grad_norm": norm.to(dev)}
+
+    def describe(self, num_micro_batches: int, null_note: str) -> str:
+        return (f"{super().describe(num_micro_batches, null_note)}; exit steps per "
+                f"{'chunk' if self.per_chunk else 'sample'}, cache at level {self.context_noise:g}")
+
+    def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
+        return None  # the rollout's chunked cost is not in the throughput model yet

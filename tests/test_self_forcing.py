@@ -1,0 +1,74 @@
+"""Self-Forcing DMD through the shared student trainer (issue 30; `methods/self_forcing/method.py`,
+launch/pretrain_dmd2.py --distill-method self-forcing): a causal wan-digits student beside a bidirectional critic
+and teacher, on moving digits. Checked: the roles' kinds, a finite trace whose DMD and critic losses are logged,
+resume mid-run == uninterrupted (bit for bit), TP = 2 == TP = 1 (1e-5), and the method needs --causal.
+"""
+import os
+
+import pytest
+
+from dmd2_mega.arguments import parse_dmd2_args
+from dmd2_mega.methods.self_forcing.method import SelfForcingMethod
+from dmd2_mega.methods.trainer import StudentTrainer
+from tests.utils import read_trace, torchrun, world_of_one
+
+pytestmark = pytest.mark.timeout(600)
+INTEGRATION_FIXTURES = ("teacher",)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from launch import pretrain_flow
+    save = str(tmp_path_factory.mktemp("self_forcing") / "teacher")
+    with world_of_one():
+        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
+                                   "--global-batch-size", "4", "--train-iters", "2", "--save", save]) == 0
+    return save
+
+
+def args(teacher: str, save: str, iters: int, *more) -> list:
+    return ["--model-size", "wan-digits", "--data", "moving-digits", "--distill-method", "self-forcing", "--causal",
+            "--causal-chunk-frames", "2", "--teacher-load", teacher, "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "2",
+            "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-4", "--lr-decay-iters", "100", "--train-iters", str(iters), "--log-interval", "1",
+            "--seed", "4", "--save", save, "--save-interval", "2", "--loss-trace", save + ".trace.jsonl", *more]
+
+
+def test_self_forcing_runs_resumes_exactly_and_tp2_matches(teacher, tmp_path):
+    from launch import pretrain_dmd2
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    with world_of_one():
+        tr = StudentTrainer(parse_dmd2_args(args(teacher, full, 3)), SelfForcingMethod)
+        kinds = {name: type(role.model).__name__ for name, role in tr.roles.items()}
+        assert kinds == {"student": "CausalWan", "critic": "Wan", "teacher": "Wan"}, kinds
+        tr.train()
+    trace = read_trace(full + ".trace.jsonl")
+    assert [r["iteration"] for r in trace] == [1, 2, 3]
+    assert all(set(KEYS) <= set(r) for r in trace)
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, part, 2)) == 0
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, part, 3, "--load", part)) == 0
+    resumed = read_trace(part + ".trace.jsonl")
+    assert [r["iteration"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(resumed, trace):
+        assert all(a[k] == b[k] for k in KEYS), f"iteration {a['iteration']}: the resume is not exact"
+    tp2 = str(tmp_path / "tp2")
+    torchrun(2, os.path.join(ROOT, "launch", "pretrain_dmd2.py"),
+             args(teacher, tp2, 2, "--tensor-model-parallel-size", "2")).check("TP=2")
+    got = read_trace(tp2 + ".trace.jsonl")
+    assert [r["iteration"] for r in got] == [1, 2]
+    for a, b in zip(got, trace):
+        for k in ("actor-dmd-loss", "critic-loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a["iteration"])
+
+
+def test_self_forcing_needs_a_causal_student(teacher, tmp_path, capsys):
+    from launch import pretrain_dmd2
+    argv = [a for a in args(teacher, str(tmp_path / "x"), 1) if a != "--causal"]
+    with world_of_one():
+        assert pretrain_dmd2.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--distill-method self-forcing trains a causal student: give --causal" in err and err.count("\n") == 1
