@@ -297,6 +297,8 @@ class DMD2Config:
     autoregressive rollouts: `methods/self_forcing/`)."""
     self_forcing_exit: str = "chunk"
     """--self-forcing-exit: chunk (one exit step per chunk for the whole batch, Self-Forcing's) or sample."""
+    causal_grad_chunks: Optional[int] = None
+    """--causal-grad-chunks M: self-forcing's DMD gradient reaches the last M chunks only (default: all)."""
     student_load: Optional[str] = None
     """--student-load: student init (default: the teacher)."""
     critic_load: Optional[str] = None
@@ -372,6 +374,8 @@ class DMD2Config:
             _check(v is None or 0 <= v < 1, f"{flag} must be in [0, 1), got {v}")
         _check(self.distill_method in ("dmd2", "self-forcing"),
                f"--distill-method must be dmd2 or self-forcing, got {self.distill_method!r}")
+        _check(self.causal_grad_chunks is None or self.causal_grad_chunks >= 1,
+               f"--causal-grad-chunks must be >= 1, got {self.causal_grad_chunks}")
         _check(self.self_forcing_exit in ("chunk", "sample"),
                f"--self-forcing-exit must be chunk or sample, got {self.self_forcing_exit!r}")
         _check(self.denoising_steps is None or self.denoising_steps >= 1,

@@ -157,3 +157,23 @@ def test_a_chunks_gradient_sees_only_its_own_exit_forward(world):
     assert all(torch.equal(before[k], after[k]) for k in before)
     r.context[:, :, :1] += 1.0  # the context of chunk 0 does move it
     assert any(not torch.equal(before[k], v) for k, v in grads(model, replay(model, r), last).items())
+
+
+def test_grad_chunks_keep_the_gradient_to_the_last_chunks(world):
+    """--causal-grad-chunks 2 of 3 chunks: the same video; chunk 0 carries no grad and runs no forward; the gradient
+    of a loss on the last two chunks is the full replay's."""
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    cond = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
+                       shape=SHAPE, dtype=torch.float64)
+    part, full = replay(model, r, grad_chunks=2), replay(model, r)
+    assert torch.equal(part[:, :, :1].detach(), r.x0hat[:, :, :1])
+    assert float((part.detach() - full.detach()).abs().max()) <= 1e-10 * float(full.detach().abs().max())
+    first = torch.zeros(r.x.shape, dtype=torch.float64)
+    first[:, :, :1] = 1.0  # a loss on chunk 0 alone reaches no weight
+    assert all(float(g.abs().max()) == 0 for g in grads(model, replay(model, r, grad_chunks=2), first).values())
+    weight = torch.zeros(r.x.shape, dtype=torch.float64)
+    weight[:, :, 1:] = torch.randn(weight[:, :, 1:].shape, generator=torch.Generator().manual_seed(1),
+                                   dtype=torch.float64)
+    a, b = grads(model, replay(model, r, grad_chunks=2), weight), grads(model, replay(model, r), weight)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-14) for k in a)

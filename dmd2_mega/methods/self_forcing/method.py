@@ -6,7 +6,7 @@ videos, the bidirectional teacher's CFG score) and GAN head, with two parts of i
     rollout  the causal student generates each sample's whole video chunk by chunk with its KV cache, each chunk
              to its exit step (`rollout.causal_rollout`; exits per chunk, or per sample: --self-forcing-exit)
     actor    the DMD gradient on the whole video reaches each chunk's exit-step output, the earlier chunks read
-             through the detached cache (`rollout.replay`, chunk by chunk)
+             through the detached cache (`rollout.replay`, chunk by chunk; only the last --causal-grad-chunks M)
 Only the student is causal: the critic and the teacher are built bidirectional from the same --model-size
 (`model_config`).
 """
@@ -43,6 +43,7 @@ class SelfForcingMethod(DMD2Method):
         super().__init__(cfg, shape, device)
         self.context_noise = cfg.model.causal_context_noise
         self.per_chunk = cfg.dmd2.self_forcing_exit == "chunk"
+        self.grad_chunks = cfg.dmd2.causal_grad_chunks
 
     def model_config(self, name: str, model_cfg):
         """The student is causal; the critic and the teacher see whole videos."""
@@ -75,7 +76,7 @@ class SelfForcingMethod(DMD2Method):
         total, objective = torch.zeros((), device=dev), torch.zeros((), device=dev)
         for j, (b, sc) in enumerate(zip(scored, scores)):
             with student.accumulating(last=j == m - 1):
-                x0hat = replay(student.model, b, self.context_noise)
+                x0hat = replay(student.model, b, self.context_noise, self.grad_chunks)
                 loss, _ = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
                 added, _ = head.actor_term(critic, x0hat, batches[j].actor_gen, sc.cond)
                 obj = loss if added is None else loss + added
@@ -86,8 +87,9 @@ class SelfForcingMethod(DMD2Method):
         return {"actor-dmd-loss": total, "actor-grad_norm": norm.to(dev)}
 
     def describe(self, num_micro_batches: int, null_note: str) -> str:
+        grad = "every chunk" if self.grad_chunks is None else f"the last {self.grad_chunks} chunks"
         return (f"{super().describe(num_micro_batches, null_note)}; exit steps per "
-                f"{'chunk' if self.per_chunk else 'sample'}, cache at level {self.context_noise:g}")
+                f"{'chunk' if self.per_chunk else 'sample'}, cache at level {self.context_noise:g}, gradient to {grad}")
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
         return None  # the rollout's chunked cost is not in the throughput model yet

@@ -30,6 +30,7 @@ All under torch.no_grad(). Shapes: video (C, F, H, W); x, x0hat, context [n, C, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -105,16 +106,24 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
     return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device), ids)
 
 
-def replay(model, rollout: CausalRollout, context_noise: float = 0.0) -> Tensor:
+def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunks: Optional[int] = None) -> Tensor:
     """The rollout's video x0 [n, C, F, H, W] again, with grad through each chunk's exit step only: chunk by chunk,
     x0_c = x_c - sigma_c v(x_c, sigma_c | cache), the cache written without grad from the earlier chunks' contexts
-    at `context_noise` (as the rollout wrote it). Equal to the rollout's x0hat (up to float rounding)."""
+    at `context_noise` (as the rollout wrote it). Equal to the rollout's x0hat (up to float rounding).
+    grad_chunks M (--causal-grad-chunks): only the last M chunks carry grad (Self-Forcing's last-21-frames rule);
+    the others are the rollout's x0hat as they are, with no forward."""
     n, cond, out = len(rollout), rollout.cond, []
     cache = model.new_cache()
     level = torch.full((n,), float(context_noise), device=cond.device)
-    for c, (a, b) in enumerate(model.causal_layout.chunks(rollout.x.shape[2])):
+    spans = model.causal_layout.chunks(rollout.x.shape[2])
+    first_grad = 0 if grad_chunks is None else max(0, len(spans) - grad_chunks)
+    for c, (a, b) in enumerate(spans):
         x, sigma = rollout.x[:, :, a:b], rollout.sigma[:, c]
-        out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * model.stream_forward(x, sigma, cond, cache).to(x.dtype))
+        if c < first_grad:
+            out.append(rollout.x0hat[:, :, a:b])
+        else:
+            v = model.stream_forward(x, sigma, cond, cache).to(x.dtype)
+            out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * v)
         with torch.no_grad():
             model.stream_forward(rollout.context[:, :, a:b], level, cond, cache, write=True)
     return torch.cat(out, dim=2)

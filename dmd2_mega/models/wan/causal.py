@@ -14,8 +14,9 @@ Two forward paths compute the same thing:
   ranges each chunk sees (`BlockCausal`), dense calls with no mask.
 - `stream_forward` (generation): one chunk at a time with a `KVCache`: per layer this rank's self-attention
   k / v of the earlier chunks it still sees (its heads under TP; under CP the head group the all-to-all gives it,
-  over every token), and the text's k / v, computed once. With `write=True` the chunk's own k / v join the cache
-  and chunks that no later chunk sees are evicted (the rolling window); rotary positions keep counting.
+  over every token), and the text's k / v, computed once (per grad mode). With `write=True` the chunk's own
+  k / v join the cache and chunks that no later chunk sees are evicted (the rolling window); rotary positions
+  keep counting.
 """
 from __future__ import annotations
 
@@ -65,11 +66,12 @@ class KVCache:
         self.layout, self.chunks, self.frames = layout, 0, 0
         self.self_kv: list[dict] = [{} for _ in range(num_layers)]
         self.text: list[Optional[tuple]] = [None] * num_layers
+        self.text_grad: list[Optional[tuple]] = [None] * num_layers  # computed with grad: for forwards with grad
 
     def nbytes(self) -> int:
         """Bytes held on this rank (self-attention k / v and the text's)."""
         held = [t for layer in self.self_kv for kv in layer.values() for t in kv]
-        held += [t for kv in self.text if kv is not None for t in kv]
+        held += [t for kv in self.text + self.text_grad if kv is not None for t in kv]
         return sum(t.numel() * t.element_size() for t in held)
 
     def step(self, write: bool) -> "_CachedStep":
@@ -106,7 +108,9 @@ class _CachedStep:
                       backend)
 
     def text_kv(self, compute: Callable):
-        text = self.cache.text
+        """The text's k / v of this layer, computed once per grad mode: a forward with grad (a training replay)
+        must not read k / v computed without it, or the text's projections would get no gradient."""
+        text = self.cache.text_grad if torch.is_grad_enabled() else self.cache.text
         if text[self.i] is None:
             text[self.i] = compute()
         return text[self.i]
