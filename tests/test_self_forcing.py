@@ -1,7 +1,8 @@
 """Self-Forcing DMD through the shared student trainer (issue 30; `methods/self_forcing/method.py`,
 launch/pretrain_dmd2.py --distill-method self-forcing): a causal wan-digits student beside a bidirectional critic
 and teacher, on moving digits. Checked: the roles' kinds, a finite trace whose DMD and critic losses are logged,
-resume mid-run == uninterrupted (bit for bit), TP = 2 == TP = 1 (1e-5), and the method needs --causal.
+resume mid-run == uninterrupted (bit for bit), TP = 2, CP = 2 and DP = 2 == the world of one (1e-5), and the method
+needs --causal.
 """
 import os
 
@@ -36,7 +37,7 @@ def args(teacher: str, save: str, iters: int, *more) -> list:
             "--seed", "4", "--save", save, "--save-interval", "2", "--loss-trace", save + ".trace.jsonl", *more]
 
 
-def test_self_forcing_runs_resumes_exactly_and_tp2_matches(teacher, tmp_path):
+def test_self_forcing_runs_resumes_exactly_and_tp_cp_dp_match(teacher, tmp_path):
     from launch import pretrain_dmd2
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     with world_of_one():
@@ -55,14 +56,19 @@ def test_self_forcing_runs_resumes_exactly_and_tp2_matches(teacher, tmp_path):
     assert [r["iteration"] for r in resumed] == [1, 2, 3]
     for a, b in zip(resumed, trace):
         assert all(a[k] == b[k] for k in KEYS), f"iteration {a['iteration']}: the resume is not exact"
-    tp2 = str(tmp_path / "tp2")
-    torchrun(2, os.path.join(ROOT, "launch", "pretrain_dmd2.py"),
-             args(teacher, tp2, 2, "--tensor-model-parallel-size", "2")).check("TP=2")
-    got = read_trace(tp2 + ".trace.jsonl")
-    assert [r["iteration"] for r in got] == [1, 2]
-    for a, b in zip(got, trace):
-        for k in ("actor-dmd-loss", "critic-loss"):
-            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a["iteration"])
+    wide = str(tmp_path / "wide")  # the world of one at DP=2's global batch (2 micro-batches accumulated)
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, wide, 2, "--global-batch-size", "4")) == 0
+    for name, layout, want in (("TP=2", ["--tensor-model-parallel-size", "2"], trace),
+                               ("CP=2", ["--context-parallel-size", "2"], trace),
+                               ("DP=2", ["--global-batch-size", "4"], read_trace(wide + ".trace.jsonl"))):
+        run = str(tmp_path / name.replace("=", ""))
+        torchrun(2, os.path.join(ROOT, "launch", "pretrain_dmd2.py"), args(teacher, run, 2, *layout)).check(name)
+        got = read_trace(run + ".trace.jsonl")
+        assert [r["iteration"] for r in got] == [1, 2], name
+        for a, b in zip(got, want):
+            for k in ("actor-dmd-loss", "critic-loss"):
+                assert a[k] == pytest.approx(b[k], rel=1e-5), (name, k, a["iteration"])
 
 
 def test_self_forcing_needs_a_causal_student(teacher, tmp_path, capsys):
