@@ -177,3 +177,24 @@ def test_grad_chunks_keep_the_gradient_to_the_last_chunks(world):
                                    dtype=torch.float64)
     a, b = grads(model, replay(model, r, grad_chunks=2), weight), grads(model, replay(model, r), weight)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-14) for k in a)
+
+
+def test_replay_under_recompute_gives_the_same_gradient(world):
+    """--recompute-granularity full: the parallel pass recomputes its blocks in backward; a streamed (cached) replay
+    does not (its cache is state), and either way the gradient is the one without recompute."""
+    from dataclasses import replace as dc_replace
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    again = WanFamily().build(SPEC, DataShape(4, SHAPE[1:], cond_shape=(3, 16)),
+                              options=dc_replace(model.options, recompute=True)).double()
+    again.load_state_dict(model.state_dict())
+    model.train(), again.train()
+    cond = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
+                       shape=SHAPE, dtype=torch.float64)
+    weight = torch.randn(r.x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b = grads(model, replay(model, r), weight), grads(again, replay(again, r), weight)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-14) for k in a)
+    x = torch.randn(2, *SHAPE, dtype=torch.float64)
+    sigma = torch.rand(2, 3, dtype=torch.float64).float()
+    a, b = grads(model, model(x, sigma, cond), weight), grads(again, again(x, sigma, cond), weight)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-14) for k in a)

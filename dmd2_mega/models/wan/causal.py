@@ -45,6 +45,8 @@ class BlockCausal:
         self.spans = [(a * per_frame, b * per_frame, layout.key_ranges(i, frames, per_frame))
                       for i, (a, b) in enumerate(layout.chunks(frames))]
 
+    stateless = True  # recompute in backward may run it again
+
     def layer(self, i: int) -> "BlockCausal":
         return self
 
@@ -87,14 +89,16 @@ class KVCache:
 
 
 class _CachedStep:
-    """One chunk's forward against a `KVCache` (the mixer of `Wan._forward`); writes its k / v when asked."""
+    """One chunk's forward against a `KVCache` (the mixer of `Wan._forward`); writes its k / v when asked.
+    Stateful (it reads and fills the cache), so `Wan._block` does not recompute it in backward."""
 
-    def __init__(self, cache: KVCache, write: bool):
-        self.cache, self.write, self.i = cache, write, 0
+    stateless = False
+
+    def __init__(self, cache: KVCache, write: bool, i: int = 0):
+        self.cache, self.write, self.i = cache, write, i
 
     def layer(self, i: int) -> "_CachedStep":
-        self.i = i
-        return self
+        return _CachedStep(self.cache, self.write, i)
 
     def self_attention(self, q, k, v, backend: str) -> torch.Tensor:
         cache, i = self.cache, self.i

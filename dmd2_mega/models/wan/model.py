@@ -357,7 +357,8 @@ class Wan(FamilyModel):
 
     def _block(self, i: int, h, ctx, mod, rope, split, mixer=None):
         blk, mixer = self.blocks[i], mixer.layer(i) if mixer is not None else None
-        if self.options.recompute and self.training and torch.is_grad_enabled():
+        # a stateful mixer (a KV cache being read and filled) is not re-run in backward: the recompute would differ
+        if self.options.recompute and self.training and torch.is_grad_enabled() and (mixer is None or mixer.stateless):
             return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, split, mixer, use_reentrant=False)
         return blk(h, ctx, mod, rope, split, mixer)
 
