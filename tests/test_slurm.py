@@ -491,3 +491,34 @@ def test_sit_outside_an_allocation_refuses_to_launch(tmp_path):
     res = run_script(SIT, env)
     assert res.returncode == 2 and "not inside a SLURM allocation" in res.stderr and "DRY_RUN=1" in res.stderr
     assert "torchrun" not in res.stdout
+
+
+# ---- the Self-Forcing recipe: the Wan body with a causal student and Self-Forcing's settings ------------------
+
+SELF_FORCING = "launch/slurm/self_forcing_wan2.1_1.3b.sbatch"
+
+
+def test_self_forcing_dry_run_plans_the_causal_student_with_self_forcings_settings(tmp_path):
+    env = wan_env("1.3b", tmp_path, fake_python(tmp_path), STUDENT_LOAD="/ckpt/causal init", GRAD_CHUNKS="7")
+    res = run_script(SELF_FORCING, env)
+    assert res.returncode == 0, res.stderr
+    table_call = shlex.split((tmp_path / "calls.txt").read_text().splitlines()[0])
+    assert contains_run(table_call, ["--causal", "--causal-chunk-frames", "3"])  # the planner sizes the KV cache
+    assert option(table_call, "--dmd2-student-sigmas", 4) == ["1", "0.75", "0.5", "0.25"]
+    assert "--dmd2-denoising-steps" not in table_call and option(table_call, "--dmd2-teacher-guidance-scale") == ["3"]
+    (cmd,) = node_commands(res.stdout)
+    a = get_args_parser().parse_args(cmd[1:])
+    assert a.training_script == "launch/pretrain_dmd2.py" and contains_run(a.training_script_args, LAYOUT)
+    cfg = parse_dmd2_args(a.training_script_args)
+    d, o = cfg.dmd2, cfg.optim
+    assert (d.distill_method, d.causal_grad_chunks, d.student_load) == ("self-forcing", 7, "/ckpt/causal init")
+    assert cfg.model.causal and cfg.model.causal_chunk_frames == 3 and cfg.model.causal_context_noise == 0.0
+    assert d.student_sigmas == [1.0, 0.75, 0.5, 0.25] and d.denoising_steps == 4 and d.critic_steps_per_rollout == 5
+    assert cfg.train.timestep_shift == 5.0 and d.teacher_guidance_scale == 3.0 and cfg.ema.decay == 0.99
+    assert (o.lr, o.adam_beta1, o.adam_beta2) == (2e-6, 0.0, 0.999)
+    assert (d.critic_lr, d.critic_adam_beta1, d.critic_adam_beta2) == (4e-7, 0.0, 0.999)
+
+
+def test_self_forcing_recipe_needs_the_causal_init(tmp_path):
+    res = run_script(SELF_FORCING, wan_env("1.3b", tmp_path, fake_python(tmp_path)))
+    assert res.returncode == 2 and "set STUDENT_LOAD (the causal init" in res.stderr

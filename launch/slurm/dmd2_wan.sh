@@ -13,6 +13,10 @@
 # GLOBAL_BATCH_SIZE (unset: micro x DP), TRAIN_ITERS, LR, CRITIC_LR, EMA_DECAY, TIMESTEP_SHIFT (3, Wan's shift
 # at 480p; 5 at 720p), DENOISING_STEPS, CRITIC_STEPS, GUIDANCE (5, Wan 2.1's CFG scale), SAVE_INTERVAL,
 # TENSORBOARD_DIR, EXTRA_ARGS (appended, split on spaces; e.g. "--exit-signal-handler" on preemptible nodes).
+# A recipe for another method or a causal student also sets (all split on spaces): METHOD_ARGS (the trainer's, e.g.
+# "--distill-method self-forcing"), CAUSAL_ARGS (the model's, e.g. "--causal --causal-chunk-frames 3": given to the
+# planner too, which then plans the KV cache), STUDENT_SIGMAS (--dmd2-student-sigmas instead of
+# --dmd2-denoising-steps) and STUDENT_LOAD (--student-load, e.g. the causal init).
 DRY_RUN=${DRY_RUN:-0}
 if [[ "$DRY_RUN" == 1 ]]; then  # a fake allocation, so the dry run works without SLURM
     : "${SLURM_JOB_ID:=0}" "${SLURM_NNODES:=$DRY_NODES}" "${SLURM_NODEID:=0}" "${SLURM_JOB_NODELIST:=$DRY_NODELIST}"
@@ -54,11 +58,18 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} CUDA_DEVICE_MAX_CONNECTIONS=1
 # The layout: launch/plan_memory.py searches TP x CP x DP (and SP, distributed optimizer, recompute, offload)
 # for the allocation's GPUs; its table goes to the log, and --emit-flags prints the chosen trainer flags.
 read -r -a LATENT <<< "${LATENT_SHAPE:-16 21 60 104}"
+# shellcheck disable=SC2206  # split on purpose (the header's knobs)
+CAUSAL=(${CAUSAL_ARGS:-}) METHOD=(${METHOD_ARGS:-}) SIGMAS=(${STUDENT_SIGMAS:-})
+if [[ ${#SIGMAS[@]} -gt 0 ]]; then
+    GRID=(--dmd2-student-sigmas "${SIGMAS[@]}")
+else
+    GRID=(--dmd2-denoising-steps "$DENOISING_STEPS")
+fi
 PLAN=("$PYTHON" "$REPO/launch/plan_memory.py" --model-size "$PLAN_MODEL" --latent-shape "${LATENT[@]}"
       --text-len "${TEXT_LEN:-512}" --micro-batch-size "$MICRO_BATCH_SIZE" --bf16
-      --dmd2-critic-steps-per-rollout "$CRITIC_STEPS" --dmd2-denoising-steps "$DENOISING_STEPS"
+      --dmd2-critic-steps-per-rollout "$CRITIC_STEPS" "${GRID[@]}"
       --dmd2-teacher-guidance-scale "$GUIDANCE" --gpu-memory-gb "${GPU_MEMORY_GB:-${GPU_MEMORY_GIB:-80}}"
-      --world-size "$((SLURM_NNODES * GPUS_PER_NODE))" --gpus-per-node "$GPUS_PER_NODE" --search)
+      --world-size "$((SLURM_NNODES * GPUS_PER_NODE))" --gpus-per-node "$GPUS_PER_NODE" --search "${CAUSAL[@]}")
 plan_failed() {
     echo "error: the memory planner launch/plan_memory.py failed (exit $1), so there is no layout to launch:" >&2
     { printf '  '; printf '%q ' "${PLAN[@]}" "${@:2}"; echo; } >&2
@@ -81,7 +92,7 @@ DISTRIBUTED_ARGS=(
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
 )
 MODEL_ARGS=(  # a converted checkpoint folder is a --model-size: its config.json is the spec
-    --model-size "$TEACHER" --attention-backend "${ATTENTION_BACKEND:-sdpa}" --transformer-impl local
+    --model-size "$TEACHER" --attention-backend "${ATTENTION_BACKEND:-sdpa}" --transformer-impl local "${CAUSAL[@]}"
 )
 MODEL_PARALLEL_ARGS=("${PLAN_FLAGS[@]}")
 TRAINING_ARGS=(
@@ -89,12 +100,12 @@ TRAINING_ARGS=(
     --train-iters "${TRAIN_ITERS:-3000}" --lr "${LR:-2e-6}" --lr-decay-style constant
     --weight-decay 0.0 --clip-grad 1.0 --bf16 --timestep-shift "${TIMESTEP_SHIFT:-3}"
 )
-# the student and the critic start from the teacher (no --student-load / --critic-load); which roles sleep
+# the student and the critic start from the teacher unless STUDENT_LOAD is set; which roles sleep
 # between phases (--offload-roles ROLE[,ROLE], --offload-inactive or --no-offload-inactive) is part of the
 # planner's layout
 DMD2_ARGS=(
-    --teacher-load "$TEACHER" ${CRITIC_LR:+--critic-lr "$CRITIC_LR"}
-    --dmd2-denoising-steps "$DENOISING_STEPS" --dmd2-critic-steps-per-rollout "$CRITIC_STEPS"
+    "${METHOD[@]}" --teacher-load "$TEACHER" ${STUDENT_LOAD:+--student-load "$STUDENT_LOAD"}
+    ${CRITIC_LR:+--critic-lr "$CRITIC_LR"} "${GRID[@]}" --dmd2-critic-steps-per-rollout "$CRITIC_STEPS"
     --dmd2-teacher-guidance-scale "$GUIDANCE" --dmd2-critic-scoring shared
     --ema-decay "${EMA_DECAY:-0.99}"
 )
