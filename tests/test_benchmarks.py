@@ -61,3 +61,14 @@ def test_plan_vs_measured_shapes_and_layouts_follow_the_family():
     assert list(plan_vs_measured.layouts(ms)) == ["TP=2"]  # the DiT does not split tokens: no CP, no SP
     x, sigma, cond = plan_vs_measured.inputs(ms, 3)
     assert x.shape == (3, 4, 8, 8) and sigma.shape == (3,) and cond.shape == (3,) and int(cond.max()) < 10
+
+
+def test_streaming_benchmark_runs_and_prints_its_ratio(capsys):
+    """benchmarks/bench_streaming.py at a tiny size (nothing timed is asserted): its table and acceptance line."""
+    from benchmarks import bench_streaming
+    assert bench_streaming.main(["--latent", "1", "2", "16", "16", "--chunk-frames", "1", "--batch", "1",
+                                 "--steps", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("window ", "full causal "))]
+    assert [r[0] for r in rows] == ["window"] * 3 + ["full"] * 3
+    assert "acceptance: streaming per-chunk time 2T / T with the window <= 1.2:" in out
