@@ -38,7 +38,8 @@ from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.train.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
 from dmd2_mega.config import ModelConfig, ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models import FAMILIES, BuildOptions, DataShape, FamilyModel, ModelFamily, ModelSize, get_size, source_family
+from dmd2_mega.models import (FAMILIES, BuildOptions, DataShape, FamilyModel, ModelFamily, ModelSize, get_size,
+                              source_family)
 from dmd2_mega.distributed.parallel import ParallelState, init_distributed, tp_partition_dim
 from dmd2_mega.files.staging import check_free, staged_output
 

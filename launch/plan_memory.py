@@ -26,9 +26,9 @@ built models in tests/test_plan_memory.py); activations are an estimate (see tha
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
 --causal (with the trainer's --causal-chunk-frames N, --causal-local-attn-chunks W, --causal-sink-chunks S:
 `models/causal.CausalLayout`) plans a causal student's KV cache at the layout planned (or chosen): per layer, per
-rank and over the TP x CP ranks, at its peak over the chunks, for streaming generation of --stream-frames F latent frames (default the data's) and
-for the training-time rollout (the same stream over the data's frames at the micro-batch), each with one chunk's
-no-grad forward (`memory_plan.kv_cache_plan`):
+rank and over the TP x CP ranks, at its peak over the chunks, for streaming generation of --stream-frames F latent
+frames (default the data's) and for the training-time rollout (the same stream over the data's frames at the
+micro-batch), each with one chunk's no-grad forward (`memory_plan.kv_cache_plan`):
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
         --micro-batch-size 1 --bf16 --world-size 64 --search --causal --causal-chunk-frames 3 --stream-frames 63
 --search tries every layout of --world-size GPUs (TP inside a node, CP, DP, recompute, offload), prints

@@ -250,9 +250,9 @@ def test_sample_stream_decodes_each_chunk_as_it_comes(wan_run, tmp_path, monkeyp
     chunks, so the chunks give 1 + 4 + 4 frames and together are the whole clip's decode (as the media's MP4)."""
     d, save, out = wan_run, str(tmp_path / "causal"), str(tmp_path / "out")
     with world_of_one():
-        assert pretrain_flow.main(flow_argv(d, **{"--save": save, "--tensorboard-dir": None, "--eval-interval": None,
-                                                 "--eval-prompts": None, "--vae": None, "--eval-steps": None,
-                                                 "--eval-guidance": None}) + ["--causal", "--causal-chunk-frames", "1"]) == 0
+        argv = flow_argv(d, **{"--save": save, "--tensorboard-dir": None, "--eval-interval": None,
+                               "--eval-prompts": None, "--vae": None, "--eval-steps": None, "--eval-guidance": None})
+        assert pretrain_flow.main(argv + ["--causal", "--causal-chunk-frames", "1"]) == 0
     chunks, whole = [], []
     stream_decode, decode = StreamDecoder.decode, LatentVAE.decode
     monkeypatch.setattr(StreamDecoder, "decode", lambda self, z: chunks.append(stream_decode(self, z)) or chunks[-1])

@@ -184,7 +184,8 @@ def test_cli_prints_the_kv_cache_section(capsys):
 
 @pytest.mark.parametrize("flags,error", [
     (["--stream-frames", "30"], "--stream-frames: the length of a causal student's streamed generation; add --causal"),
-    (["--causal", "--causal-local-attn-chunks", "2", "--causal-sink-chunks", "-1"], "--causal-sink-chunks must be >= 0"),
+    (["--causal", "--causal-local-attn-chunks", "2", "--causal-sink-chunks", "-1"],
+     "--causal-sink-chunks must be >= 0"),
     (["--causal", "--causal-sink-chunks", "1"], "give --causal-local-attn-chunks W too"),
     (["--causal", "--causal-chunk-frames", "0"], "--causal-chunk-frames must be >= 1"),
     (["--causal", "--stream-frames", "0"], "--stream-frames must be >= 1, got 0"),

@@ -33,7 +33,8 @@ def args(teacher: str, save: str, iters: int, *more) -> list:
     return ["--model-size", "wan-digits", "--data", "moving-digits", "--distill-method", "self-forcing", "--causal",
             "--causal-chunk-frames", "2", "--teacher-load", teacher, "--micro-batch-size", "2",
             "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "2",
-            "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-4", "--lr-decay-iters", "100", "--train-iters", str(iters), "--log-interval", "1",
+            "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-4", "--lr-decay-iters", "100",
+            "--train-iters", str(iters), "--log-interval", "1",
             "--seed", "4", "--save", save, "--save-interval", "2", "--loss-trace", save + ".trace.jsonl", *more]
 
 

@@ -466,8 +466,9 @@ def describe_passes(p: dict, drawn: float) -> str:
     return (f"cost model: F = one forward of B samples, backward {p['plain_step'] - 1:g}F, optimizer steps not "
             f"counted; rollout K(N+1)/2 = {p['rollout']:g}F (drawn stop steps: {drawn:.2f}F), critic {p['critic']:g}F, "
             f"scoring {p['scoring']:g}F (original +1F), actor {p['actor']:g}F: cycle {p['cycle']:g}F; plain step "
-            f"{p['plain_step']:g}F -> nominal minimum {p['cycle'] / p['plain_step']:.2f} plain steps (the analytic minimum "
-            "below costs the K + 1 steps at the measured plain step, the forward-only passes at the measured F)")
+            f"{p['plain_step']:g}F -> nominal minimum {p['cycle'] / p['plain_step']:.2f} plain steps (the analytic "
+            "minimum below costs the K + 1 steps at the measured plain step, the forward-only passes at the measured "
+            "F)")
 
 
 def cycle_summary(t: dict, passes: dict, *, k: int, b: int, drawn: float, flops_per_sample: int,
@@ -496,7 +497,8 @@ def cycle_summary(t: dict, passes: dict, *, k: int, b: int, drawn: float, flops_
     tflops = flops / (t["cycle"] * 1e-3) / 1e12
     out = {"overhead ratio (cycle / sum of phases)": t["cycle"] / t["phases"], "cycle in plain steps": units,
            "plain step in F (measured)": p, "analytic minimum in plain steps": floor,
-           "nominal minimum (backward as the cost model)": passes["cycle"] / passes["plain_step"], "cycle / analytic minimum": units / floor,
+           "nominal minimum (backward as the cost model)": passes["cycle"] / passes["plain_step"],
+           "cycle / analytic minimum": units / floor,
            "rollout / (drawn sample-forwards x F/B)": t["in_rollout"] / (drawn * t["F"]),
            "fwd of K*B / (K F)": t["F_KB"] / (k * t["F"]),
            "cycle without rollout / its analytic minimum": (t["cycle"] - t["in_rollout"]) / t["plain"] / rest_floor,

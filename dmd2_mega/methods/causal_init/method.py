@@ -81,7 +81,8 @@ class CausalInitMethod:
         x0 = x - per_frame[:, None, :, None, None] * v
         return (x0.float() - paths[:, -1].float()).square().mean()
 
-    def cycle(self, roles: dict, batches: list[MicroBatch], hook: Optional[Callable[[str], None]] = None) -> CycleResult:
+    def cycle(self, roles: dict, batches: list[MicroBatch],
+              hook: Optional[Callable[[str], None]] = None) -> CycleResult:
         (hook or (lambda phase: None))("regress")
         resident = {"regress": enter_phase("regress", roles, self.phases)}
         student, m = roles["student"], len(batches)

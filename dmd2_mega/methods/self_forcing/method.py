@@ -49,7 +49,8 @@ class SelfForcingMethod(DMD2Method):
         """The student is causal; the critic and the teacher see whole videos."""
         return model_cfg if name == "student" else replace(model_cfg, causal=False)
 
-    def cycle(self, roles: dict, batches: list[MicroBatch], hook: Optional[Callable[[str], None]] = None) -> CycleResult:
+    def cycle(self, roles: dict, batches: list[MicroBatch],
+              hook: Optional[Callable[[str], None]] = None) -> CycleResult:
         hook = hook or (lambda phase: None)
         st, table, resident = self.settings, self.phases, {}
         hook("rollout")

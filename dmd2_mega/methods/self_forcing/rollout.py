@@ -83,7 +83,7 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
     ctx_eps = (torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
                if context_noise > 0 else None)
     sig = sigmas.to(device=device, dtype=torch.float32)
-    levels = sigmas.float().cpu().tolist()  # host floats (one copy, before the loop): the update's arithmetic in `dtype`
+    levels = sigmas.float().cpu().tolist()  # host floats (one copy, before the loop): the updates' maths in `dtype`
     cache = model.new_cache()
     x_out, x0_out, ctx_out = (torch.empty((n, *shape), device=device, dtype=dtype) for _ in range(3))
     for c, (a, b) in enumerate(chunks):
