@@ -25,6 +25,7 @@ from dmd2_mega.data.trajectories import TrajectoryDataset
 from dmd2_mega.errors import DataError
 from dmd2_mega.methods.causal_init.method import CausalInitMethod, path_states
 from dmd2_mega.methods.trainer import StudentTrainer
+from dmd2_mega.models.causal import CausalLayout
 from tests.utils import read_trace, torchrun, world_of_one
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,9 +58,11 @@ def write_paths(root: str, n: int = 24, sigmas=GRID, with_paths: bool = True, se
 
 def test_each_chunk_reads_its_own_path_state():
     paths = torch.randn(3, 5, 2, 7, 2, 3)  # [B, N + 1, C, F, H, W]
-    chunks = [(0, 1), (1, 4), (4, 7)]
+    layout = CausalLayout(3)
+    chunks = layout.chunks(7)
+    assert chunks == [(0, 1), (1, 4), (4, 7)]
     k = torch.tensor([[0, 3, 1], [2, 2, 0], [4, 1, 3]])
-    got = path_states(paths, k, chunks)
+    got = path_states(paths, k, torch.tensor(layout.frame_chunks(7)))
     for b in range(3):
         for c, (s, e) in enumerate(chunks):
             assert torch.equal(got[b, :, s:e], paths[b, int(k[b, c]), :, s:e])

@@ -50,6 +50,10 @@ class CausalLayout:
         first = frames % self.chunk_frames or self.chunk_frames
         return [(0, first)] + [(s, s + self.chunk_frames) for s in range(first, frames, self.chunk_frames)]
 
+    def frame_chunks(self, frames: int) -> list[int]:
+        """The chunk of each of the `frames` token frames (what per-chunk rows become per frame)."""
+        return [i for i, (s, e) in enumerate(self.chunks(frames)) for _ in range(s, e)]
+
     def visible(self, i: int) -> list[int]:
         """The chunks (ascending) that chunk i attends to."""
         if self.window is None:

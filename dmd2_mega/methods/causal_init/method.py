@@ -31,11 +31,11 @@ from dmd2_mega.train.optim import step_optimizer
 PHASES = (Phase("regress", {"student": "all"}, trains="student"),)
 
 
-def path_states(paths: torch.Tensor, k: torch.Tensor, chunks: list) -> torch.Tensor:
-    """paths [B, N + 1, C, F, H, W], grid indices k [B, chunks] -> x [B, C, F, H, W]: each chunk's frames at its
-    own path state (one gather, no loop over samples or frames)."""
+def path_states(paths: torch.Tensor, k: torch.Tensor, of_frame: torch.Tensor) -> torch.Tensor:
+    """paths [B, N + 1, C, F, H, W], grid indices k [B, chunks], the chunk of each frame of_frame [F]
+    (`CausalLayout.frame_chunks`) -> x [B, C, F, H, W]: each chunk's frames at its own path state (one gather, no
+    loop over samples or frames)."""
     b, _, c, f, h, w = paths.shape
-    of_frame = torch.tensor([i for i, (s, e) in enumerate(chunks) for _ in range(s, e)], device=paths.device)
     index = k[:, of_frame]  # [B, F]
     return paths.gather(1, index[:, None, None, :, None, None].expand(b, 1, c, f, h, w)).squeeze(1)
 
@@ -63,6 +63,7 @@ class CausalInitMethod:
             raise ConfigError(f"a causal student takes video latents [C, T, H, W]; --data {t.data} holds "
                               f"{list(shape)}")
         self.chunks = self.layout.chunks(shape[1])
+        self.of_frame = torch.tensor(self.layout.frame_chunks(shape[1]), device=device)
         self.student_sigmas = flow.student_sigmas(d.denoising_steps, d.student_sigmas, t.timestep_shift).to(device)
         self.context_noise = cfg.model.causal_context_noise
         self.levels = torch.cat([self.student_sigmas, self.student_sigmas.new_tensor([self.context_noise])])
@@ -74,11 +75,10 @@ class CausalInitMethod:
         if c > 0:  # the context level is not on the path: x0 re-noised, as the cache re-run does
             eps = torch.randn(paths[:, -1].shape, generator=gen, device=paths.device, dtype=paths.dtype)
             paths = torch.cat([paths[:, :-1], ((1 - c) * paths[:, -1] + c * eps)[:, None], paths[:, -1:]], 1)
-        x = path_states(paths, k, self.chunks)
+        x = path_states(paths, k, self.of_frame)
         sigma = self.levels[k]  # [B, chunks]
         v = student.model(x, sigma, cond).to(x.dtype)
-        per_frame = torch.cat([sigma[:, i:i + 1].expand(b, e - s) for i, (s, e) in enumerate(self.chunks)], 1)
-        x0 = x - per_frame[:, None, :, None, None] * v
+        x0 = x - sigma[:, self.of_frame][:, None, :, None, None] * v
         return (x0.float() - paths[:, -1].float()).square().mean()
 
     def cycle(self, roles: dict, batches: list[MicroBatch],

@@ -136,7 +136,7 @@ class CausalWan(Wan):
                              f"in chunks of {self.causal_layout.chunk_frames}; got shape {tuple(sigma.shape)}")
         # chunk by chunk, each a [B] batch as the [B] path and a streamed chunk run it: equal levels give equal rows
         temb, mod = (torch.stack(t, 1) for t in zip(*(self.condition_embedder.time(s) for s in sigma.unbind(1))))
-        of_frame = [i for i, (s, e) in enumerate(spans) for _ in range(s, e)]
+        of_frame = self.causal_layout.frame_chunks(frames)
         return temb[:, of_frame], mod[:, of_frame], self.condition_embedder.text(cond)
 
     def _mixer(self, x: torch.Tensor) -> BlockCausal:
