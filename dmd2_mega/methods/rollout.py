@@ -33,7 +33,7 @@ independent of the stop steps:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -64,11 +64,16 @@ class Rollout:
 
     def micro_batch(self, k: int, size: int) -> "Rollout":
         """Rows [k * size, (k + 1) * size): micro-batch k of size `size`."""
-        if k < 0 or size < 1 or (k + 1) * size > len(self):
-            raise RolloutError(f"micro-batch {k} of size {size} is outside a rollout of {len(self)} samples")
-        sl = slice(k * size, (k + 1) * size)
-        return Rollout(self.x[sl], self.sigma[sl], self.x0hat[sl], self.cond[sl],
-                       self.sample_id[sl], self.stop_step[sl])
+        return micro_batch_rows(self, k, size)
+
+
+def micro_batch_rows(record, k: int, size: int):
+    """Rows [k * size, (k + 1) * size) of every field of a rollout record (a dataclass of per-sample tensors, rows
+    first): micro-batch k of size `size`, what DMD2's critic phase steps on."""
+    if k < 0 or size < 1 or (k + 1) * size > len(record):
+        raise RolloutError(f"micro-batch {k} of size {size} is outside a rollout of {len(record)} samples")
+    sl = slice(k * size, (k + 1) * size)
+    return replace(record, **{f.name: getattr(record, f.name)[sl] for f in fields(record)})
 
 
 def _running_counts(stop_host: Tensor, steps: int) -> list[int]:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dmd2_mega.errors import RolloutError
+from dmd2_mega.methods.rollout import micro_batch_rows
 
 
 @dataclass
@@ -55,11 +56,7 @@ class CausalRollout:
 
     def micro_batch(self, k: int, size: int) -> "CausalRollout":
         """Rows [k * size, (k + 1) * size): micro-batch k of size `size` (what DMD2's critic phase reads)."""
-        if k < 0 or size < 1 or (k + 1) * size > len(self):
-            raise RolloutError(f"micro-batch {k} of size {size} is outside a rollout of {len(self)} samples")
-        sl = slice(k * size, (k + 1) * size)
-        return CausalRollout(self.x[sl], self.sigma[sl], self.x0hat[sl], self.context[sl], self.cond[sl],
-                             self.exit_step[sl], self.sample_id[sl])
+        return micro_batch_rows(self, k, size)
 
 
 @torch.no_grad()
