@@ -226,15 +226,21 @@ def test_report_table_and_gif(cache, held, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- d. smoke: train + sample in-process
+def train_two_steps(data: str, save: str) -> int:
+    """launch/pretrain_flow.py in-process: wan-digits on `data`, 2 iterations, an eval of 8 samples at the end."""
+    from launch import pretrain_flow
+    with world_of_one():
+        return pretrain_flow.main(["--model-size", "wan-digits", "--data", data, "--micro-batch-size", "8",
+                                   "--global-batch-size", "8", "--train-iters", "2", "--log-interval", "1",
+                                   "--save", save, "--eval-interval", "2", "--eval-num-samples", "8",
+                                   "--eval-steps", "2"])
+
+
 @pytest.mark.integration
 def test_pretrain_flow_and_sample_smoke(cache, tmp_path, capsys):
-    from launch import pretrain_flow, sample
+    from launch import sample
     save = str(tmp_path / "teacher")
-    with world_of_one():
-        rc = pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "8",
-                                 "--global-batch-size", "8", "--train-iters", "2", "--log-interval", "1",
-                                 "--save", save, "--eval-interval", "2", "--eval-num-samples", "8",
-                                 "--eval-steps", "2"])
+    rc = train_two_steps("moving-digits", save)
     out = capsys.readouterr().out
     assert rc == 0 and "> eval at iteration 2:" in out, out[-2000:]
     assert "direction_accuracy=" in out and "warp_error=" in out, out[-2000:]
@@ -409,11 +415,7 @@ def test_pretrain_flow_and_sample_long_smoke(cache, tmp_path, capsys):
     from it. A bad T stops the trainer with one line naming --data."""
     from launch import pretrain_flow, sample
     save = str(tmp_path / "teacher")
-    with world_of_one():
-        rc = pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits:12", "--micro-batch-size", "8",
-                                 "--global-batch-size", "8", "--train-iters", "2", "--log-interval", "1",
-                                 "--save", save, "--eval-interval", "2", "--eval-num-samples", "8",
-                                 "--eval-steps", "2"])
+    rc = train_two_steps("moving-digits:12", save)
     out = capsys.readouterr().out
     assert rc == 0 and "num_frames=12" in out and "latent=[1, 12, 16, 16]" in out, out[-2000:]
     with world_of_one():
