@@ -30,10 +30,13 @@ Samples are made --batch-size per rank at a time (`sampling.sample_batches`: the
 `generate` / `generate_student` make up front, read batch by batch) and samples.npz is written as they come
 (`eval.npz_stream`), so memory is O(batch + the first samples kept for grid.png and the media), whatever
 --num-samples; results do not depend on --batch-size up to float rounding (bit for bit when one batch holds all).
+<out>/timing.json: the model's time to the first output (--stream: the first chunk) and for all samples
+(`SampleTimer`).
 A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file, --out a file, a --vae,
 --prompts or --data that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -87,7 +90,8 @@ def parse(argv=None):
                         "the first chunk and the chunks per second; with media, each chunk's frames are written as "
                         "they come (<out>/stream/<name>/frame_NNNN.png)")
     p.add_argument("--num-frames", type=int, default=None, metavar="F",
-                   help="--stream: latent frames to generate (default: the training length; more runs on past it)")
+                   help="latent frames of a video model's clips (default: the training length): --stream runs on "
+                        "past it chunk by chunk; a bidirectional model denoises all F frames at once")
     p.add_argument("--num-media", type=int, default=None, metavar="N",
                    help="media for the first N samples only (default: one per prompt of --prompts, else 40 videos "
                         "or the grid's 10 images per class; 0: none)")
@@ -108,9 +112,8 @@ def parse(argv=None):
         raise ConfigError(f"--iteration must be >= 0, got {a.iteration}")
     if a.num_media is not None and a.num_media < 0:
         raise ConfigError(f"--num-media must be >= 0, got {a.num_media}")
-    if a.num_frames is not None and (not a.stream or a.num_frames < 1):
-        raise ConfigError(f"--num-frames {a.num_frames}: " + ("must be >= 1" if a.stream else
-                          "sets the length of a streamed clip; give --stream (a causal checkpoint)"))
+    if a.num_frames is not None and a.num_frames < 1:
+        raise ConfigError(f"--num-frames {a.num_frames}: must be >= 1")
     return a
 
 
@@ -177,12 +180,12 @@ def sample(a: argparse.Namespace) -> None:
         arrays.update((key, ((n,), np.int64)) for key in dataset.condition_labels(cond_of(0, 1)))
     batches = sample_batches(model, sampler, n, cond_of, shape=shape, seed=a.seed, batch_size=a.batch_size,
                              device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
-    kept = []
+    kept, clock_of = [], SampleTimer(clock)
 
     def write(f) -> None:  # samples.npz, batch by batch (module docstring)
         stream = NpzStream(f, arrays, a.out)
         try:
-            for lo, x in batches:
+            for lo, x in clock_of(batches):
                 hi = lo + x.shape[0]
                 c = cond_of(lo, hi)
                 stream.write("images", x.numpy())
@@ -208,6 +211,7 @@ def sample(a: argparse.Namespace) -> None:
             raise ConfigError(f"--out {a.out!r}: cannot create the output directory: {e.strerror}") from e
         clock and clock.start()
         atomic_write(os.path.join(a.out, "samples.npz"), write)
+        clock_of.save(os.path.join(a.out, "timing.json"), n, a.batch_size)
     else:
         for _ in batches:  # the other ranks' shares of every batch
             pass
@@ -232,6 +236,32 @@ def sample(a: argparse.Namespace) -> None:
         print(f"> wrote {n} samples {list(shape)} (iteration {payload['iteration']}, "
               f"{weights}, {a.steps} steps, guidance {a.guidance}) to {a.out}/samples.npz"
               + f" and {grid}" + (f"; media in {a.out}/media" if media else ""), flush=True)
+
+
+class SampleTimer:
+    """<out>/timing.json: how long sampling took, model time only (the samples.npz writes and, with --stream, the
+    media writes not counted): `first_output_s`, the wait for the first output (--stream: the first chunk of the
+    first batch; else the first batch's whole clips), `total_s` for all samples, and `num_samples`, `batch_size`,
+    `stream`. What launch/quickstart_causal.sh's table (`eval.report_video`) reports as time to the first chunk
+    and total sampling time."""
+
+    def __init__(self, clock: "StreamClock | None"):
+        self.clock, self.first, self.total, self.waited = clock, None, 0.0, 0.0
+
+    def __call__(self, batches):
+        start = time.perf_counter()
+        for lo, x in batches:
+            self.waited += time.perf_counter() - start
+            self.first = self.waited if self.first is None else self.first
+            yield lo, x
+            start = time.perf_counter()
+
+    def save(self, path: str, n: int, batch_size: int) -> None:
+        paused = self.clock.paused if self.clock is not None else 0.0
+        first = self.clock.first if self.clock is not None else self.first
+        timing = {"first_output_s": first, "total_s": self.waited - paused, "num_samples": n,
+                  "batch_size": batch_size, "stream": self.clock is not None}
+        atomic_write(path, lambda f: json.dump(timing, f, indent=1), text=True)
 
 
 class StreamClock:

@@ -10,9 +10,14 @@ T frames of the first (the floor and the held-out reference are per T; a one-lin
 differs). --gif writes one looping GIF of T frames whose row r shows sample set r, column j a sample of digit j
 moving in direction j mod 4 (right, left, down, up; the first sample of digit j if that pair was not sampled;
 black if neither).
+A sample set whose folder holds launch/sample.py's timing.json beside its samples.npz also gets its time to the
+first output (a streamed clip's first chunk; a bidirectional model's first batch of whole clips) and its total
+sampling time, in seconds on the machine that sampled it (columns only when some row has them; '-' elsewhere).
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import numpy as np
@@ -20,11 +25,30 @@ import numpy as np
 from dmd2_mega.data.digits import NUM_CLASSES
 from dmd2_mega.data.moving_digits import DIRECTIONS
 from dmd2_mega.errors import EvalInputError
-from dmd2_mega.eval.moving_digits import evaluate_moving_digits, load_samples
+from dmd2_mega.eval.moving_digits import evaluate_moving_digits, load_samples as load_clips
 from dmd2_mega.eval.report import report_main
 
 
-def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray) -> np.ndarray:
+TIMING = (("first_output_s", "first chunk s"), ("total_s", "sampling s"))
+"""timing.json keys (launch/sample.py's `SampleTimer`) -> table columns."""
+
+
+def load_samples(path: str) -> tuple:
+    """(images, digits, directions, timing): the samples.npz and the timing.json beside it ({} when absent)."""
+    timing_path = os.path.join(os.path.dirname(path), "timing.json")
+    timing = {}
+    if os.path.isfile(timing_path):
+        try:
+            with open(timing_path) as f:
+                timing = json.load(f)
+            timing = {k: float(timing[k]) for k, _ in TIMING}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EvalInputError(f"{timing_path}: not launch/sample.py's timing.json ({type(e).__name__}: {e}); "
+                                 f"remove it or sample again") from None
+    return (*load_clips(path), timing)
+
+
+def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray, timing: dict = None) -> np.ndarray:
     """[10, 1, T, H, W]: for digit j the first clip of (j, direction j mod 4), else the first of digit j, else
     black (-1)."""
     j = np.arange(NUM_CLASSES)[:, None]
@@ -37,26 +61,29 @@ def showcase(images: np.ndarray, digits: np.ndarray, directions: np.ndarray) -> 
 def markdown(results: list[tuple[str, dict]]) -> str:
     floor = results[0][1]["frechet_floor"] if results else float("nan")
     frames = results[0][1]["num_frames"] if results else "?"
+    timed = [(k, col) for k, col in TIMING if any(k in r for _, r in results)]
     lines = [f"| model ({frames} frames) | FD per frame (floor {floor:.3f}) | FD / floor | digit acc | direction acc "
-             f"| speed px/frame | consistency | warp error |", "|---|---|---|---|---|---|---|---|"]
+             f"| speed px/frame | consistency | warp error |" + "".join(f" {col} |" for _, col in timed),
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(timed)]
     for name, r in results:
         lines.append(f"| {name} | {r['frechet_distance']:.3f} | {r['fd_ratio']:.2f} | {100 * r['digit_accuracy']:.1f}% "
                      f"| {100 * r['direction_accuracy']:.1f}% | {r['mean_speed']:.2f} | "
-                     f"{100 * r['consistency']:.1f}% | {r['warp_error']:.3f} |")
+                     f"{100 * r['consistency']:.1f}% | {r['warp_error']:.3f} |"
+                     + "".join(f" {r[k]:.2f} |" if k in r else " - |" for k, _ in timed))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     frames = None  # the first sample set's T: every other must have it
 
-    def evaluate(images, digits, directions) -> dict:
+    def evaluate(images, digits, directions, timing: dict) -> dict:
         nonlocal frames
         if frames is not None and np.ndim(images) == 5 and np.shape(images)[2] != frames:
             raise EvalInputError(f"clips of {np.shape(images)[2]} frames, but the first sample set's have {frames}: "
                                  f"one report compares sample sets of one length")
         result = evaluate_moving_digits(images, digits, directions)
         frames = result["num_frames"]
-        return result
+        return {**result, **timing}
 
     return report_main(argv, "python -m dmd2_mega.eval.report_video", __doc__,
                        "NAME=PATH to a samples.npz of a --data moving-digits[:T] model", load_samples,
