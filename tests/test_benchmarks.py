@@ -11,6 +11,7 @@ import pytest
 from benchmarks import bench_dmd2_cycle, plan_vs_measured
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.plan import memory_plan as mp
+from tests.utils import world_of_one
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the acceptance grep of issue 28 item 5: grep -rnE "family\.name|== *['\"](wan|dit)['\"]|isinstance\([^)]*(Wan|DiT)"
@@ -72,3 +73,19 @@ def test_streaming_benchmark_runs_and_prints_its_ratio(capsys):
     rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("window ", "full causal "))]
     assert [r[0] for r in rows] == ["window"] * 3 + ["full"] * 3
     assert "acceptance: streaming per-chunk time 2T / T with the window <= 1.2:" in out
+
+
+def test_self_forcing_cycle_benchmark_runs_and_prints_its_ratio(capsys):
+    """benchmarks/bench_self_forcing_cycle.py at a tiny size (nothing timed is asserted): the phases against their
+    minimum, the chunk geometry it costs (T = 4 in chunks of 2: q = 1/2) and the acceptance line."""
+    from benchmarks import bench_self_forcing_cycle
+    with world_of_one():
+        assert bench_self_forcing_cycle.main(["--data", "moving-digits", "--micro-batch-size", "1",
+                                              "--dmd2-critic-steps-per-rollout", "1", "--warmup", "0",
+                                              "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 chunks of [2, 2] frames (q = 0.500)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("rollout ", "critic ",
+                                                                                          "actor ", "cycle "))}
+    assert list(rows) == ["rollout", "critic", "actor", "cycle"] and all(float(r[2]) > 0 for r in rows.values())
+    assert "acceptance: Self-Forcing cycle <= 1.1x analytic minimum:" in out

@@ -6,10 +6,12 @@ and `launch/sample.py --stream`.
      A cache re-run above level 0 takes one more noise draw and changes only the later chunks.
   b. sample.py --stream on a causal checkpoint (launch/pretrain_flow.py --causal, a few iterations) writes
      2T frames past the training length T, prints the time to the first chunk and the chunks per second, and
-     writes each chunk's frames as it comes; a bidirectional checkpoint with --stream, or --num-frames without
-     --stream, is a one-line error.
+     writes each chunk's frames as it comes and timing.json (the first chunk's wait, the total); a bidirectional
+     checkpoint with --stream, or --num-frames 0, is a one-line error; a bidirectional checkpoint samples
+     --num-frames F in one pass.
 """
 import glob
+import json
 import os
 
 import numpy as np
@@ -99,6 +101,9 @@ def test_sample_stream_runs_past_the_training_length(checkpoints, tmp_path, caps
         assert npz["images"].shape == (3, 1, 8, 16, 16)
     frames = sorted(glob.glob(str(tmp_path / "long" / "stream" / "001" / "frame_*.png")))
     assert [os.path.basename(f) for f in frames] == [f"frame_{t:05d}.png" for t in range(8)]
+    timing = json.loads((tmp_path / "long" / "timing.json").read_text())  # the first chunk, not the first clip
+    assert timing["stream"] is True and timing["num_samples"] == 3
+    assert 0 < timing["first_output_s"] < timing["total_s"]
 
 
 @pytest.mark.integration
@@ -108,5 +113,21 @@ def test_stream_flags_refuse_what_cannot_stream(checkpoints, tmp_path, capsys):
     with world_of_one():
         assert sample.main(["--load", bidirectional, "--stream", "--out", str(tmp_path / "a")]) == 1
     assert "--stream needs a causal checkpoint" in capsys.readouterr().err
-    assert sample.main(["--load", causal_ckpt, "--num-frames", "8", "--out", str(tmp_path / "b")]) == 1
-    assert "give --stream" in capsys.readouterr().err
+    assert sample.main(["--load", causal_ckpt, "--num-frames", "0", "--out", str(tmp_path / "b")]) == 1
+    assert "--num-frames 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_a_bidirectional_model_samples_other_lengths_in_one_pass(checkpoints, tmp_path):
+    """--num-frames without --stream: all F frames denoised at once (a bidirectional model past its training
+    length, the quickstart's 2T row); timing.json's first output is then the first batch of whole clips."""
+    from launch import sample
+    _, bidirectional = checkpoints
+    with world_of_one():
+        assert sample.main(["--load", bidirectional, "--num-samples", "3", "--steps", "2", "--num-frames", "8",
+                            "--batch-size", "2", "--num-media", "0", "--out", str(tmp_path / "long")]) == 0
+    with np.load(tmp_path / "long" / "samples.npz") as npz:
+        assert npz["images"].shape == (3, 1, 8, 16, 16) and np.isfinite(npz["images"]).all()
+    timing = json.loads((tmp_path / "long" / "timing.json").read_text())
+    assert timing["stream"] is False and timing["batch_size"] == 2
+    assert 0 < timing["first_output_s"] < timing["total_s"]  # two batches: the first comes before the end

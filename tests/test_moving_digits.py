@@ -402,6 +402,19 @@ def test_report_video_long_clips(cache, tmp_path, capsys):
     rows = [line for line in out if line.startswith(("| real", "| backwards"))]
     assert "| 100.0% |" in rows[0] and "| 0.0% |" in rows[1]
     assert len(list(ImageSequence.Iterator(Image.open(gif)))) == 12
+    # launch/sample.py's timing.json beside a samples.npz: two columns, '-' for a set without one
+    (tmp_path / "timed").mkdir()
+    np.savez(tmp_path / "timed" / "samples.npz", images=x.numpy(), digits=digit.numpy(), directions=direction.numpy())
+    (tmp_path / "timed" / "timing.json").write_text(json.dumps({"first_output_s": 0.125, "total_s": 2.5,
+                                                                "num_samples": len(x), "stream": True}))
+    assert report_video.main([f"real={tmp_path / 'real.npz'}", f"timed={tmp_path / 'timed' / 'samples.npz'}"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("| warp error | first chunk s | sampling s |") and out[1].count("|") == 11
+    assert out[2].startswith("| real |") and out[2].endswith(" - | - |")
+    assert out[3].startswith("| timed |") and out[3].endswith(" 0.12 | 2.50 |")
+    (tmp_path / "timed" / "timing.json").write_text("{}")
+    assert report_video.main([f"timed={tmp_path / 'timed' / 'samples.npz'}"]) == 2
+    assert "timing.json: not launch/sample.py's timing.json (KeyError" in capsys.readouterr().err
     # one length per report: the second set's T differs from the first's
     assert report_video.main([f"real={tmp_path / 'real.npz'}", f"short={tmp_path / 'short.npz'}"]) == 2
     err = capsys.readouterr().err.strip()

@@ -179,9 +179,19 @@ def test_grad_chunks_keep_the_gradient_to_the_last_chunks(world):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-14) for k in a)
 
 
+def saved_bytes(fn) -> tuple:
+    """(fn(), bytes of the tensors autograd saved for backward while fn ran)."""
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        out = fn()
+    return out, sum(held)
+
+
 def test_replay_under_recompute_gives_the_same_gradient(world):
-    """--recompute-granularity full: the parallel pass recomputes its blocks in backward; a streamed (cached) replay
-    does not (its cache is state), and either way the gradient is the one without recompute."""
+    """--recompute-granularity full: the parallel pass recomputes its blocks in backward; the streamed replay
+    checkpoints each chunk's exit forward whole (against a read-only view of the cache) and runs it again in
+    backward, so it saves a fraction of the activations; either way the gradient is the one without recompute."""
     from dataclasses import replace as dc_replace
     model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
     again = WanFamily().build(SPEC, DataShape(4, SHAPE[1:], cond_shape=(3, 16)),
@@ -192,7 +202,10 @@ def test_replay_under_recompute_gives_the_same_gradient(world):
     r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
                        shape=SHAPE, dtype=torch.float64)
     weight = torch.randn(r.x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    a, b = grads(model, replay(model, r), weight), grads(again, replay(again, r), weight)
+    (plain, kept), (rerun, light) = saved_bytes(lambda: replay(model, r)), saved_bytes(lambda: replay(again, r))
+    assert torch.equal(plain.detach(), rerun.detach())
+    assert light < kept / 5, (light, kept)  # the chunks' inputs and outputs, not every block's activations
+    a, b = grads(model, plain, weight), grads(again, rerun, weight)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-14) for k in a)
     x = torch.randn(2, *SHAPE, dtype=torch.float64)
     sigma = torch.rand(2, 3, dtype=torch.float64).float()

@@ -9,7 +9,7 @@ schedule sigma_0 = 1 > ... > sigma_{N-1} (`flow.student_sigmas`) up to its exit 
         i < e_c:  x^(i+1) = (1 - sigma_{i+1}) x0^(i) + sigma_{i+1} eps_{i+1}[chunk c]      (fresh noise)
     keep x_c = x^(e_c), sigma_c = sigma_{e_c}, x0_c = x0^(e_c)
     context_c = (1 - s) x0_c + s eps_N[chunk c],  s = --causal-context-noise (0: x0_c itself)
-    one forward at (context_c, s) writes chunk c's k / v into the cache for the chunks after it
+    one forward at (context_c, s) writes chunk c's k / v into the cache for the chunks after it (not after the last)
 
 The generated video is x0 = [x0_0, ..., x0_{C-1}]: what the critic and the DMD loss read. The actor replays each
 chunk's exit step with grad from (x_c, sigma_c) over the contexts of the earlier chunks (their cache inputs), which
@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from dmd2_mega.errors import RolloutError
 from dmd2_mega.methods.rollout import micro_batch_rows
@@ -98,7 +99,8 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
         done = x0_out[:, :, a:b]
         ctx = done if ctx_eps is None else (1 - context_noise) * done + context_noise * ctx_eps[:, :, a:b]
         ctx_out[:, :, a:b] = ctx
-        model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
+        if c < len(chunks) - 1:  # the last chunk's k / v would serve no later chunk
+            model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
     ids = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
     return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device), ids)
 
@@ -108,19 +110,29 @@ def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunk
     x0_c = x_c - sigma_c v(x_c, sigma_c | cache), the cache written without grad from the earlier chunks' contexts
     at `context_noise` (as the rollout wrote it). Equal to the rollout's x0hat (up to float rounding).
     grad_chunks M (--causal-grad-chunks): only the last M chunks carry grad (Self-Forcing's last-21-frames rule);
-    the others are the rollout's x0hat as they are, with no forward."""
+    the others are the rollout's x0hat as they are, with no forward.
+    Under --recompute-granularity full (the model's `options.recompute`, in training) each chunk's exit forward is
+    checkpointed whole against a read-only view of the cache (`KVCache.view`) and run again in backward: the replay
+    then holds one chunk's activations at a time instead of every chunk's, whatever the number of chunks."""
     n, cond, out = len(rollout), rollout.cond, []
     cache = model.new_cache()
     level = torch.full((n,), float(context_noise), device=cond.device)
     spans = model.causal_layout.chunks(rollout.x.shape[2])
     first_grad = 0 if grad_chunks is None else max(0, len(spans) - grad_chunks)
+    recompute = model.options.recompute and model.training and torch.is_grad_enabled()
     for c, (a, b) in enumerate(spans):
         x, sigma = rollout.x[:, :, a:b], rollout.sigma[:, c]
         if c < first_grad:
             out.append(rollout.x0hat[:, :, a:b])
+        elif recompute:
+            held = cache.view()  # the cache as this chunk read it, for the forward and its rerun in backward
+            v = checkpoint(lambda x_, s_, held=held: model.stream_forward(x_, s_, cond, held.view()), x, sigma,
+                           use_reentrant=False)
+            out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * v.to(x.dtype))
         else:
             v = model.stream_forward(x, sigma, cond, cache).to(x.dtype)
             out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * v)
-        with torch.no_grad():
-            model.stream_forward(rollout.context[:, :, a:b], level, cond, cache, write=True)
+        if c < len(spans) - 1:  # the last chunk's k / v would serve no later chunk
+            with torch.no_grad():
+                model.stream_forward(rollout.context[:, :, a:b], level, cond, cache, write=True)
     return torch.cat(out, dim=2)

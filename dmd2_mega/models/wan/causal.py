@@ -76,6 +76,15 @@ class KVCache:
         held += [t for kv in self.text + self.text_grad if kv is not None for t in kv]
         return sum(t.numel() * t.element_size() for t in held)
 
+    def view(self) -> "KVCache":
+        """A read-only copy of the cache as it is now: the same chunks' k / v (the tensors shared; later writes and
+        evictions not seen) and no text k / v with grad yet. A forward with grad against a fresh view each time can
+        run again in backward (a replayed chunk under recompute) and build the same graph."""
+        out = KVCache(self.layout, len(self.self_kv))
+        out.chunks, out.frames, out.text = self.chunks, self.frames, list(self.text)
+        out.self_kv = [dict(layer) for layer in self.self_kv]
+        return out
+
     def step(self, write: bool) -> "_CachedStep":
         return _CachedStep(self, write)
 
