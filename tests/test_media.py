@@ -271,7 +271,8 @@ def test_sample_stream_decodes_each_chunk_as_it_comes(wan_run, tmp_path, monkeyp
 
 def test_sample_prompts_negative_is_cfg_negative(wan_run, tmp_path):
     """With guidance 2 the stored negative steers the samples; a file without one samples as with a zero one (the
-    negative of this model's data), and latents without --vae get samples.npz + grid.png only, as before."""
+    negative of this model's data), and latents without --vae get samples.npz + grid.png (and timing.json) only, as
+    before."""
     d, g = wan_run, torch.Generator().manual_seed(4)
     cond, neg = torch.randn(2, 5, 16, generator=g), torch.randn(5, 16, generator=g)
     runs = {}
@@ -282,7 +283,7 @@ def test_sample_prompts_negative_is_cfg_negative(wan_run, tmp_path):
                                      "--steps", "2", "--guidance", "2", "--out", str(tmp_path / name)])
         assert rc == 0
         runs[name] = np.load(tmp_path / name / "samples.npz")["images"]
-    assert sorted(os.listdir(tmp_path / "none")) == ["grid.png", "samples.npz"]
+    assert sorted(os.listdir(tmp_path / "none")) == ["grid.png", "samples.npz", "timing.json"]
     assert np.array_equal(runs["none"], runs["zero"])
     assert np.abs(runs["neg"] - runs["none"]).max() > 1e-3
 
