@@ -196,6 +196,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="dmd2 | self-forcing (a --causal student on its own autoregressive rollouts; docs/causal.md)")
     _flag(g, "--self-forcing-exit", D, "self_forcing_exit",
           help="self-forcing: chunk (one exit step per chunk for the batch) | sample (per sample and chunk)")
+    _flag(g, "--self-forcing-rollout-frames", D, "self_forcing_rollout_frames", type=int,
+          help="self-forcing: roll out F frames (default: the data's T) and score one window of T per micro-batch")
     _flag(g, "--causal-grad-chunks", D, "causal_grad_chunks", type=int,
           help="self-forcing: the DMD gradient reaches the last M chunks only (default: all)")
     _flag(g, "--student-load", D, "student_load", help="student init (default: --teacher-load)")

@@ -297,6 +297,9 @@ class DMD2Config:
     autoregressive rollouts: `methods/self_forcing/`)."""
     self_forcing_exit: str = "chunk"
     """--self-forcing-exit: chunk (one exit step per chunk for the whole batch, Self-Forcing's) or sample."""
+    self_forcing_rollout_frames: Optional[int] = None
+    """--self-forcing-rollout-frames F: self-forcing rolls out F frames and scores a window of the data's T frames
+    (Self-Forcing++; default: T)."""
     causal_grad_chunks: Optional[int] = None
     """--causal-grad-chunks M: self-forcing's DMD gradient reaches the last M chunks only (default: all)."""
     student_load: Optional[str] = None
@@ -376,6 +379,8 @@ class DMD2Config:
                f"--distill-method must be dmd2 or self-forcing, got {self.distill_method!r}")
         _check(self.causal_grad_chunks is None or self.causal_grad_chunks >= 1,
                f"--causal-grad-chunks must be >= 1, got {self.causal_grad_chunks}")
+        _check(self.self_forcing_rollout_frames is None or self.self_forcing_rollout_frames >= 1,
+               f"--self-forcing-rollout-frames must be >= 1, got {self.self_forcing_rollout_frames}")
         _check(self.self_forcing_exit in ("chunk", "sample"),
                f"--self-forcing-exit must be chunk or sample, got {self.self_forcing_exit!r}")
         _check(self.denoising_steps is None or self.denoising_steps >= 1,

@@ -5,15 +5,18 @@
 #   2. trajectories the teacher's ODE paths (launch/prepare_trajectories.py)
 #   3. causal init  the causal student regressed onto those paths (launch/pretrain_causal_init.py)
 #   4. DMD2         a bidirectional 4-step student, for comparison
-#   5. Self-Forcing DMD on the causal student's own chunk-by-chunk rollouts (--distill-method self-forcing)
+#   5. Self-Forcing DMD on the causal student's own chunk-by-chunk rollouts (--distill-method self-forcing), rolled
+#      out to SF_FRAMES = 2T frames with one T-frame window scored per micro-batch (--self-forcing-rollout-frames,
+#      Self-Forcing++), so the student has trained on its own frames past T before it streams them
 #   6. samples at the training length T = 8 and at 2T = 16 (the causal students stream past T chunk by chunk
 #      with their KV cache; the bidirectional models denoise all 16 frames at once), and two tables
 #      (python -m dmd2_mega.eval.report_video): per-frame FD, digit and direction accuracy, speed, frame
 #      consistency, time to the first chunk and total sampling time; a GIF grid per length.
 # Chunks of 2 frames (4 chunks per clip), 4 steps per chunk. Re-running resumes from the checkpoints.
 # Env: RUN_DIR (default runs/quickstart_causal), NPROC (torchrun ranks for the training steps, default 1),
-# TEACHER_ITERS, PATHS (trajectories), INIT_ITERS, DMD2_ITERS, SF_ITERS, GUIDANCE (teacher CFG for sampling, the
-# trajectories and the DMD real score), NUM_SAMPLES (per table row, default 200 = 5 per (digit, direction) prompt).
+# TEACHER_ITERS, PATHS (trajectories), INIT_ITERS, DMD2_ITERS, SF_ITERS, SF_FRAMES, GUIDANCE (teacher CFG for
+# sampling, the trajectories and the DMD real score), NUM_SAMPLES (per table row, default 200 = 5 per (digit,
+# direction) prompt).
 # Wall time on 2 CPU cores and the table it printed: README.md ("Streaming students"), benchmarks/RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +33,7 @@ SF_ITERS="${SF_ITERS:-120}"
 GUIDANCE="${GUIDANCE:-2}"
 NUM_SAMPLES="${NUM_SAMPLES:-200}"
 T=8
+SF_FRAMES="${SF_FRAMES:-$((2 * T))}"
 DATA="moving-digits:$T"
 SHIFT=3    # timestep shift: more training at high noise, where the direction is decided (docs/data_format.md)
 CAUSAL=(--causal --causal-chunk-frames 2)
@@ -75,9 +79,10 @@ step "4/6 DMD2: a bidirectional 4-step student from the teacher (K=5 critic step
     --save "$RUN_DIR/dmd2_4step" --load "$RUN_DIR/dmd2_4step" --save-interval 30
 done_in "DMD2 student distilled"
 
-step "5/6 Self-Forcing DMD: the causal init trained on its own rollouts (4 steps per chunk)"
+step "5/6 Self-Forcing DMD: the causal init trained on its own $SF_FRAMES-frame rollouts (4 steps per chunk)"
 "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits --data "$DATA" --distill-method self-forcing \
-    "${CAUSAL[@]}" --teacher-load "$RUN_DIR/teacher" --student-load "$RUN_DIR/causal_init" \
+    "${CAUSAL[@]}" --self-forcing-rollout-frames "$SF_FRAMES" \
+    --teacher-load "$RUN_DIR/teacher" --student-load "$RUN_DIR/causal_init" \
     --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
     --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
     --micro-batch-size $((16 / NPROC)) --global-batch-size 16 --train-iters "$SF_ITERS" \

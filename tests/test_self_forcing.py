@@ -1,8 +1,9 @@
 """Self-Forcing DMD through the shared student trainer (issue 30; `methods/self_forcing/method.py`,
 launch/pretrain_dmd2.py --distill-method self-forcing): a causal wan-digits student beside a bidirectional critic
 and teacher, on moving digits. Checked: the roles' kinds, a finite trace whose DMD and critic losses are logged,
-resume mid-run == uninterrupted (bit for bit), TP = 2, CP = 2 and DP = 2 == the world of one (1e-5), and the method
-needs --causal.
+resume mid-run == uninterrupted (bit for bit), TP = 2, CP = 2 and DP = 2 == the world of one (1e-5), rollouts
+past the training length (--self-forcing-rollout-frames) at TP = 2 == the world of one, and the method needs
+--causal.
 """
 import os
 
@@ -70,6 +71,33 @@ def test_self_forcing_runs_resumes_exactly_and_tp_cp_dp_match(teacher, tmp_path)
         for a, b in zip(got, want):
             for k in ("actor-dmd-loss", "critic-loss"):
                 assert a[k] == pytest.approx(b[k], rel=1e-5), (name, k, a["iteration"])
+
+
+def test_rollouts_past_the_training_length_score_windows_and_match_at_tp2(teacher, tmp_path, capsys):
+    """--self-forcing-rollout-frames 8 on 4-frame data: 8-frame rollouts, a 4-frame window scored per micro-batch
+    (the log says so), a trace that differs from the T-frame one and that TP = 2 reproduces (1e-5); a length
+    shorter than the data is a one-line error."""
+    from launch import pretrain_dmd2
+    long, plain = str(tmp_path / "long"), str(tmp_path / "plain")
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, long, 2, "--self-forcing-rollout-frames", "8")) == 0
+    out = capsys.readouterr().out
+    assert "rollouts of 8 frames, one window of 4 scored per micro-batch (starts drawn from 3)" in out
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, plain, 1)) == 0
+    want = read_trace(long + ".trace.jsonl")
+    assert want[0]["actor-dmd-loss"] != read_trace(plain + ".trace.jsonl")[0]["actor-dmd-loss"]
+    run = str(tmp_path / "tp2")
+    torchrun(2, os.path.join(ROOT, "launch", "pretrain_dmd2.py"),
+             args(teacher, run, 2, "--self-forcing-rollout-frames", "8", "--tensor-model-parallel-size", "2")
+             ).check("TP=2")
+    for a, b in zip(read_trace(run + ".trace.jsonl"), want):
+        for k in ("actor-dmd-loss", "critic-loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a["iteration"])
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, str(tmp_path / "short"), 1, "--self-forcing-rollout-frames", "3")) == 1
+    err = capsys.readouterr().err
+    assert "--self-forcing-rollout-frames 3 is shorter than the data's 4 frames" in err and err.count("\n") == 1
 
 
 def test_self_forcing_needs_a_causal_student(teacher, tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmd2_mega.errors import RolloutError
-from dmd2_mega.methods.self_forcing.rollout import causal_rollout, replay
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_window, replay, window_starts
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.wan.family import WanFamily
@@ -211,3 +211,48 @@ def test_replay_under_recompute_gives_the_same_gradient(world):
     sigma = torch.rand(2, 3, dtype=torch.float64).float()
     a, b = grads(model, model(x, sigma, cond), weight), grads(again, again(x, sigma, cond), weight)
     assert all(torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-14) for k in a)
+
+
+# ---- rollouts past the training length: windows ----------------------------------------------------------------
+
+def test_windows_start_and_end_on_chunk_boundaries_and_are_drawn_uniformly():
+    spans = CausalLayout(2).chunks(16)  # 8 chunks of 2
+    assert window_starts(spans, 8) == [0, 1, 2, 3, 4] and window_starts(spans, 16) == [0]
+    g = torch.Generator().manual_seed(0)
+    drawn = [draw_window(spans, 8, g) for _ in range(500)]
+    assert {d[1] - d[0] for d in drawn} == {4}
+    counts = torch.bincount(torch.tensor([d[0] for d in drawn]), minlength=5)
+    assert counts.min() > 60, counts  # uniform over 5 starts: 100 each
+    g = torch.Generator().manual_seed(0)
+    assert draw_window(spans, 16, g) == (0, 8) and torch.equal(g.get_state(), torch.Generator().manual_seed(0)
+                                                               .get_state())  # no draw for the whole rollout
+    first_short = CausalLayout(2).chunks(5)  # [1, 2, 2]
+    assert window_starts(first_short, 2) == [1, 2] and window_starts(first_short, 3) == [0]
+    with pytest.raises(RolloutError, match="no window of 4 frames starts and ends on the chunk boundaries"):
+        window_starts(CausalLayout(3).chunks(6), 4)
+
+
+def test_a_windows_replay_is_the_full_replays_window_and_its_gradient(world):
+    """replay(window=(1, 2)) of chunks [1, 2, 2]: chunk 1 (frames 1-2) only, after chunk 0's cache write, equal to
+    the full replay's chunk 1 in value and in the gradient of a loss on it; the window with grad on its last chunk
+    only (--causal-grad-chunks 1) is that chunk's, chunk 1 then as the rollout made it."""
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    cond = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = causal_rollout(model, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8), cond, SIGMAS,
+                       shape=SHAPE, dtype=torch.float64)
+    spans = model.causal_layout.chunks(SHAPE[1])
+    part, full = replay(model, r, window=(1, 2)), replay(model, r)
+    seen = r.window((1, 2), spans)
+    assert part.shape == seen.x0hat.shape == (2, 4, 2, 4, 6) and seen.sigma.shape == (2, 1)
+    assert float((part.detach() - full[:, :, 1:3].detach()).abs().max()) <= 1e-10
+    weight = torch.randn(full.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    masked = torch.zeros_like(weight)
+    masked[:, :, 1:3] = weight[:, :, 1:3]
+    a, b = grads(model, part, weight[:, :, 1:3]), grads(model, full, masked)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-14) for k in a)
+    tail = replay(model, r, grad_chunks=1, window=(1, 3))
+    assert torch.equal(tail[:, :, :2].detach(), r.x0hat[:, :, 1:3])
+    last = torch.zeros_like(weight)
+    last[:, :, 3:] = weight[:, :, 3:]
+    a, b = grads(model, tail, weight[:, :, 1:]), grads(model, replay(model, r), last)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-14) for k in a)

@@ -7,6 +7,8 @@ videos, the bidirectional teacher's CFG score) and GAN head, with two parts of i
              to its exit step (`rollout.causal_rollout`; exits per chunk, or per sample: --self-forcing-exit)
     actor    the DMD gradient on the whole video reaches each chunk's exit-step output, the earlier chunks read
              through the detached cache (`rollout.replay`, chunk by chunk; only the last --causal-grad-chunks M)
+    length   --self-forcing-rollout-frames F > T: rollouts of F frames, one window of the data's T frames scored
+             per micro-batch (Self-Forcing++; `rollout.draw_window`), so the student trains on its own frames past T
 Only the student is causal: the critic and the teacher are built bidirectional from the same --model-size
 (`model_config`).
 """
@@ -18,13 +20,13 @@ from typing import Callable, Optional
 import torch
 
 import kernels
-from dmd2_mega.errors import ConfigError
+from dmd2_mega.errors import ConfigError, RolloutError
 from dmd2_mega.methods.base import CycleResult, MicroBatch
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.roles import enter_phase
-from dmd2_mega.methods.self_forcing.rollout import causal_rollout, replay
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_window, replay, window_starts
 from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS
 from dmd2_mega.train.optim import step_optimizer
 
@@ -44,6 +46,17 @@ class SelfForcingMethod(DMD2Method):
         self.context_noise = cfg.model.causal_context_noise
         self.per_chunk = cfg.dmd2.self_forcing_exit == "chunk"
         self.grad_chunks = cfg.dmd2.causal_grad_chunks
+        frames = shape[1]
+        self.rollout_frames = cfg.dmd2.self_forcing_rollout_frames or frames
+        if self.rollout_frames < frames:
+            raise ConfigError(f"--self-forcing-rollout-frames {self.rollout_frames} is shorter than the data's "
+                              f"{frames} frames (the length the critic and the teacher score)")
+        self.spans = cfg.model.causal_layout().chunks(self.rollout_frames)
+        try:
+            window_starts(self.spans, frames)
+        except RolloutError as e:
+            raise ConfigError(f"--self-forcing-rollout-frames {self.rollout_frames}: {e}; pick a length whose chunk "
+                              f"boundaries hold windows of the data's {frames} frames") from None
 
     def model_config(self, name: str, model_cfg):
         """The student is causal; the critic and the teacher see whole videos."""
@@ -56,28 +69,31 @@ class SelfForcingMethod(DMD2Method):
         hook("rollout")
         resident["rollout"] = enter_phase("rollout", roles, table)
         student = roles["student"].model
-        rollouts = [causal_rollout(student, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas, shape=st.shape,
+        shape = (st.shape[0], self.rollout_frames, *st.shape[2:])
+        rollouts = [causal_rollout(student, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas, shape=shape,
                                    context_noise=self.context_noise, per_chunk=self.per_chunk,
                                    sample_id_offset=mb.sample_id_offset) for mb in batches]
+        windows = [draw_window(self.spans, st.shape[1], mb.stop_gen) for mb in batches]
         hook("critic")
         resident["critic"] = enter_phase("critic", roles, table)
-        scores, metrics = critic_phase(roles["critic"], roles["teacher"], rollouts, batches, st)
+        scores, metrics = critic_phase(roles["critic"], roles["teacher"],
+                                       [r.window(w, self.spans) for r, w in zip(rollouts, windows)], batches, st)
         hook("actor")
         resident["actor"] = enter_phase("actor", roles, table)
         scored = [r.micro_batch(st.critic_steps - 1, st.micro_batch_size) for r in rollouts]
-        metrics.update(self.actor(roles["student"], scored, scores, roles["critic"], batches))
+        metrics.update(self.actor(roles["student"], scored, scores, roles["critic"], batches, windows))
         forwards = torch.stack([(r.exit_step.float().mean(1) + 1).sum() for r in rollouts]).sum()
         return CycleResult(metrics, resident, forwards)
 
-    def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch]) -> dict:
-        """One student step: the DMD loss (`kernels.dmd_loss`) on each scored video replayed with grad (plus the
-        GAN head's generator term), gradients accumulated over the micro-batches."""
+    def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch], windows: list) -> dict:
+        """One student step: the DMD loss (`kernels.dmd_loss`) on each scored video's window replayed with grad (plus
+        the GAN head's generator term), gradients accumulated over the micro-batches."""
         dev, m, head = scores[0].x.device, len(scores), self.settings.gan or NO_GAN
         inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
         total, objective = torch.zeros((), device=dev), torch.zeros((), device=dev)
         for j, (b, sc) in enumerate(zip(scored, scores)):
             with student.accumulating(last=j == m - 1):
-                x0hat = replay(student.model, b, self.context_noise, self.grad_chunks)
+                x0hat = replay(student.model, b, self.context_noise, self.grad_chunks, windows[j])
                 loss, _ = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
                 added, _ = head.actor_term(critic, x0hat, batches[j].actor_gen, sc.cond)
                 obj = loss if added is None else loss + added
@@ -89,8 +105,13 @@ class SelfForcingMethod(DMD2Method):
 
     def describe(self, num_micro_batches: int, null_note: str) -> str:
         grad = "every chunk" if self.grad_chunks is None else f"the last {self.grad_chunks} chunks"
+        frames = self.settings.shape[1]
+        length = (f"; rollouts of {self.rollout_frames} frames, one window of {frames} scored per micro-batch "
+                  f"(starts drawn from {len(window_starts(self.spans, frames))})"
+                  if self.rollout_frames > frames else "")
         return (f"{super().describe(num_micro_batches, null_note)}; exit steps per "
-                f"{'chunk' if self.per_chunk else 'sample'}, cache at level {self.context_noise:g}, gradient to {grad}")
+                f"{'chunk' if self.per_chunk else 'sample'}, cache at level {self.context_noise:g}, gradient to "
+                f"{grad}{length}")
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
         return None  # the rollout's chunked cost is not in the throughput model yet

@@ -16,6 +16,12 @@ chunk's exit step with grad from (x_c, sigma_c) over the contexts of the earlier
 is why the rollout keeps `x`, `sigma` and `context` (`replay`): Self-Forcing's gradient path, the DMD gradient on the
 whole video reaching every chunk's exit-step output and, through the cache, nothing of the earlier chunks.
 
+Rollouts past the training length (--self-forcing-rollout-frames F > T, Self-Forcing++'s remedy for a student that
+has never seen its own frames past T): the rollout runs F frames, and each micro-batch's critic phase and DMD loss
+read one window of T frames of it (`draw_window`: chunks [c0, c1), drawn uniformly from `stop_gen` after the exit
+steps), the bidirectional teacher and critic at their own length; the replay runs the chunks before the window for
+their cache only and carries grad in the window.
+
 Exit steps: `per_chunk=True` (Self-Forcing's): e_c ~ U{0..N-1} drawn once per chunk for the whole batch; False: per
 sample and chunk. Samples that exit earlier in a chunk run on with the others (their later outputs are not kept), so
 every forward is the whole batch against one cache.
@@ -29,7 +35,7 @@ All under torch.no_grad(). Shapes: video (C, F, H, W); x, x0hat, context [n, C, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -58,6 +64,14 @@ class CausalRollout:
     def micro_batch(self, k: int, size: int) -> "CausalRollout":
         """Rows [k * size, (k + 1) * size): micro-batch k of size `size` (what DMD2's critic phase reads)."""
         return micro_batch_rows(self, k, size)
+
+    def window(self, chunks: tuple[int, int], spans: list[tuple[int, int]]) -> "CausalRollout":
+        """Chunks [c0, c1) of every sample (frames spans[c0][0] .. spans[c1 - 1][1]; views): what the critic and the
+        teacher score of a rollout longer than the training length (`draw_window`)."""
+        c0, c1 = chunks
+        a, b = spans[c0][0], spans[c1 - 1][1]
+        return replace(self, x=self.x[:, :, a:b], x0hat=self.x0hat[:, :, a:b], context=self.context[:, :, a:b],
+                       sigma=self.sigma[:, c0:c1], exit_step=self.exit_step[:, c0:c1])
 
 
 @torch.no_grad()
@@ -105,12 +119,38 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
     return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device), ids)
 
 
-def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunks: Optional[int] = None) -> Tensor:
+def draw_window(spans: list[tuple[int, int]], frames: int, gen: torch.Generator) -> tuple[int, int]:
+    """Chunks [c0, c1) of a rollout in chunk `spans` covering `frames` frames, the window start drawn uniformly
+    from `gen` (CPU) among the chunk boundaries where such a window fits (`window_starts`); the whole rollout,
+    with no draw, when it is `frames` long (Self-Forcing++'s windows of a rollout past the teacher's horizon)."""
+    starts = window_starts(spans, frames)
+    if len(starts) == 1:
+        c0 = starts[0]
+    else:
+        c0 = starts[int(torch.randint(0, len(starts), (1,), generator=gen))]
+    c1 = next(c for c in range(c0, len(spans)) if spans[c][1] == spans[c0][0] + frames) + 1
+    return c0, c1
+
+
+def window_starts(spans: list[tuple[int, int]], frames: int) -> list[int]:
+    """The chunks c0 where a window of `frames` frames starts and ends on chunk boundaries; RolloutError if none."""
+    ends = {b for _, b in spans}
+    starts = [c for c, (a, _) in enumerate(spans) if a + frames in ends]
+    if not starts:
+        raise RolloutError(f"no window of {frames} frames starts and ends on the chunk boundaries "
+                           f"{[a for a, _ in spans] + [spans[-1][1]]} of the rollout")
+    return starts
+
+
+def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunks: Optional[int] = None,
+           window: Optional[tuple[int, int]] = None) -> Tensor:
     """The rollout's video x0 [n, C, F, H, W] again, with grad through each chunk's exit step only: chunk by chunk,
     x0_c = x_c - sigma_c v(x_c, sigma_c | cache), the cache written without grad from the earlier chunks' contexts
     at `context_noise` (as the rollout wrote it). Equal to the rollout's x0hat (up to float rounding).
-    grad_chunks M (--causal-grad-chunks): only the last M chunks carry grad (Self-Forcing's last-21-frames rule);
-    the others are the rollout's x0hat as they are, with no forward.
+    window (c0, c1): only chunks [c0, c1) are returned (`draw_window`); the chunks before c0 only write the cache,
+    the chunks after c1 are not run.
+    grad_chunks M (--causal-grad-chunks): only the last M chunks (of the window) carry grad (Self-Forcing's
+    last-21-frames rule); the others are the rollout's x0hat as they are, with no forward.
     Under --recompute-granularity full (the model's `options.recompute`, in training) each chunk's exit forward is
     checkpointed whole against a read-only view of the cache (`KVCache.view`) and run again in backward: the replay
     then holds one chunk's activations at a time instead of every chunk's, whatever the number of chunks."""
@@ -118,11 +158,14 @@ def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunk
     cache = model.new_cache()
     level = torch.full((n,), float(context_noise), device=cond.device)
     spans = model.causal_layout.chunks(rollout.x.shape[2])
-    first_grad = 0 if grad_chunks is None else max(0, len(spans) - grad_chunks)
+    c0, c1 = window or (0, len(spans))
+    first_grad = c0 if grad_chunks is None else max(c0, c1 - grad_chunks)
     recompute = model.options.recompute and model.training and torch.is_grad_enabled()
-    for c, (a, b) in enumerate(spans):
+    for c, (a, b) in enumerate(spans[:c1]):
         x, sigma = rollout.x[:, :, a:b], rollout.sigma[:, c]
-        if c < first_grad:
+        if c < c0:
+            pass  # before the window: its context only
+        elif c < first_grad:
             out.append(rollout.x0hat[:, :, a:b])
         elif recompute:
             held = cache.view()  # the cache as this chunk read it, for the forward and its rerun in backward
@@ -132,7 +175,7 @@ def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunk
         else:
             v = model.stream_forward(x, sigma, cond, cache).to(x.dtype)
             out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * v)
-        if c < len(spans) - 1:  # the last chunk's k / v would serve no later chunk
+        if c < c1 - 1:  # the last chunk's k / v would serve no later chunk
             with torch.no_grad():
                 model.stream_forward(rollout.context[:, :, a:b], level, cond, cache, write=True)
     return torch.cat(out, dim=2)
