@@ -173,6 +173,12 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "sequence_parallel", False))
 
 
+def sums_over_tp(param: torch.Tensor) -> bool:
+    """Whether each TP rank's gradient of a replicated parameter is a part of the whole, to be summed over TP: the
+    sequence-parallel ones, and a LoRA adapter's replicated factor (`models/lora.py`: tagged `tp_partial_grad`)."""
+    return is_sequence_parallel(param) or bool(getattr(param, "tp_partial_grad", False))
+
+
 def mark_whole_over_cp(params, on: bool = True) -> None:
     """Tag parameters applied only to values every CP rank holds whole (the GAN head on the CP-reduced token mean):
     each CP rank's gradient is the whole one, where the rest of a CP model's is the part from its tokens, so the

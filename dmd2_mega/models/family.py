@@ -213,6 +213,9 @@ class ModelFamily(abc.ABC):
     Megatron sequence parallelism (`models/token_parallel.py`)."""
     export_layouts: tuple = ()
     """The public layouts `export` writes: "diffusers" (a folder), "official" (a file)."""
+    lora_targets: tuple = ()
+    """The names of its linears that LoRA adapters may sit on (`models/lora.py`; --lora-target-modules), each
+    the attribute name of an `linears.AdaptableLinear` in its blocks; () for a family without adapters."""
 
     def __repr__(self) -> str:
         return f"<model family {self.name}>"

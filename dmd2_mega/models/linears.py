@@ -1,4 +1,4 @@
-"""Tensor-parallel linear layers for the DiT: megatron-core local or transformer-engine.
+"""Tensor-parallel linear layers of the DiT and Wan families: megatron-core local or transformer-engine.
 
 `column(...)` splits the output dim across TP ranks (weight [out/TP, in], partition_dim 0);
 `row(...)` splits the input dim (weight [out, in/TP], partition_dim 1) and all-reduces its output.
@@ -38,13 +38,18 @@ def require_transformer_engine() -> None:
         raise ConfigError("--transformer-impl transformer_engine needs CUDA; use --transformer-impl local on CPU")
 
 
-class _Unwrap(torch.nn.Module):
-    """Adds megatron's separately returned bias (if any) and returns one tensor; optionally
-    all-gathers a column-parallel output over TP (via megatron_compat, which runs on CPU too)."""
+class AdaptableLinear(torch.nn.Module):
+    """A megatron-core (or transformer-engine) parallel linear returning one tensor: its separately returned bias
+    (if any) added; optionally all-gathers a column-parallel output over TP (via megatron_compat, which runs on CPU
+    too). `attach` gives it a low-rank adapter (`models/lora.py`), whose delta joins the output before the linear's
+    TP reduction."""
 
-    def __init__(self, inner: torch.nn.Module, gather: bool = False):
+    def __init__(self, inner: torch.nn.Module, kind: str, in_features: int, out_features: int,
+                 gather: bool = False, impl: str = "local"):
         super().__init__()
-        self.inner, self.gather = inner, gather
+        self.inner, self.gather, self.kind, self.impl = inner, gather, kind, impl
+        self.in_features, self.out_features = in_features, out_features
+        self.lora = None
 
     @property
     def weight(self):
@@ -54,15 +59,39 @@ class _Unwrap(torch.nn.Module):
     def bias(self):
         return self.inner.bias
 
+    def attach(self, lora: torch.nn.Module) -> None:
+        if self.impl != "local":
+            raise ConfigError("LoRA adapters sit on megatron-core's local linears; give --transformer-impl local "
+                              f"(got {self.impl})")
+        if self.gather:
+            raise ConfigError("LoRA adapts the blocks' attention and FFN linears, not a gathered-output one")
+        self.lora = lora
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of x @ W^T with no TP communication and no bias: sequence parallelism
-        (`models/token_parallel.py`) gathers the input / reduce-scatters the output itself."""
-        return torch.nn.functional.linear(x, self.inner.weight)
+        """This rank's shard of x @ W^T (plus the adapter's delta) with no TP communication and no bias: sequence
+        parallelism (`models/token_parallel.py`) gathers the input / reduce-scatters the output itself."""
+        out = torch.nn.functional.linear(x, self.inner.weight)
+        return out if self.lora is None else out + self.lora.delta(x)
 
     def forward(self, x):
+        if self.lora is not None:
+            return self._adapted(x)
         out, bias = self.inner(x)
         out = out if bias is None else out + bias
         return gather_from_tp(out) if self.gather else out
+
+    def _adapted(self, x: torch.Tensor) -> torch.Tensor:
+        """megatron-core's local column / row forward (matmul, then the bias) with the adapter's delta added where
+        the base's output is this rank's: the column's input gradient all-reduced once, the row's partial output
+        all-reduced once, as without the adapter."""
+        w, b = self.inner.weight, self.inner.bias
+        if self.kind == "column":
+            x = tensor_parallel.copy_to_tensor_model_parallel_region(x)
+            out = torch.matmul(x, w.t())
+            out = out if b is None else out + b
+            return out + self.lora.delta(x)
+        out = tensor_parallel.reduce_from_tensor_model_parallel_region(torch.matmul(x, w.t()) + self.lora.delta(x))
+        return out if b is None else out + b
 
 
 def column(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: str = "local",
@@ -70,19 +99,21 @@ def column(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: 
     if impl == "transformer_engine" and not gather_output:
         require_transformer_engine()
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
-        return _Unwrap(TEColumnParallelLinear(in_f, out_f, config=config, init_method=init_method,
-                                              gather_output=False, bias=True, skip_bias_add=False,
-                                              is_expert=False))
-    return _Unwrap(tensor_parallel.ColumnParallelLinear(
-        in_f, out_f, config=config, init_method=init_method, bias=True, gather_output=False), gather=gather_output)
+        return AdaptableLinear(TEColumnParallelLinear(in_f, out_f, config=config, init_method=init_method,
+                                                      gather_output=False, bias=True, skip_bias_add=False,
+                                                      is_expert=False), "column", in_f, out_f, impl=impl)
+    return AdaptableLinear(tensor_parallel.ColumnParallelLinear(
+        in_f, out_f, config=config, init_method=init_method, bias=True, gather_output=False), "column", in_f, out_f,
+        gather=gather_output)
 
 
 def row(in_f: int, out_f: int, config: TransformerConfig, init_method, impl: str = "local") -> torch.nn.Module:
     if impl == "transformer_engine":
         require_transformer_engine()
         from megatron.core.extensions.transformer_engine import TERowParallelLinear
-        return _Unwrap(TERowParallelLinear(in_f, out_f, config=config, init_method=init_method, bias=True,
-                                           input_is_parallel=True, skip_bias_add=False, is_expert=False))
-    return _Unwrap(tensor_parallel.RowParallelLinear(
+        return AdaptableLinear(TERowParallelLinear(in_f, out_f, config=config, init_method=init_method, bias=True,
+                                                   input_is_parallel=True, skip_bias_add=False, is_expert=False),
+                               "row", in_f, out_f, impl=impl)
+    return AdaptableLinear(tensor_parallel.RowParallelLinear(
         in_f, out_f, config=config, init_method=init_method, bias=True, input_is_parallel=True,
-        skip_bias_add=False))
+        skip_bias_add=False), "row", in_f, out_f)

@@ -253,11 +253,18 @@ class TokenSplit:
 
     def sp_linears(self, x: torch.Tensor, *linears) -> tuple:
         """Column-parallel linears (`linears.column`) on this rank's tokens x [B, local, D] -> outputs on the CP
-        chunk [B, cp_tokens, out / TP]: under SP one all-gather, the gathered input not kept for backward."""
+        chunk [B, cp_tokens, out / TP]: under SP one all-gather, the gathered input not kept for backward (a linear's
+        LoRA adapter, `models/lora.py`, included: its A is one more matmul on the gathered input)."""
         if self.sp == 1:
             return tuple(lin(x) for lin in linears)
+        adapted = [lin for lin in linears if lin.lora is not None]  # a LoRA's A rides in the gathered matmuls
         params = [t for lin in linears for t in (lin.weight, lin.bias)]
-        return _GatheredLinears.apply(x, self._sp_group, self.sp, *params)
+        params += [t for lin in adapted for t in (lin.lora.A, None)]
+        out = _GatheredLinears.apply(x, self._sp_group, self.sp, *params)
+        if not adapted:
+            return out
+        down = iter(out[len(linears):])
+        return tuple(y if lin.lora is None else y + lin.lora.up(next(down)) for y, lin in zip(out, linears))
 
     def sp_reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """[B, cp_tokens, D] partial sums -> [B, local, D] reduced: a row-parallel linear's output under SP."""

@@ -27,9 +27,10 @@ Context parallelism: the weights are replicated over DP x CP, and each CP rank's
 own tokens, so the group is DP x CP and the SUM is divided by DP only (`average_over`); a parameter tagged
 `whole_over_cp` (`parallel.mark_whole_over_cp`: the GAN head) has the whole gradient on each CP rank and is
 divided by CP first. Sequence parallelism: a parameter tagged `sequence_parallel` (`parallel.mark_sequence_parallel`)
-holds the part from this TP rank's tokens; the synchronising backward all-reduces its main_grad over the TP group
-as it arrives, before its bucket's DP reduction (TP sum and DP mean commute, and earlier no_sync micro-batches
-are in main_grad already).
+holds the part from this TP rank's tokens (and a LoRA adapter's replicated factor, tagged `tp_partial_grad`, the part
+from this rank's slice of its other factor: `parallel.sums_over_tp`); the synchronising backward all-reduces its
+main_grad over the TP group as it arrives, before its bucket's DP reduction (TP sum and DP mean commute, and earlier
+no_sync micro-batches are in main_grad already).
 
 Memory: one fp32 copy of the trainable parameters (4 bytes each), in place of DDP's grads + buckets in
 the model dtype; `p.grad` lives only between autograd's accumulation and the hook.
@@ -42,7 +43,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dmd2_mega.distributed.parallel import is_sequence_parallel
+from dmd2_mega.distributed.parallel import sums_over_tp
 
 # elements per DP bucket (fp32): Megatron's default size, 40 M
 BUCKET_ELEMENTS = 40_000_000
@@ -71,7 +72,7 @@ class GradBuffer:
         self.shard = shard
         tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
         self.tp_group = tp_group if tp > 1 else None
-        self._sp = {i for i, p in enumerate(self.params) if is_sequence_parallel(p)} if self.tp_group else set()
+        self._sp = {i for i, p in enumerate(self.params) if sums_over_tp(p)} if self.tp_group else set()
         cp = self.dp_size // self.average_over  # the group is DP x CP
         self._whole = {i for i, p in enumerate(self.params) if getattr(p, "whole_over_cp", False)} if cp > 1 else set()
         self._cp = cp

@@ -61,6 +61,7 @@ class DiTFamily(ModelFamily):
              f".pt")
     splits_tokens = False
     export_layouts = ("diffusers", "official")
+    lora_targets = ("qkv", "proj", "fc1", "fc2")  # attention (fused q, k, v; output), MLP
     plan = MATHS
 
     def build(self, spec, shape, tp_size=1, options=BuildOptions()):

@@ -69,6 +69,7 @@ class WanFamily(ModelFamily):
     reads = f"wan: a diffusers {DIFFUSERS_CLASS} folder or a Wan pipeline folder (one converted by dmd2-mega too)"
     splits_tokens = True
     export_layouts = ("diffusers",)
+    lora_targets = ("to_q", "to_k", "to_v", "to_out", "fc1", "fc2")  # self- and cross-attention, FFN
     plan = MATHS
 
     def build(self, spec, shape, tp_size=1, options=BuildOptions()):

@@ -1,0 +1,98 @@
+"""Low-rank adapters (LoRA) on the tensor-parallel linears of `models/linears.py`, exact under TP, SP and CP.
+
+A linear y = x W^T + b (in -> out features) with an adapter computes y + s (x A^T) B^T, s = alpha / r, with
+A [r, in] and B [out, r] (PEFT's LoRA). B starts at zero, so an adapted model starts as its base exactly. A starts
+as PEFT initialises it by default, kaiming_uniform_(a=sqrt(5)), that is U(-1/sqrt(in), 1/sqrt(in)). It is drawn as
+the whole TP = 1 matrix from a generator seeded per adapter and then sliced, so every TP size starts from the same
+adapters.
+
+The adapter is laid out like its base:
+    column-parallel base (W [out/TP, in], the input whole on every rank)
+        A [r, in] replicated, B [out/TP, r] split along dim 0. The input's gradient through the adapter joins the
+        base's in the one all-reduce the column linear already does. A rank's gradient of A is the part from its
+        rows of B: it is summed over TP by the gradient buffer, with no collective in the forward or backward pass
+        (A is tagged `tp_partial_grad`, as sequence-parallel LayerNorms are).
+    row-parallel base (W [out, in/TP], the input split)
+        A [r, in/TP] split along dim 1, B [out, r] replicated. The adapter's output on a rank is a partial sum that
+        is added to the base's before the base's all-reduce (or, under SP, its reduce-scatter): no extra
+        collective. B's gradient is a part, summed over TP by the gradient buffer (tagged as above).
+Under SP the column adapters' A rides in the base's gathered-input linear (`token_parallel.sp_linears`); under CP
+every rank holds whole adapters, like its base.
+
+`attach_lora(model, targets, rank, alpha, seed)` gives the linears named in `targets` (a family's names:
+`ModelFamily.lora_targets`) an adapter each; the base weights stay as they are.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from torch import nn
+
+from dmd2_mega.errors import ConfigError
+
+
+class LoRA(nn.Module):
+    """The adapter of one linear (module docstring): `down(x)` = x A^T on this rank's slice of the input, `up(h)` =
+    s h B^T; `delta(x)` = up(down(x))."""
+
+    def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float,
+                 generator: torch.Generator):
+        super().__init__()
+        if kind not in ("column", "row"):
+            raise ValueError(f"a LoRA adapts a column or row parallel linear, got {kind!r}")
+        if rank < 1:
+            raise ConfigError(f"a LoRA rank must be >= 1, got {rank}")
+        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        split = out_features if kind == "column" else in_features
+        if split % tp:
+            raise ConfigError(f"a LoRA on a {kind} parallel linear of {in_features} -> {out_features} features "
+                              f"cannot be split over TP = {tp}")
+        self.kind, self.rank, self.scale = kind, rank, alpha / rank
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]: gain sqrt(1/3), sqrt(3/in)
+        a = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(out_features, rank)
+        if kind == "column":
+            b = b.chunk(tp, 0)[tp_rank]
+        else:
+            a = a.chunk(tp, 1)[tp_rank]
+        self.A, self.B = nn.Parameter(a.contiguous()), nn.Parameter(b.contiguous())
+        split_param, whole_param, dim = (self.B, self.A, 0) if kind == "column" else (self.A, self.B, 1)
+        split_param.tensor_model_parallel, split_param.partition_dim, split_param.partition_stride = True, dim, 1
+        whole_param.tp_partial_grad = True  # each TP rank's gradient is a part (module docstring)
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.A.to(x.dtype))
+
+    def up(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.B.to(h.dtype)) * self.scale
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, rank={self.rank}, scale={self.scale:g}"
+
+
+def attach_lora(model: nn.Module, targets: tuple, rank: int, alpha: float, seed: int) -> list[str]:
+    """Give every linear of `model` whose attribute name is in `targets` an adapter (module docstring); returns the
+    adapted modules' names. Each adapter's A comes from a generator seeded by (seed, its name), so the draws do not
+    depend on the order of the modules or on TP."""
+    from dmd2_mega.models.linears import AdaptableLinear
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptableLinear) and name.rsplit(".", 1)[-1] in targets:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            module.attach(LoRA(module.kind, module.in_features, module.out_features, rank, alpha, g))
+            names.append(name)
+    if not names:
+        raise ConfigError(f"no linear of the model is named like a LoRA target of {sorted(targets)}")
+    return names
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' parameters (A, B of every `LoRA`), in module order."""
+    return [p for m in model.modules() if isinstance(m, LoRA) for p in (m.A, m.B)]
