@@ -16,8 +16,8 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
-from dmd2_mega.config import (DistillConfig, DMD2Config, EMAConfig, FlowPretrainConfig, GANConfig, ModelConfig,
-                              OptimConfig, ParallelConfig, TrainConfig)
+from dmd2_mega.config import (DistillConfig, DMD2Config, EMAConfig, FlowPretrainConfig, GANConfig, LoRAConfig,
+                              ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
 from dmd2_mega.models.registry import MODEL_SIZES
 
 
@@ -234,6 +234,17 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--ema-decay", EMAConfig, "decay", type=float, help="student EMA decay (0 = off)")
     _flag(g, "--ema-start-iter", EMAConfig, "start_iter", type=int, help="the EMA copies the student before this cycle")
     _flag(g, "--no-ema", EMAConfig, "no_ema", action="store_true", help="evaluate the raw student weights, not the EMA")
+    g = p.add_argument_group("LoRA roles")
+    L = LoRAConfig
+    _flag(g, "--student-lora-rank", L, "student_rank", type=int, help="adapters of this rank over a frozen base "
+          "(0: full weights)")
+    _flag(g, "--critic-lora-rank", L, "critic_rank", type=int, help="the same for the critic")
+    _flag(g, "--lora-alpha", L, "alpha", type=float, help="adapter scale alpha / rank (default alpha = rank)")
+    _flag(g, "--lora-target-modules", L, "target_modules", type=_roles,
+          help="the family's linears to adapt, comma-separated (default all: Wan to_q,to_k,to_v,to_out,fc1,fc2; "
+               "DiT qkv,proj,fc1,fc2)")
+    _flag(g, "--no-lora-shared-base", L, "no_shared_base", action="store_true",
+          help="each LoRA role keeps its own copy of the base instead of sharing the teacher's weights")
 
 
 def dmd2_parser() -> argparse.ArgumentParser:
@@ -246,7 +257,7 @@ def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
     a = dmd2_parser().parse_args(argv)
     return DistillConfig(model=_build(a, ModelConfig), parallel=_build(a, ParallelConfig), optim=_build(a, OptimConfig),
                          train=_build(a, TrainConfig), dmd2=_build(a, DMD2Config), gan=_build(a, GANConfig),
-                         ema=_build(a, EMAConfig))
+                         ema=_build(a, EMAConfig), lora=_build(a, LoRAConfig))
 
 
 _PLAN_GROUPS = {ModelConfig: "model", ParallelConfig: "parallel", OptimConfig: "optimizer", TrainConfig: "training",

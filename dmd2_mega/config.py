@@ -465,6 +465,37 @@ class EMAConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters for the trained roles over their frozen base (`models/lora.py`); off by default."""
+
+    student_rank: int = 0
+    """--student-lora-rank r: the student is adapters of rank r over its init's frozen weights (0: full weights)."""
+    critic_rank: int = 0
+    """--critic-lora-rank r: the same for the critic."""
+    alpha: Optional[float] = None
+    """--lora-alpha: the adapters' scale is alpha / r (default: alpha = r, scale 1)."""
+    target_modules: Optional[tuple] = None
+    """--lora-target-modules NAME[,NAME]: the family's linears to adapt (default: every one it names)."""
+    no_shared_base: bool = False
+    """--no-lora-shared-base: a LoRA role initialised from the teacher keeps its own copy of the base (three
+    models' memory; the default shares the teacher's weights)."""
+
+    def __post_init__(self):
+        for flag, r in (("--student-lora-rank", self.student_rank), ("--critic-lora-rank", self.critic_rank)):
+            _check(r >= 0, f"{flag} must be >= 0 (0 = full weights), got {r}")
+        _check(self.alpha is None or (math.isfinite(self.alpha) and self.alpha > 0),
+               f"--lora-alpha must be a finite number > 0, got {self.alpha}")
+        if self.target_modules is not None:
+            self.target_modules = tuple(self.target_modules)
+            _check(all(self.target_modules), f"--lora-target-modules takes names separated by commas, got "
+                                             f"{','.join(self.target_modules)!r}")
+
+    def rank(self, role: str) -> int:
+        """The adapters' rank of a role (0: full weights; roles other than the student and the critic: 0)."""
+        return {"student": self.student_rank, "critic": self.critic_rank}.get(role, 0)
+
+
+@dataclass
 class DistillConfig:
     """Everything `launch/pretrain_dmd2.py` needs; `optim` is the student's (and the critic's defaults)."""
 
@@ -475,6 +506,7 @@ class DistillConfig:
     dmd2: DMD2Config = field(default_factory=DMD2Config)
     gan: GANConfig = field(default_factory=GANConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         _check(self.dmd2.teacher_load is not None, "--teacher-load is required (the trained teacher's checkpoint)")

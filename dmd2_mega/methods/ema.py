@@ -2,7 +2,8 @@
 
     it <  start:  ema <- theta                       (track the weights until the EMA starts)
     it >= start:  ema <- decay * ema + (1 - decay) * theta
-kept in fp32 beside the student (one tensor per parameter, same TP shard, same device), updated
+kept in fp32 beside the student (one tensor per trainable parameter: a LoRA student's adapters only, the frozen
+base being its own average; same TP shard, same device), updated
 after each actor step, saved in the student's checkpoint under "ema" as {parameter name: tensor}
 (resharded across TP degrees like the weights) and restored exactly. It sleeps with the student (its
 tensors join the student's Sleeper). `swapped_in(model)` temporarily loads the EMA weights into the
@@ -21,7 +22,7 @@ class StudentEMA:
     def __init__(self, model: torch.nn.Module, decay: float, start_iter: int = 0):
         """decay in (0, 1), start_iter >= 0: validated with the flags (`config.EMAConfig`)."""
         self.decay, self.start_iter = decay, start_iter
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a LoRA student: its adapters
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shadow = [p.detach().float().clone() for p in self.params]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+import zlib
 from dataclasses import asdict, replace
 from typing import Optional
 
@@ -33,7 +34,7 @@ from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.data.trajectories import TrajectoryDataset
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
-from dmd2_mega.errors import CheckpointError
+from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.eval.media import EvalMedia
 from dmd2_mega.eval.results import sample_results
 from dmd2_mega.megatron_import import fuser_state
@@ -42,6 +43,7 @@ from dmd2_mega.methods.ema import StudentEMA
 from dmd2_mega.methods.pair_checkpoint import load_pair, role_dir, save_pair
 from dmd2_mega.methods.roles import Role, enter_phase
 from dmd2_mega.models import DataShape, count_parameters, get_size
+from dmd2_mega.models.lora import adapt
 from dmd2_mega.plan.memory_plan import PLAN_HEADROOM
 from dmd2_mega.plan.throughput import PhaseClock, sample_flops
 from dmd2_mega.sampling import eval_conditions, generate_student
@@ -105,7 +107,10 @@ class StudentTrainer(RunStateTrainer):
         if hasattr(method, "check_data"):  # e.g. trajectories stored at the method's grid
             method.check_data(self.dataset)
         self.trained_in = trained_in(method.phases)  # phase -> the role its optimizer step trains
-        models = {name: self._build_model(name, teacher_payload) for name in build.roles}
+        self.shared_base: list = []  # the LoRA roles over the teacher's weights (`_adapt`)
+        teacher = self._build_model("teacher", teacher_payload)  # first: LoRA roles may share its weights
+        models = {name: teacher if name == "teacher" else self._build_model(name, teacher_payload, teacher)
+                  for name in build.roles}
         student = models["student"]
         self.ema = StudentEMA(student, cfg.ema.decay, cfg.ema.start_iter) if cfg.ema.enabled else None
         self.offload, offload_note = self._offload_plan()
@@ -134,9 +139,10 @@ class StudentTrainer(RunStateTrainer):
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- roles ---------------------------------------------------------------------------------
-    def _build_model(self, name: str, teacher_payload: dict) -> torch.nn.Module:
+    def _build_model(self, name: str, teacher_payload: dict, teacher=None) -> torch.nn.Module:
         """The role's model with its init weights: --<name>-load, else the teacher's; the method may wrap it
-        (DMD2's GAN head: the critic is a GANCritic)."""
+        (DMD2's GAN head: the critic is a GANCritic). A LoRA role (--<name>-lora-rank) is adapters over those
+        weights frozen: the `teacher` model's own when it starts from the teacher (`lora.adapt`)."""
         cfg, ps, d = self.cfg, self.ps, self.cfg.dmd2
         # a method may build a role otherwise (Self-Forcing: only the student is causal)
         model_cfg = self.method.model_config(name, cfg.model) if hasattr(self.method, "model_config") else cfg.model
@@ -150,9 +156,33 @@ class StudentTrainer(RunStateTrainer):
         if own and name != "teacher":  # an init of the student / critic: a teacher's, or one of its own role
             check_role(payload, ("teacher", name), f"--{name}-load", source)
         hint = model_size_hint(payload, cfg.model.size)
-        model = self.method.init_model(name, model, payload["model"],
-                                       lambda module, state: load_model_weights(module, state, flag, hint))
-        return cast_model(model, cfg.optim.bf16)
+        shared = teacher if source == d.teacher_load and not cfg.lora.no_shared_base else None
+
+        def load(module, state):
+            load_model_weights(module, state, flag, hint)
+            if cfg.lora.rank(name):
+                self._adapt(name, module, shared)
+        return cast_model(self.method.init_model(name, model, payload["model"], load), cfg.optim.bf16)
+
+    def _adapt(self, name: str, module: torch.nn.Module, shared) -> None:
+        """Role `name` as LoRA adapters (--<name>-lora-rank) over `module`'s weights, or `shared`'s (module
+        docstring of `models/lora.py`); the start-up log says which linears and whose base."""
+        lo, family = self.cfg.lora, get_size(self.cfg.model.size).family
+        targets = lo.target_modules or family.lora_targets
+        unknown = sorted(set(targets) - set(family.lora_targets))
+        if not family.lora_targets or unknown:
+            raise ConfigError(f"--lora-target-modules: {family.title} has no linear named {','.join(unknown)} "
+                              f"(its LoRA targets: {','.join(family.lora_targets) or 'none'})")
+        rank = lo.rank(name)
+        names = adapt(module, targets, rank, lo.alpha or rank, self.cfg.train.seed + zlib.crc32(name.encode()),
+                      base=shared)
+        base = "the teacher's weights, shared" if shared is not None else "its own frozen copy of its init"
+        if shared is not None:
+            self.shared_base.append(name)
+        linears = [module.get_submodule(n) for n in names]
+        count = sum(rank * (lin.in_features + lin.out_features) for lin in linears)
+        print_rank0(f"> {name}: LoRA rank {rank} alpha {lo.alpha or rank:g} on {len(names)} linears "
+                    f"({','.join(targets)}; {count:,} adapter parameters) over {base}", self.ps.rank)
 
     def _role(self, name: str, model: torch.nn.Module, extra: tuple = ()) -> Role:
         cfg, ps = self.cfg, self.ps
@@ -175,6 +205,12 @@ class StudentTrainer(RunStateTrainer):
         none."""
         d, ps = self.cfg.dmd2, self.ps
         asked = d.offload_set(self.role_names)
+        if self.shared_base:  # a Sleeper would move the teacher's weights from under the LoRA roles that use them
+            if asked:
+                raise ConfigError(f"--offload-roles / --offload-inactive: the LoRA roles {', '.join(self.shared_base)} "
+                                  f"share the teacher's weights, which stay resident; time-slicing a shared base is "
+                                  f"not supported yet: give --no-offload-inactive, or --no-lora-shared-base")
+            return frozenset(), f"the LoRA roles {', '.join(self.shared_base)} share the teacher's resident weights"
         if asked is not None:
             flag = (f"--offload-roles {','.join(d.offload_roles)}" if d.offload_roles is not None else
                     "--offload-inactive" if d.offload_inactive else "--no-offload-inactive")

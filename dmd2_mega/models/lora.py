@@ -93,6 +93,38 @@ def attach_lora(model: nn.Module, targets: tuple, rank: int, alpha: float, seed:
     return names
 
 
+def share_base(model: nn.Module, base: nn.Module) -> int:
+    """Make every parameter of `model` the same tensor as `base`'s of the same name (a LoRA role over the teacher's
+    weights: one copy of the base, `adapt`); returns the bytes no longer held twice. The two must have the same
+    parameter names and shapes (the same family and size; a causal Wan and its bidirectional teacher do)."""
+    mine, theirs = dict(model.named_parameters()), dict(base.named_parameters())
+    if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+        raise ConfigError("a LoRA role shares the teacher's weights only when both are the same model: give the "
+                          "role its own copy (--no-lora-shared-base) or the teacher's --model-size")
+    saved = 0
+    for name, p in theirs.items():
+        path, _, attr = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        saved += mine[name].numel() * mine[name].element_size()
+        setattr(owner, attr, p)
+    return saved
+
+
+def adapt(model: nn.Module, targets: tuple, rank: int, alpha: float, seed: int, base: nn.Module = None) -> list:
+    """A LoRA role (module docstring) from `model` holding its init weights: shares `base`'s weights when given
+    (`share_base`), freezes every weight of `model` and attaches adapters on `targets`, the only trainable
+    parameters it then has. Returns the adapted linears' names."""
+    if base is not None:
+        share_base(model, base)
+    model.requires_grad_(False)
+    device = next(model.parameters()).device
+    names = attach_lora(model, targets, rank, alpha, seed)
+    for m in model.modules():
+        if isinstance(m, LoRA):
+            m.to(device)
+    return names
+
+
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapters' parameters (A, B of every `LoRA`), in module order."""
     return [p for m in model.modules() if isinstance(m, LoRA) for p in (m.A, m.B)]

@@ -1,0 +1,116 @@
+"""LoRA roles over one shared frozen base in the student trainer (issue 31 item 2; `models/lora.py`,
+`methods/trainer.py` `_adapt`): DMD2 on a wan-digits teacher with --student-lora-rank / --critic-lora-rank.
+
+Checked: the student's and the critic's weights are the teacher's very tensors (one storage, `data_ptr`), only the
+adapters train (the optimizers, gradient buffers and EMA see nothing else), the teacher's weights stay bit for bit
+what they were, and the run's trace equals, cycle for cycle, the same run with three separate copies of the base
+(--no-lora-shared-base, 1e-6); a resume continues it exactly; a target the family lacks and time-slicing a shared
+base are one-line errors.
+"""
+import pytest
+import torch
+
+from dmd2_mega.arguments import parse_dmd2_args
+from dmd2_mega.methods.dmd2.method import DMD2Method
+from dmd2_mega.methods.trainer import StudentTrainer
+from dmd2_mega.models.lora import LoRA
+from tests.utils import read_trace, world_of_one
+
+pytestmark = pytest.mark.timeout(600)
+KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from launch import pretrain_flow
+    save = str(tmp_path_factory.mktemp("lora_roles") / "teacher")
+    with world_of_one():
+        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
+                                   "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
+                                   "--save", save]) == 0
+    return save
+
+
+def args(teacher: str, save: str, iters: int, *more) -> list:
+    return ["--model-size", "wan-digits", "--data", "moving-digits", "--teacher-load", teacher,
+            "--student-lora-rank", "4", "--critic-lora-rank", "2", "--lora-alpha", "8",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2",
+            "--dmd2-denoising-steps", "2", "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-2",
+            "--lr-decay-iters", "100", "--ema-decay", "0.9",
+            "--train-iters", str(iters), "--log-interval", "1", "--seed", "3", "--save", save, "--save-interval", "2",
+            "--loss-trace", save + ".trace.jsonl", *more]
+
+
+def base_weights(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if ".lora." not in n}
+
+
+def test_shared_base_is_one_copy_trains_only_adapters_and_equals_separate_copies(teacher, tmp_path, capsys):
+    shared, copies = str(tmp_path / "shared"), str(tmp_path / "copies")
+    with world_of_one():
+        tr = StudentTrainer(parse_dmd2_args(args(teacher, shared, 3)), DMD2Method)
+        out = capsys.readouterr().out
+        lins = [m for m in tr.roles["student"].model.modules() if isinstance(getattr(m, "lora", None), LoRA)]
+        count = sum(4 * (m.in_features + m.out_features) for m in lins)
+        assert len(lins) == 40 and count == sum(p.numel() for n, p in tr.roles["student"].model.named_parameters()
+                                                if ".lora." in n)
+        assert (f"> student: LoRA rank 4 alpha 8 on 40 linears (to_q,to_k,to_v,to_out,fc1,fc2; {count:,} adapter "
+                f"parameters) over the teacher's weights, shared") in out and "> critic: LoRA rank 2 alpha 8" in out
+        t = tr.roles["teacher"].model
+        before = {n: p.detach().clone() for n, p in t.named_parameters()}
+        for name in ("student", "critic"):
+            role = tr.roles[name]
+            trunk = dict(role.model.named_modules()).get("trunk", role.model)
+            own = base_weights(trunk)
+            assert own.keys() == dict(t.named_parameters()).keys()
+            assert all(p.data_ptr() == dict(t.named_parameters())[n].data_ptr() for n, p in own.items()), name
+            trained = [n for n, p in role.model.named_parameters() if p.requires_grad]
+            assert trained and all(".lora." in n or n.startswith("head.") for n in trained), (name, trained)
+            assert sum(p.numel() for p in role.grads.params) == sum(
+                p.numel() for n, p in role.model.named_parameters() if n in trained)
+        assert tr.ema.names and all(".lora." in n for n in tr.ema.names)
+        tr.train()
+        assert all(torch.equal(p, before[n]) for n, p in t.named_parameters()), "the teacher's weights moved"
+        b = [m.B for m in tr.roles["student"].model.modules() if isinstance(m, LoRA)]
+        assert any(float(x.abs().max()) > 0 for x in b), "the student's adapters did not train"
+    with world_of_one():
+        tr = StudentTrainer(parse_dmd2_args(args(teacher, copies, 3, "--no-lora-shared-base")), DMD2Method)
+        assert "over its own frozen copy of its init" in capsys.readouterr().out
+        t = dict(tr.roles["teacher"].model.named_parameters())
+        assert all(p.data_ptr() != t[n].data_ptr() for n, p in base_weights(tr.roles["student"].model).items())
+        tr.train()
+    a, b = read_trace(shared + ".trace.jsonl"), read_trace(copies + ".trace.jsonl")
+    assert [r["iteration"] for r in a] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-12), (k, x["iteration"])
+
+
+def test_a_lora_run_resumes_exactly(teacher, tmp_path):
+    from launch import pretrain_dmd2
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, full, 3)) == 0
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, part, 2)) == 0
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, part, 3, "--load", part)) == 0
+    want, got = read_trace(full + ".trace.jsonl"), read_trace(part + ".trace.jsonl")
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for x, y in zip(got, want):
+        assert all(x[k] == y[k] for k in KEYS), f"iteration {x['iteration']}: the resume is not exact"
+
+
+@pytest.mark.parametrize("more, message", [
+    (["--lora-target-modules", "to_q,qkv"], "--lora-target-modules: Wan has no linear named qkv (its LoRA targets: "
+                                            "to_q,to_k,to_v,to_out,fc1,fc2)"),
+    (["--offload-inactive"], "--offload-roles / --offload-inactive: the LoRA roles student, critic share the "
+                             "teacher's weights"),
+    (["--student-lora-rank", "-1"], "--student-lora-rank must be >= 0"),
+])
+def test_lora_mistakes_are_one_line_errors(teacher, tmp_path, capsys, more, message):
+    from launch import pretrain_dmd2
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, str(tmp_path / "x"), 1, *more)) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
