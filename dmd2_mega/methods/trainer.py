@@ -108,7 +108,8 @@ class StudentTrainer(RunStateTrainer):
             method.check_data(self.dataset)
         self.trained_in = trained_in(method.phases)  # phase -> the role its optimizer step trains
         self.shared_base: list = []  # the LoRA roles over the teacher's weights (`_adapt`)
-        teacher = self._build_model("teacher", teacher_payload)  # first: LoRA roles may share its weights
+        # the teacher first: LoRA roles may share its weights
+        teacher = self._build_model("teacher", teacher_payload) if "teacher" in build.roles else None
         models = {name: teacher if name == "teacher" else self._build_model(name, teacher_payload, teacher)
                   for name in build.roles}
         student = models["student"]
