@@ -243,6 +243,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--lora-target-modules", L, "target_modules", type=_roles,
           help="the family's linears to adapt, comma-separated (default all: Wan to_q,to_k,to_v,to_out,fc1,fc2; "
                "DiT qkv,proj,fc1,fc2)")
+    _flag(g, "--lora-allow-other-base", L, "allow_other_base", action="store_true",
+          help="resume adapters trained over other base weights (by fingerprint)")
     _flag(g, "--no-lora-shared-base", L, "no_shared_base", action="store_true",
           help="each LoRA role keeps its own copy of the base instead of sharing the teacher's weights")
 

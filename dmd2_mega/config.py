@@ -476,6 +476,9 @@ class LoRAConfig:
     """--lora-alpha: the adapters' scale is alpha / r (default: alpha = r, scale 1)."""
     target_modules: Optional[tuple] = None
     """--lora-target-modules NAME[,NAME]: the family's linears to adapt (default: every one it names)."""
+    allow_other_base: bool = False
+    """--lora-allow-other-base: resume LoRA adapters over a base with another fingerprint than the one they were
+    trained over."""
     no_shared_base: bool = False
     """--no-lora-shared-base: a LoRA role initialised from the teacher keeps its own copy of the base (three
     models' memory; the default shares the teacher's weights)."""

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.train.checkpoint import TRACKER, iter_dir, load_model_weights, load_payload, save_offline
+from dmd2_mega.train.lora_checkpoint import merged_payload
 from dmd2_mega.config import ModelConfig, ParallelConfig
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.models import (FAMILIES, BuildOptions, DataShape, FamilyModel, ModelFamily, ModelSize, get_size,
@@ -130,7 +131,7 @@ def _read_ours(root: str, flag: str) -> dict:
     payload = load_payload(root, _one_process(), flag=flag)  # every TP shard joined into TP=1
     if payload is None:
         raise CheckpointError(f"{flag} {root} holds no checkpoint (no {TRACKER})")
-    return payload
+    return merged_payload(payload, _one_process(), f"{flag} {root}")  # LoRA adapters merged into their base
 
 
 def _export(layout: str, load: str, out: str, ema: bool, log) -> dict:

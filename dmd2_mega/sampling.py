@@ -254,10 +254,13 @@ def check_checkpoint(load: str, iteration: Optional[int]) -> None:
 def load_sampling_model(payload: dict, info: dict, ps, *, no_ema: bool = False, bf16: bool = False,
                         source: str = "--load", negative: Optional[torch.Tensor] = None):
     """(model, "EMA weights" | "raw weights"): the checkpoint's model at this rank's TP degree, with a DMD2
-    student's EMA (saved beside the weights under the same names) in place of its weights unless `no_ema`."""
+    student's EMA (saved beside the weights under the same names) in place of its weights unless `no_ema`; a LoRA
+    student's adapters merged into their base (`train/lora_checkpoint.merged_payload`)."""
     from dmd2_mega.train.builders import build_model, cast_model
     from dmd2_mega.train.checkpoint import load_model_weights
     from dmd2_mega.config import ModelConfig
+    from dmd2_mega.train.lora_checkpoint import merged_payload
+    payload = merged_payload(payload, ps, source)  # a LoRA student: its adapters merged into their base
     model = build_model(ModelConfig.saved(payload["args"]).weights_only(), info, ps, negative=negative)
     state, weights = payload["model"], "raw weights"
     if "ema" in payload and not no_ema:

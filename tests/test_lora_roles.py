@@ -7,6 +7,9 @@ what they were, and the run's trace equals, cycle for cycle, the same run with t
 (--no-lora-shared-base, 1e-6); a resume continues it exactly; a target the family lacks and time-slicing a shared
 base are one-line errors.
 """
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.trainer import StudentTrainer
 from dmd2_mega.models.lora import LoRA
+from dmd2_mega.pretrained import load_model
 from tests.utils import read_trace, world_of_one
 
 pytestmark = pytest.mark.timeout(600)
@@ -86,19 +90,62 @@ def test_shared_base_is_one_copy_trains_only_adapters_and_equals_separate_copies
             assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-12), (k, x["iteration"])
 
 
-def test_a_lora_run_resumes_exactly(teacher, tmp_path):
+@pytest.fixture(scope="module")
+def other_teacher(teacher, tmp_path_factory):
+    """The teacher trained 1 cycle more: other base weights."""
+    from launch import pretrain_flow
+    save = str(tmp_path_factory.mktemp("lora_roles") / "other")
+    shutil.copytree(teacher, save)
+    with world_of_one():
+        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
+                                   "--global-batch-size", "4", "--train-iters", "5", "--lr", "3e-3", "--save", save,
+                                   "--load", save, "--override-opt-param-scheduler"]) == 0
+    return save
+
+
+def test_a_lora_run_resumes_exactly_and_only_over_its_base(teacher, other_teacher, tmp_path, capsys):
+    """The checkpoint holds the adapters and where their base is; a resume continues exactly; over other base
+    weights it is one line (unless --lora-allow-other-base); the sampler and `pretrained.load_model` read the
+    adapters merged into the base: the trained student's output."""
     from launch import pretrain_dmd2
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     with world_of_one():
-        assert pretrain_dmd2.main(args(teacher, full, 3)) == 0
+        tr = StudentTrainer(parse_dmd2_args(args(teacher, full, 3)), DMD2Method)
+        tr.train()
+        student = tr.roles["student"].model
+        x = torch.randn(2, *tr.shape, generator=torch.Generator().manual_seed(0))
+        sigma, cond = torch.tensor([0.3, 0.8]), student.null_cond(2, "cpu")
+        with torch.no_grad():
+            want = student(x, sigma, cond)
+    payload = torch.load(os.path.join(full, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
+    assert payload["model"] and all(".lora." in k for k in payload["model"]), sorted(payload["model"])[:3]
+    assert payload["lora"]["base"] == os.path.abspath(teacher) and payload["lora"]["scale"] == 2.0
+    merged = load_model(full, ema=False)
+    with torch.no_grad():
+        got = merged(x, sigma, cond)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
     with world_of_one():
         assert pretrain_dmd2.main(args(teacher, part, 2)) == 0
     with world_of_one():
         assert pretrain_dmd2.main(args(teacher, part, 3, "--load", part)) == 0
     want, got = read_trace(full + ".trace.jsonl"), read_trace(part + ".trace.jsonl")
     assert [r["iteration"] for r in got] == [1, 2, 3]
-    for x, y in zip(got, want):
-        assert all(x[k] == y[k] for k in KEYS), f"iteration {x['iteration']}: the resume is not exact"
+    for a, b in zip(got, want):
+        assert all(a[k] == b[k] for k in KEYS), f"iteration {a['iteration']}: the resume is not exact"
+    capsys.readouterr()
+    with world_of_one():
+        assert pretrain_dmd2.main(args(other_teacher, str(tmp_path / "x"), 4, "--load", part)) == 1
+    err = capsys.readouterr().err
+    assert "holds LoRA adapters trained over the base" in err and "--lora-allow-other-base" in err, err
+    assert err.count("\n") == 1
+    with world_of_one():
+        assert pretrain_dmd2.main(args(other_teacher, str(tmp_path / "y"), 4, "--load", part,
+                                       "--lora-allow-other-base")) == 0
+    with world_of_one():  # full weights into a LoRA run, and adapters into a full-weight run
+        assert pretrain_dmd2.main(args(teacher, str(tmp_path / "z"), 4, "--load", part, "--student-lora-rank",
+                                       "0")) == 1
+    err = capsys.readouterr().err
+    assert "holds LoRA adapters of rank 4, this run's student is full weights: give --student-lora-rank 4" in err
 
 
 @pytest.mark.parametrize("more, message", [

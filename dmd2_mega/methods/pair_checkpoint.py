@@ -6,7 +6,8 @@ together: every iteration directory is written, then the other roles' trackers, 
 commit point); the payloads carry the same `pair_id` (cycle + the run's pair token), and a load takes
 the roles saved with the student. The student's payload also holds its EMA (`ema`: {parameter name:
 fp32 tensor}) when --ema-decay > 0 and the student's sigma grid; a role's model state is the method's
-(DMD2's critic holds its GAN head when --dmd2-gan is on: keys `trunk.*` and `head.*`).
+(DMD2's critic holds its GAN head when --dmd2-gan is on: keys `trunk.*` and `head.*`); a LoRA role's holds its
+adapters only, its base named by path and fingerprint (`train/lora_checkpoint.py`).
 `save_pair` and `load_pair` take the roles and a `checkpoint.RunState` and return the new RunState:
 they read nothing else of the trainer.
 """
@@ -19,6 +20,7 @@ from typing import Optional, Sequence
 from dmd2_mega.train.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, set_rng_state, training_payload, write_iteration)
 from dmd2_mega.train.checkpoint_guard import check_resume, check_role
+from dmd2_mega.train.lora_checkpoint import adapter_payload, check_base
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.methods.ema import StudentEMA
 from dmd2_mega.methods.roles import Role
@@ -39,6 +41,8 @@ def role_payload(role: Role, state: RunState, static: dict, ps: ParallelState,
                  ema: Optional[StudentEMA]) -> dict:
     """`static`: what every payload of the run carries (args, data_info, student_sigmas)."""
     payload = training_payload(role.model, role.optimizer, role.schedule, state, static, ps)
+    if role.lora is not None:  # the adapters (and the path and fingerprint of their base), not the base
+        payload = adapter_payload(payload, role.model, role.lora)
     payload.update(role=role.name, pair_id=f"{state.iteration}-{state.pair_token}")
     if role.name == "student" and ema is not None:
         payload["ema"] = ema.state_dict()
@@ -110,7 +114,17 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
     for name in ("student", *others):
         role, payload = roles[name], payloads[name]
         hint = method.load_hint(name, payload["model"]) or model_size_hint(payload, cfg.model.size)
-        load_model_weights(role.model, payload["model"], f"--load {root} ({name})", hint)
+        source, saved = f"--load {root} ({name})", payload.get("lora")
+        if (saved is None) != (role.lora is None):
+            held = f"LoRA adapters of rank {saved['rank']}" if saved else "full weights"
+            raise CheckpointError(f"{source} holds {held}, this run's {name} is "
+                                  f"{'LoRA' if role.lora else 'full weights'}: give --{name}-lora-rank "
+                                  f"{saved['rank'] if saved else 0}")
+        only = None
+        if role.lora is not None:
+            check_base(saved, role.lora, source, cfg.lora.allow_other_base)
+            only = {n for n, p in role.model.named_parameters() if p.requires_grad}
+        load_model_weights(role.model, payload["model"], source, hint, only=only)
         role.optimizer.sync_masters()  # the fp32 masters follow the loaded weights (a fresh optimizer keeps them)
         if t.no_load_optim:
             continue

@@ -31,6 +31,7 @@ class Role:
     save_dir: Optional[str] = None
     extra: tuple = ()  # further tensors of the role (the student's EMA)
     sleeper: Optional[Sleeper] = None
+    lora: Optional[dict] = None  # a LoRA role's adapters and base (`train/lora_checkpoint.py`); None: full weights
 
     def with_offload(self, device: torch.device) -> "Role":
         """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing); a role without

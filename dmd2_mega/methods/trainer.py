@@ -20,6 +20,7 @@ Checkpoints: `pair_checkpoint` (student + EMA in --save, each other trained role
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 import zlib
@@ -50,6 +51,7 @@ from dmd2_mega.sampling import eval_conditions, generate_student
 from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.train.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.train.checkpoint_guard import check_family, check_role, check_save_dirs
+from dmd2_mega.train.lora_checkpoint import state_fingerprint
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
 from dmd2_mega.train.optim import LRSchedule
@@ -108,6 +110,7 @@ class StudentTrainer(RunStateTrainer):
             method.check_data(self.dataset)
         self.trained_in = trained_in(method.phases)  # phase -> the role its optimizer step trains
         self.shared_base: list = []  # the LoRA roles over the teacher's weights (`_adapt`)
+        self.lora_meta: dict = {}  # role -> its adapters and base, as its checkpoints record them (`_adapt`)
         # the teacher first: LoRA roles may share its weights
         teacher = self._build_model("teacher", teacher_payload) if "teacher" in build.roles else None
         models = {name: teacher if name == "teacher" else self._build_model(name, teacher_payload, teacher)
@@ -162,12 +165,13 @@ class StudentTrainer(RunStateTrainer):
         def load(module, state):
             load_model_weights(module, state, flag, hint)
             if cfg.lora.rank(name):
-                self._adapt(name, module, shared)
+                self._adapt(name, module, shared, payload, source)
         return cast_model(self.method.init_model(name, model, payload["model"], load), cfg.optim.bf16)
 
-    def _adapt(self, name: str, module: torch.nn.Module, shared) -> None:
+    def _adapt(self, name: str, module: torch.nn.Module, shared, payload: dict, source: str) -> None:
         """Role `name` as LoRA adapters (--<name>-lora-rank) over `module`'s weights, or `shared`'s (module
-        docstring of `models/lora.py`); the start-up log says which linears and whose base."""
+        docstring of `models/lora.py`), the base being checkpoint `source` (`payload`: what its checkpoint records,
+        `train/lora_checkpoint.py`); the start-up log says which linears and whose base."""
         lo, family = self.cfg.lora, get_size(self.cfg.model.size).family
         targets = lo.target_modules or family.lora_targets
         unknown = sorted(set(targets) - set(family.lora_targets))
@@ -180,6 +184,10 @@ class StudentTrainer(RunStateTrainer):
         base = "the teacher's weights, shared" if shared is not None else "its own frozen copy of its init"
         if shared is not None:
             self.shared_base.append(name)
+        self.lora_meta[name] = {"rank": rank, "alpha": lo.alpha or rank, "scale": (lo.alpha or rank) / rank,
+                                "targets": list(targets), "base": os.path.abspath(source),
+                                "fingerprint": state_fingerprint(payload["model"], payload["partition_dims"],
+                                                                 self.ps)}
         linears = [module.get_submodule(n) for n in names]
         count = sum(rank * (lin.in_features + lin.out_features) for lin in linears)
         print_rank0(f"> {name}: LoRA rank {rank} alpha {lo.alpha or rank:g} on {len(names)} linears "
@@ -196,7 +204,7 @@ class StudentTrainer(RunStateTrainer):
             grads, optimizer = build_grads_and_optimizer(model, optim_cfg, ps)
             save = (cfg.train.save and role_dir(cfg.train.save, name)) or None
             role = Role(name, model, optimizer,
-                        LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra)
+                        LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra, lora=self.lora_meta.get(name))
         return role.with_offload(ps.device) if name in self.offload else role
 
     def _offload_plan(self) -> tuple[frozenset, str]:

@@ -125,6 +125,27 @@ def adapt(model: nn.Module, targets: tuple, rank: int, alpha: float, seed: int, 
     return names
 
 
+def merge_lora(base: dict, adapters: dict, scale: float) -> dict:
+    """A full-weight state dict: `base` (a model's state dict, any TP shard) with each adapted linear's weight
+    W + scale B A, from `adapters` ({`<linear>.lora.A` / `.lora.B`: tensor} of the same TP degree, and any other
+    trained tensor, e.g. a GAN head, taken as it is). Shard-wise exact: a column base's B and W rows are split
+    alike (A whole); a row base's A and W columns are (B whole)."""
+    out = dict(base)
+    for key, value in adapters.items():
+        if key.endswith(".lora.B"):
+            continue
+        if not key.endswith(".lora.A"):
+            out[key] = value
+            continue
+        prefix = key[:-len(".lora.A")]
+        w = base.get(prefix + ".inner.weight")
+        b = adapters.get(prefix + ".lora.B")
+        if w is None or b is None:
+            raise KeyError(f"the adapter {prefix} has no {'base weight' if w is None else 'B'} to merge with")
+        out[prefix + ".inner.weight"] = (w.float() + scale * b.float() @ value.float()).to(w.dtype)
+    return out
+
+
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapters' parameters (A, B of every `LoRA`), in module order."""
     return [p for m in model.modules() if isinstance(m, LoRA) for p in (m.A, m.B)]

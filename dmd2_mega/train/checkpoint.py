@@ -431,10 +431,14 @@ def model_size_hint(payload: dict, size: str) -> str:
     return f" (the checkpoint was saved with --model-size {saved}; this run uses {size})"
 
 
-def load_model_weights(model: torch.nn.Module, state: dict, source: str, hint: str = "") -> None:
+def load_model_weights(model: torch.nn.Module, state: dict, source: str, hint: str = "",
+                       only: Optional[set] = None) -> None:
     """Strict load that names the first mismatching parameter (in model order) and both shapes,
-    and the missing / unexpected names; `hint` (e.g. `model_size_hint`) ends the message."""
+    and the missing / unexpected names; `hint` (e.g. `model_size_hint`) ends the message. `only`: load these
+    entries of the model's state dict only, the rest left as they are (a LoRA role's adapters)."""
     own = model.state_dict()
+    if only is not None:
+        own = {k: v for k, v in own.items() if k in only}
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     keys = (f"architecture mismatch: {len(missing)} missing {missing[:3]}, {len(unexpected)} unexpected "
@@ -447,4 +451,4 @@ def load_model_weights(model: torch.nn.Module, state: dict, source: str, hint: s
                                   f"{tuple(v.shape)} in this model{'; ' + keys if keys else ''}{hint}")
     if keys:
         raise CheckpointError(f"{source}: {keys}{hint}")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=len(own) == len(model.state_dict()))
