@@ -134,6 +134,31 @@ def _read_ours(root: str, flag: str) -> dict:
     return merged_payload(payload, _one_process(), f"{flag} {root}")  # LoRA adapters merged into their base
 
 
+def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
+    """--merge-lora: a LoRA student (`train/lora_checkpoint.py`) -> a full-weight student checkpoint at TP=1 in
+    `save` (its adapters, and its EMA's, merged into the base it names; no optimizer state: it samples, exports
+    and initialises a run, and resumes only with --no-load-optim). Returns {"iteration", "dir", "base"}."""
+    check_free(save, "--save", True, NEW_CHECKPOINT)
+    raw = load_payload(load, _one_process(), flag="--load")
+    if raw is None:
+        raise CheckpointError(f"--load {load} holds no checkpoint (no {TRACKER})")
+    if "lora" not in raw:
+        raise ConfigError(f"--merge-lora: --load {load} holds full weights, not LoRA adapters: nothing to merge")
+    payload = merged_payload(raw, _one_process(), f"--load {load}")
+    meta = payload.pop("lora_merged")
+    for key in ("optimizer", "scheduler", "saved_tp_size"):
+        payload.pop(key, None)
+    args = json.loads(json.dumps(payload.get("args", {})))  # a deep copy; the merged role is full weights now
+    args.setdefault("lora", {})[f"{payload.get('role', 'student')}_rank"] = 0
+    payload.update(args=args, tp_size=1, merged_lora=meta)
+    n = int(payload["iteration"])
+    with staged_output(save, "--save", True, NEW_CHECKPOINT, log) as where:
+        save_offline(where, n, [payload])
+    log(f"> merged the rank-{meta['rank']} adapters of {load} into their base {meta['base']}: full weights in "
+        f"{iter_dir(save, n)} (TP=1)")
+    return {"iteration": n, "dir": iter_dir(save, n), "base": meta["base"]}
+
+
 def _export(layout: str, load: str, out: str, ema: bool, log) -> dict:
     payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)

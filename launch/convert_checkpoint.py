@@ -24,6 +24,9 @@ transformer_2/.
     python launch/convert_checkpoint.py --from-official DiT-XL-2-256x256.pt --parameterization vp-eps --save ckpt/dit
     python launch/convert_checkpoint.py --from-diffusers /models/DiT-XL-2-256 --save ckpt/dit_xl2   # vp-eps
     python launch/convert_checkpoint.py --load runs/student --to-official export/student.pt   # back to its layout
+
+    # a LoRA student (--student-lora-rank: adapters over the teacher's weights) -> full weights at TP=1
+    python launch/convert_checkpoint.py --load runs/lora_student --merge-lora --save runs/student_merged
 The model (and the latent shape and classes it was trained on) comes from the tensors' shapes or config.json, the
 parameterisation from --parameterization (official files: sit = SiT's interpolant, vp-eps = DiT's DDPM epsilon on
 its linear betas; a diffusers DiT pipeline's scheduler_config.json fixes its schedule). Every role built from the
@@ -40,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
-from dmd2_mega.pretrained import export_diffusers, export_official, import_diffusers, import_dit  # noqa: E402
+from dmd2_mega.pretrained import (export_diffusers, export_official, import_diffusers, import_dit,  # noqa: E402
+                                  merge_lora_checkpoint)
 from dmd2_mega.train.resilience import run_main  # noqa: E402
 
 
@@ -66,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     dst.add_argument("--to-diffusers", metavar="DIR", help="the folder to write")
     dst.add_argument("--to-official", metavar="FILE", help="a DiT imported from an official .pt: the .pt to write")
     dst.add_argument("--no-ema", action="store_true", help="export the student's raw weights, not its EMA")
+    dst.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA student (--student-lora-rank) -> a full-weight checkpoint in --save (TP=1)")
     return p.parse_args(argv)
 
 
@@ -92,6 +98,10 @@ def main(a: argparse.Namespace) -> None:
             import_dit(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.parameterization)
         else:
             import_diffusers(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.subfolder)
+    elif a.merge_lora:
+        if not a.save or a.to_diffusers or a.to_official:
+            raise ConfigError("--merge-lora writes a checkpoint: give --load DIR --merge-lora --save DIR")
+        merge_lora_checkpoint(a.load, a.save)
     else:
         if bool(a.to_diffusers) == bool(a.to_official):
             raise ConfigError("--load needs one of --to-diffusers DIR / --to-official FILE (what to write)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.trainer import StudentTrainer
 from dmd2_mega.models.lora import LoRA
@@ -124,6 +125,15 @@ def test_a_lora_run_resumes_exactly_and_only_over_its_base(teacher, other_teache
     with torch.no_grad():
         got = merged(x, sigma, cond)
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    from launch import convert_checkpoint
+    out = str(tmp_path / "merged")
+    convert_checkpoint.main(convert_checkpoint.parse_args(["--load", full, "--merge-lora", "--save", out]))
+    with torch.no_grad():
+        again = load_model(out, ema=False)(x, sigma, cond)
+    assert torch.equal(again, got)  # the merged checkpoint holds what the merge on read gives
+    with pytest.raises(ConfigError, match="holds full weights, not LoRA adapters: nothing to merge"):
+        convert_checkpoint.main(convert_checkpoint.parse_args(["--load", out, "--merge-lora", "--save",
+                                                               str(tmp_path / "again")]))
     with world_of_one():
         assert pretrain_dmd2.main(args(teacher, part, 2)) == 0
     with world_of_one():
