@@ -31,6 +31,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         # diffusers / transformers (installed above) are also the oracles of the tests: tiny random models built
         # in the test, nothing downloaded
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.5", "import-linter>=2.1"],
+        # peft: diffusers' LoRA loader (WanPipeline.load_lora_weights) that reads the LoRA exports
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.5", "import-linter>=2.1", "peft>=0.15"],
     },
 )

@@ -160,7 +160,13 @@ def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
 
 
 def _export(layout: str, load: str, out: str, ema: bool, log) -> dict:
-    payload = _read_ours(load, "--load")
+    """`layout` "diffusers-lora" reads a LoRA student's adapters as they are; every other, full weights (merged)."""
+    if layout == "diffusers-lora":
+        payload = load_payload(load, _one_process(), flag="--load")
+        if payload is None:
+            raise CheckpointError(f"--load {load} holds no checkpoint (no {TRACKER})")
+    else:
+        payload = _read_ours(load, "--load")
     size = checkpoint_spec(load, payload)
     if layout not in size.family.export_layouts:
         raise ConfigError(f"--load {load} holds a {size.family.title} model, which has no {layout} layout; "
@@ -174,6 +180,13 @@ def export_diffusers(load: str, out: str, ema: bool = True, log=print) -> dict:
     [...] or None, "iteration"}."""
     check_free(out, "--to-diffusers", True, NEW_FOLDER)
     return _export("diffusers", load, out, ema, log)
+
+
+def export_diffusers_lora(load: str, out: str, ema: bool = True, log=print) -> dict:
+    """--to-diffusers --lora-only: a LoRA student's adapters as the family's diffusers LoRA file (Wan:
+    `WanPipeline.load_lora_weights`; `models/wan/export.export_lora`)."""
+    check_free(out, "--to-diffusers", True, NEW_FOLDER)
+    return _export("diffusers-lora", load, out, ema, log)
 
 
 def export_official(load: str, out: str, ema: bool = True, log=print) -> dict:

@@ -27,6 +27,8 @@ transformer_2/.
 
     # a LoRA student (--student-lora-rank: adapters over the teacher's weights) -> full weights at TP=1
     python launch/convert_checkpoint.py --load runs/lora_student --merge-lora --save runs/student_merged
+    # ... or its adapters alone, for WanPipeline.load_lora_weights on the base pipeline (--to-diffusers alone: merged)
+    python launch/convert_checkpoint.py --load runs/lora_student --to-diffusers export/student_lora --lora-only
 The model (and the latent shape and classes it was trained on) comes from the tensors' shapes or config.json, the
 parameterisation from --parameterization (official files: sit = SiT's interpolant, vp-eps = DiT's DDPM epsilon on
 its linear betas; a diffusers DiT pipeline's scheduler_config.json fixes its schedule). Every role built from the
@@ -43,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.files.path_guard import check_outputs_apart  # noqa: E402
-from dmd2_mega.pretrained import (export_diffusers, export_official, import_diffusers, import_dit,  # noqa: E402
-                                  merge_lora_checkpoint)
+from dmd2_mega.pretrained import (  # noqa: E402
+    export_diffusers, export_diffusers_lora, export_official, import_diffusers, import_dit, merge_lora_checkpoint)
 from dmd2_mega.train.resilience import run_main  # noqa: E402
 
 
@@ -70,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     dst.add_argument("--to-diffusers", metavar="DIR", help="the folder to write")
     dst.add_argument("--to-official", metavar="FILE", help="a DiT imported from an official .pt: the .pt to write")
     dst.add_argument("--no-ema", action="store_true", help="export the student's raw weights, not its EMA")
+    dst.add_argument("--lora-only", action="store_true",
+                     help="--to-diffusers of a LoRA student: the adapters as a diffusers LoRA file "
+                          "(WanPipeline.load_lora_weights), not the merged transformer")
     dst.add_argument("--merge-lora", action="store_true",
                      help="a LoRA student (--student-lora-rank) -> a full-weight checkpoint in --save (TP=1)")
     return p.parse_args(argv)
@@ -105,8 +110,12 @@ def main(a: argparse.Namespace) -> None:
     else:
         if bool(a.to_diffusers) == bool(a.to_official):
             raise ConfigError("--load needs one of --to-diffusers DIR / --to-official FILE (what to write)")
+        if a.lora_only and not a.to_diffusers:
+            raise ConfigError("--lora-only goes with --to-diffusers DIR (a diffusers LoRA file)")
         if a.to_official:
             export_official(a.load, a.to_official, ema=not a.no_ema)
+        elif a.lora_only:
+            export_diffusers_lora(a.load, a.to_diffusers, ema=not a.no_ema)
         else:
             export_diffusers(a.load, a.to_diffusers, ema=not a.no_ema)
 

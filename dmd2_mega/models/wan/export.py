@@ -3,6 +3,8 @@
     out/transformer/ (and transformer_2/ for two experts)   WanTransformer3DModel.from_pretrained loads it
     out/scheduler/scheduler_config.json                    the student's few-step sigmas (stochastic sampling)
     out/README.md                                          how to run it in WanPipeline, as written
+or, for a LoRA student with --lora-only (`export_lora`), out/pytorch_lora_weights.safetensors (the adapters that
+`WanPipeline.load_lora_weights` puts on the base teacher's transformer) with the same scheduler/ and README.md.
 
 All or nothing (`files/staging.staged_output`): an export that fails or is killed leaves no folder that looks
 finished.
@@ -17,7 +19,7 @@ from dmd2_mega.errors import CheckpointError
 from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.files.staging import staged_output
 from dmd2_mega.models.family import expected_shapes, pick_weights
-from dmd2_mega.models.wan.diffusers import write_folder
+from dmd2_mega.models.wan.diffusers import diffusers_name, write_folder
 from dmd2_mega.models.wan.experts import EXPERTS
 
 NEW_FOLDER = "export into a new directory"
@@ -45,6 +47,58 @@ def export_diffusers(load: str, out: str, payload: dict, spec, meta, ema: bool, 
     log(f"> wrote {out}/transformer ({which} weights of {load}, iteration {payload['iteration']}), "
         f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
     return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"]}
+
+
+def export_lora(load: str, out: str, payload: dict, spec, ema: bool, log) -> dict:
+    """--to-diffusers --lora-only: a LoRA student's adapters (its EMA's unless --no-ema) as the LoRA file
+    `WanPipeline.load_lora_weights` loads onto the base pipeline (diffusers' / PEFT's names, written by diffusers'
+    own `WanPipeline.save_lora_weights` with rank, alpha and the target modules as its adapter metadata), beside the
+    student's scheduler and a README snippet. `payload`: the raw (unmerged) TP=1 payload."""
+    meta = payload.get("lora")
+    if meta is None:
+        raise CheckpointError(f"--lora-only: --load {load} holds full weights, not LoRA adapters (export it "
+                              f"without --lora-only)")
+    if spec.boundary_ratio is not None:
+        raise CheckpointError(f"--lora-only: --load {load} is Wan 2.2's two experts; export the merged folder")
+    which = "ema" if ema and "ema" in payload else "model"
+    state = {**payload["model"], **(payload["ema"] if which == "ema" else {})}
+    layers, modules = {}, set()
+    for key, t in state.items():
+        if ".lora." not in key:
+            raise CheckpointError(f"--lora-only: --load {load} holds {key}, which is not an adapter; export the "
+                                  f"student (--save), not the critic")
+        prefix, factor = key.rsplit(".lora.", 1)
+        module = diffusers_name(prefix + ".inner.weight")[:-len(".weight")]
+        modules.add(module)
+        layers[f"{module}.lora_{factor}.weight"] = t.float().contiguous()
+    sigmas = payload.get("student_sigmas")
+    adapter = {"r": meta["rank"], "lora_alpha": meta["alpha"], "target_modules": sorted(modules)}
+    text = lora_readme(load, which, sigmas, meta, (payload.get("data_info") or {}).get("latent_shape"))
+    from diffusers import WanPipeline  # diffusers' writer: its names, its file, its metadata
+    with staged_output(out, "--to-diffusers", True, NEW_FOLDER, log) as where:
+        WanPipeline.save_lora_weights(where, transformer_lora_layers=layers,
+                                      transformer_lora_adapter_metadata=adapter)
+        write_scheduler(os.path.join(where, "scheduler"), sigmas)
+        atomic_write(os.path.join(where, "README.md"), lambda f: f.write(text), text=True)
+    log(f"> wrote {out}/pytorch_lora_weights.safetensors ({which} adapters of {load}, rank {meta['rank']} alpha "
+        f"{meta['alpha']:g} on {len(modules)} linears, iteration {payload['iteration']}; base {meta['base']}), "
+        f"{out}/scheduler (sigmas {sigmas}) and {out}/README.md")
+    return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"], "modules": len(modules)}
+
+
+def lora_readme(load: str, which: str, sigmas, meta: dict, latent: Optional[list]) -> str:
+    """The full export's README (`readme`) with the base teacher's own transformer and the adapters loaded onto it
+    (`load_lora_weights`) in place of an exported transformer."""
+    text = readme(load, which, sigmas, False, latent)
+    text = text.replace('transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", '
+                        'torch_dtype=dtype)\n', "")
+    text = text.replace("transformer=transformer, ", "")
+    text = text.replace("                                   torch_dtype=dtype).to(device)\n",
+                        "                                   torch_dtype=dtype).to(device)\n"
+                        'pipe.load_lora_weights("<this folder>")  # the student: its adapters on the teacher\n')
+    return text.replace(f"({which} weights)", f"({which} LoRA adapters of rank {meta['rank']}, alpha "
+                                               f"{meta['alpha']:g}, over the base {meta['base']}; the base pipeline "
+                                               f"must hold that teacher's transformer)")
 
 
 def write_scheduler(folder: str, sigmas: Optional[list]) -> None:

@@ -24,7 +24,7 @@ from dmd2_mega.models.wan.plan import MATHS
 from dmd2_mega.models.wan.diffusers import model_dir, read_config, read_state
 from dmd2_mega.models.wan.causal import CausalWan, check_causal
 from dmd2_mega.models.wan.experts import EXPERTS, WanExperts
-from dmd2_mega.models.wan.export import export_diffusers
+from dmd2_mega.models.wan.export import export_diffusers, export_lora
 from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, TEXT_LEN, Wan, WanSpec, check_shape
 
 EXPERTS_FILE = "wan_experts.json"
@@ -68,7 +68,7 @@ class WanFamily(ModelFamily):
     name, title, spec_type = "wan", "Wan", WanSpec
     reads = f"wan: a diffusers {DIFFUSERS_CLASS} folder or a Wan pipeline folder (one converted by dmd2-mega too)"
     splits_tokens = True
-    export_layouts = ("diffusers",)
+    export_layouts = ("diffusers", "diffusers-lora")
     lora_targets = ("to_q", "to_k", "to_v", "to_out", "fc1", "fc2")  # self- and cross-attention, FFN
     plan = MATHS
 
@@ -132,6 +132,8 @@ class WanFamily(ModelFamily):
                               f"heads and ffn_dim {spec.ffn_dim} of {where}")
 
     def export(self, layout, load, out, payload, spec, ema, log):
+        if layout == "diffusers-lora":
+            return export_lora(load, out, payload, spec, ema, log)
         return export_diffusers(load, out, payload, spec, self._meta(spec), ema, log)
 
     # ---- data and the planner
