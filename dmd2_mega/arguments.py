@@ -83,6 +83,9 @@ PLANNED = {
     "--gpu-memory-gb": (DMD2Config, "gpu_memory_gb", dict(
         type=float, help="GiB of device memory per rank for the offload plan (default: the device's total; "
                          "launch/plan_memory.py, which has no device, plans for 80)")),
+    "--student-lora-rank": (LoRAConfig, "student_rank", dict(
+        type=int, help="the student as adapters of this rank over the teacher's frozen, shared weights (0: full)")),
+    "--critic-lora-rank": (LoRAConfig, "critic_rank", dict(type=int, help="the same for the critic")),
     "--dmd2-gan": (GANConfig, "enabled", dict(
         action="store_true",
         help="train a GAN head on the critic's features; its generator loss joins the actor's (and the actor phase "
@@ -236,9 +239,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--no-ema", EMAConfig, "no_ema", action="store_true", help="evaluate the raw student weights, not the EMA")
     g = p.add_argument_group("LoRA roles")
     L = LoRAConfig
-    _flag(g, "--student-lora-rank", L, "student_rank", type=int, help="adapters of this rank over a frozen base "
-          "(0: full weights)")
-    _flag(g, "--critic-lora-rank", L, "critic_rank", type=int, help="the same for the critic")
+    _planned(g, "--student-lora-rank", "--critic-lora-rank")
     _flag(g, "--lora-alpha", L, "alpha", type=float, help="adapter scale alpha / rank (default alpha = rank)")
     _flag(g, "--lora-target-modules", L, "target_modules", type=_roles,
           help="the family's linears to adapt, comma-separated (default all: Wan to_q,to_k,to_v,to_out,fc1,fc2; "
@@ -263,7 +264,7 @@ def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
 
 
 _PLAN_GROUPS = {ModelConfig: "model", ParallelConfig: "parallel", OptimConfig: "optimizer", TrainConfig: "training",
-                DMD2Config: "dmd2", GANConfig: "dmd2 GAN head"}
+                DMD2Config: "dmd2", GANConfig: "dmd2 GAN head", LoRAConfig: "LoRA roles"}
 
 
 def add_memory_plan_args(p: argparse.ArgumentParser) -> None:
@@ -278,8 +279,8 @@ def add_memory_plan_args(p: argparse.ArgumentParser) -> None:
 
 def memory_plan_configs(ns: argparse.Namespace) -> SimpleNamespace:
     """The flags of `add_memory_plan_args` as the trainer's dataclasses, checked by them (ConfigError naming the
-    flag): `.model`, `.parallel`, `.optim`, `.train`, `.dmd2`, `.gan`, as on a `DistillConfig` (every other field
-    is its default)."""
+    flag): `.model`, `.parallel`, `.optim`, `.train`, `.dmd2`, `.gan`, `.lora`, as on a `DistillConfig` (every other
+    field is its default)."""
     return SimpleNamespace(model=_build(ns, ModelConfig), parallel=_build(ns, ParallelConfig),
                            optim=_build(ns, OptimConfig), train=_build(ns, TrainConfig), dmd2=_build(ns, DMD2Config),
-                           gan=_build(ns, GANConfig))
+                           gan=_build(ns, GANConfig), lora=_build(ns, LoRAConfig))

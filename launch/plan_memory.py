@@ -172,7 +172,7 @@ def search(a: argparse.Namespace) -> None:
     found = mp.search_layouts(ms, phase_table(a), world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
                               micro=b, steps=d.critic_steps_per_rollout, denoise=d.denoising_steps,
                               bf16=run.optim.bf16, guidance=d.teacher_guidance_scale,
-                              scores=a.attention_kernel == "math")
+                              scores=a.attention_kernel == "math", lora=lora_ranks(run))
     best, plan_, _, fits = found[0]
     if not fits:
         raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gb:g} GiB per GPU for "
@@ -197,6 +197,17 @@ def search(a: argparse.Namespace) -> None:
     plan(a)
 
 
+def lora_ranks(run) -> dict:
+    """{role: LoRA rank} of --student-lora-rank / --critic-lora-rank (0: full weights); LoRA roles share the
+    teacher's weights, as pretrain_dmd2.py builds them by default."""
+    return {"student": run.lora.student_rank, "critic": run.lora.critic_rank}
+
+
+def role_label(role: str, run) -> str:
+    rank = lora_ranks(run).get(role, 0)
+    return f"{role} (LoRA r={rank}, the teacher's weights shared)" if rank else role
+
+
 def plan(a: argparse.Namespace) -> None:
     ms, run = shape_from_args(a), a.run
     p, d, bf16, dist_opt = run.parallel, run.dmd2, run.optim.bf16, run.optim.use_distributed_optimizer
@@ -215,7 +226,7 @@ def plan(a: argparse.Namespace) -> None:
     recompute = run.model.recompute_granularity
     plan = mp.plan_cycle(ms, phase_table(a), tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16,
                          recompute=recompute == "full", guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
-                         scores=a.attention_kernel == "math")
+                         scores=a.attention_kernel == "math", lora=lora_ranks(run))
     print(describe_model(run.model.size, ms))
     layout = (f"CP={cp} " if cp > 1 else "") + f"DP={dp}" + (" SP" if sp else "")
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
@@ -229,8 +240,11 @@ def plan(a: argparse.Namespace) -> None:
     kinds = ["weights", "grads", "optimizer"]
     head = ["role", "parameters", "fp32 gradients", "optimizer state", "total"]
     print(mp.format_table(head,
-                [[r] + [fmt_bytes(v[k_]) for k_ in kinds] + [fmt_bytes(sum(v.values()))]
+                [[role_label(r, run)] + [fmt_bytes(v[k_]) for k_ in kinds] + [fmt_bytes(sum(v.values()))]
                  for r, v in plan.roles.items()]))
+    if plan.shared_base:
+        print("LoRA roles over the teacher's shared weights: nothing is time-sliced (the base stays resident), so "
+              "the time-sliced rows equal the resident ones")
     print("\nper-rank bytes resident in each phase (a time-sliced role sleeps whole, grad buffer included; it holds "
           "what the phase needs of it):")
     rows = []

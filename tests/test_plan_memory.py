@@ -161,6 +161,33 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16, dist_opt):
     sleeper.close()
 
 
+@pytest.mark.parametrize("dist_opt,bf16", [(False, False), (True, True)], ids=["adamw-fp32", "distributed-bf16"])
+@pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:1] + WAN_SHAPES[:1])
+def test_lora_role_bytes_exact(ps, size, ch, img, cond_shape, bf16, dist_opt):
+    """A LoRA role (rank 3, every target): measured adapters, their grads and optimizer state = the planner's; its
+    weights are the adapters alone over a shared base, the adapters plus the base over its own copy."""
+    from dmd2_mega.models import get_size
+    from dmd2_mega.models.lora import adapt, lora_parameters
+    model, ms = make(ps, size, ch, img, cond_shape)
+    adapt(model, get_size(size).family.lora_targets, 3, 3.0, seed=0)
+    model = cast_model(model, bf16)
+    grads = GradBuffer(model, shard=dist_opt)
+    opt = (DistributedOptimizer if dist_opt else Optimizer)(model, OptimConfig(lr=1e-3, bf16=bf16), grads=grads)
+    for step in range(2):
+        x, sigma, cond = batch(ms, 2, step)
+        model(x, sigma, cond).float().square().mean().backward()
+        opt.step()
+    adapters = lora_parameters(model)
+    masters = opt.master_params if opt.mixed or dist_opt else []
+    state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    got = {"weights": resident_bytes(adapters), "grads": resident_bytes(p.main_grad for p in adapters),
+           "optimizer": resident_bytes(list(masters) + state)}
+    assert got == mp.role_bytes(ms, 1, 1, bf16, trained=True, dist_opt=dist_opt, lora_rank=3, shared=True)
+    whole = resident_bytes(list(model.parameters()) + list(model.buffers()))
+    assert whole == mp.role_bytes(ms, 1, 1, bf16, trained=True, dist_opt=dist_opt, lora_rank=3)["weights"]
+    assert mp.lora_params(ms, 3, 1)[0] == sum(p.numel() for p in adapters)
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES)
 def test_forward_flops_match_flop_counter(ps, size, ch, img, cond_shape, n):
@@ -392,6 +419,24 @@ def test_cli_wan_14b_acceptance_row(capsys):
     out = capsys.readouterr().out
     assert "(critic phase) -> fits in 80 GiB" in out.split("peak time-sliced")[1].splitlines()[0]
     assert "does NOT fit in 80 GiB" in out.split("peak all resident")[1].splitlines()[0]
+
+
+def test_cli_wan_14b_lora_fits_where_full_weights_do_not(capsys):
+    """Wan 2.1 14B at 480p, B=1, bf16, CFG 5: full weights need 8 GPUs of 80 GB, LoRA roles (rank 64) over the
+    teacher's shared weights fit on one."""
+    row = ["--model-size", "wan2.1-14b", "--latent-shape", "16", "21", "60", "104", "--text-len", "512",
+           "--micro-batch-size", "1", "--bf16", "--dmd2-teacher-guidance-scale", "5", "--search", "--gpus-per-node",
+           "8", "--gpu-memory-gb", "80"]
+    lora = ["--student-lora-rank", "64", "--critic-lora-rank", "64"]
+    assert plan_memory.main(row + ["--world-size", "4"]) == 1
+    assert "no layout of 4 GPUs fits 80 GiB" in capsys.readouterr().err
+    assert plan_memory.main(row + ["--world-size", "8"]) == 0
+    assert "chosen: TP=4 CP=1 DP=2 SP" in capsys.readouterr().out
+    assert plan_memory.main(row + ["--world-size", "1"] + lora) == 0
+    out = capsys.readouterr().out
+    assert "chosen: TP=1 CP=1 DP=1, recompute full, time-sliced none" in out
+    assert "student (LoRA r=64, the teacher's weights shared)" in out and "nothing is time-sliced" in out
+    assert "(critic phase) -> fits in 80 GiB" in out.split("peak all resident")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize("flags,error", [

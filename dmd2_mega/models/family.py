@@ -171,8 +171,9 @@ class PlanMaths(NamedTuple):
     of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps beyond the fused
     kernels; kv_cache(ms, n, frames, tp, bf16, cp, sp) per layer, a causal student's KV cache: (the self-attention
     k / v of one cached chunk of `frames` token frames, the text's k / v), ConfigError for a family or spec with no
-    causal student. cp / sp split the tokens; a family that does not split tokens is only asked for cp = 1,
-    sp = False."""
+    causal student; lora_linears(ms) -> [(name, "column" | "row", in, out)], every linear of every layer that a
+    LoRA adapter may sit on (`ModelFamily.lora_targets`). cp / sp split the tokens; a family that does not split
+    tokens is only asked for cp = 1, sp = False."""
 
     param_counts: Callable
     forward_flops: Callable
@@ -182,6 +183,7 @@ class PlanMaths(NamedTuple):
     nograd: Callable
     scores: Callable
     kv_cache: Callable
+    lora_linears: Callable
 
 
 class Source(NamedTuple):

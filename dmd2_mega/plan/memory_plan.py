@@ -150,17 +150,31 @@ def forward_flops(ms: ModelShape, n: int = 1, tp: int = 1) -> int:
     return ms.family.plan.forward_flops(ms, n, tp)
 
 
-def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist_opt: bool = False) -> dict:
+def lora_params(ms: ModelShape, rank: int, tp: int, targets: Optional[tuple] = None) -> tuple[int, int]:
+    """(adapter parameters per rank, adapter tensors) of rank-`rank` LoRA adapters on the family's linears
+    (`PlanMaths.lora_linears`; only `targets` when given): a column base's A [r, in] whole and B [out / TP, r], a
+    row base's A [r, in / TP] and B [out, r] whole (`models/lora.py`)."""
+    lins = [x for x in ms.family.plan.lora_linears(ms) if targets is None or x[0] in targets]
+    per_rank = sum(rank * (i + o // tp) if kind == "column" else rank * (i // tp + o) for _, kind, i, o in lins)
+    return per_rank, 2 * len(lins)
+
+
+def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist_opt: bool = False,
+               lora_rank: int = 0, shared: bool = False) -> dict:
     """Per-rank bytes of one role by kind: weights, grads (fp32 main_grad buffer), optimizer. `dp` changes only
     the optimizer's part, and only with `dist_opt` (--use-distributed-optimizer: fp32 masters, which it keeps for
-    an fp32 model too, and Adam moments are sharded over DP; each rank holds a step count per owned fragment)."""
-    P, w = params_per_rank(ms, tp), 2 if bf16 else 4
+    an fp32 model too, and Adam moments are sharded over DP; each rank holds a step count per owned fragment).
+    `lora_rank` r > 0: a LoRA role (docs/lora.md), whose grads and optimizer are its adapters' and whose weights are
+    its adapters plus, unless `shared` (the teacher's weights: counted once, with the teacher), its frozen base."""
+    w = 2 if bf16 else 4
     n = param_counts(ms)
-    out = {"weights": P * w + n["buffer"] * w, "grads": 0, "optimizer": 0}
+    base = params_per_rank(ms, tp) * w + n["buffer"] * w
+    P, tensors = lora_params(ms, lora_rank, tp) if lora_rank else (params_per_rank(ms, tp), n["tensors"])
+    out = {"weights": (P * w if lora_rank else 0) + (0 if shared else base), "grads": 0, "optimizer": 0}
     if trained:
-        optimizer = (4 * P if bf16 else 0) + 8 * P + 4 * n["tensors"]
+        optimizer = (4 * P if bf16 else 0) + 8 * P + 4 * tensors
         if dist_opt:
-            optimizer = math.ceil(12 * P / dp) + 4 * n["tensors"]
+            optimizer = math.ceil(12 * P / dp) + 4 * tensors
         out.update(grads=4 * P, optimizer=optimizer)
     return out
 
@@ -277,12 +291,14 @@ class CyclePlan:
     frozen_share: float = 1.0
     """The part of a time-sliced frozen role (one no phase trains: the teacher) resident while it runs: 1 / experts
     (a model of experts: one expert at a time, `offload.ExpertSleeper`), else 1."""
+    shared_base: bool = False
+    """LoRA roles share the teacher's weights: nothing is time-sliced (the trainer keeps every role resident)."""
 
     def resident(self, role: str, need: Optional[str], sliced: bool) -> int:
         """Bytes of `role` resident in a phase that needs it as `need` ("all", "weights", None: not at all),
         time-sliced or not."""
         b = self.roles[role]
-        if not sliced:
+        if not sliced or self.shared_base:
             return sum(b.values())
         if need is None:
             return 0
@@ -303,14 +319,19 @@ def table_needs(phases) -> dict:
 
 def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
                recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
-               scores: bool = False) -> CyclePlan:
+               scores: bool = False, lora: Optional[dict] = None, shared_base: bool = True) -> CyclePlan:
     """Per-rank bytes of each role of the method's phase table `phases` (`methods.base.Phase`s: a role some phase
     trains has grads and an optimizer) in each phase, time-sliced (offload) or all resident. The distributed
-    optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens."""
+    optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens.
+    `lora` {role: rank}: LoRA roles, over the teacher's weights when `shared_base` (`role_bytes`; then nothing is
+    time-sliced), else each over its own frozen copy (--no-lora-shared-base)."""
     needs = table_needs(phases)
     trained = frozenset(p.trains for p in phases if p.trains is not None)
     names = tuple(dict.fromkeys(r for p in phases for r in p.needs))
-    roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r in trained, dist_opt=dist_opt) for r in names}
+    ranks = {r: k for r, k in (lora or {}).items() if k}
+    shared = bool(ranks) and "teacher" in names and shared_base
+    roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r in trained, dist_opt=dist_opt, lora_rank=ranks.get(r, 0),
+                           shared=shared and r in ranks) for r in names}
     x = ms.sample_numel * 4                                # one fp32 sample
     cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
     held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond
@@ -323,7 +344,7 @@ def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: i
                          activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw)) + held_rollout + held_scores,
            "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores}
     experts = ms.family.experts(ms.spec)
-    plan = CyclePlan(roles, act, needs, trained, frozen_share=1.0 / experts if experts else 1.0)
+    plan = CyclePlan(roles, act, needs, trained, frozen_share=1.0 / experts if experts else 1.0, shared_base=shared)
     for phase in PHASES:
         for sliced in (True, False):
             row = {r: plan.resident(r, needs[phase].get(r), sliced) for r in roles}
@@ -348,8 +369,12 @@ PLAN_HEADROOM = 0.9  # of the device memory: the allocator's fragmentation and t
 def choose_offload(plan: CyclePlan, budget: float) -> tuple[frozenset, dict, bool]:
     """The roles to time-slice so that every phase fits `budget` bytes, moving the fewest bytes per cycle
     (a frozen role's wake, the teacher's, is one copy of its weights; a trained role goes both ways):
-    (roles, phase_bytes of that choice, fits). No set fits: every role, fits False."""
+    (roles, phase_bytes of that choice, fits). No set fits: every role, fits False. A plan with a shared LoRA base
+    time-slices nothing."""
     names = list(plan.roles)
+    if plan.shared_base:  # LoRA roles over the teacher's weights: nothing sleeps
+        totals = phase_bytes(plan, ())
+        return frozenset(), totals, max(totals.values()) <= budget
 
     def cost(roles) -> int:
         return sum(sum(plan.roles[r].values()) * (2 if r in plan.trained else 1) for r in roles)
@@ -411,7 +436,8 @@ class Layout:
 
 
 def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
-                   denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False) -> list:
+                   denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False,
+                   lora: Optional[dict] = None) -> list:
     """Every layout of `world` GPUs the model takes for the method's phase table `phases` (`plan_cycle`), with its
     plan: [(Layout, CyclePlan, phase bytes, fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
@@ -427,7 +453,7 @@ def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, bu
             for recompute in (False, True):
                 plan = plan_cycle(ms, phases, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
-                                  cp=cp, sp=tp > 1 and splits, scores=scores)
+                                  cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora)
                 roles, totals, fits = choose_offload(plan, budget)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
                 found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, frozenset(plan.roles), splits),

@@ -67,7 +67,9 @@ class DMD2Method:
                              steps=d.critic_steps_per_rollout, denoise=len(self.student_sigmas),
                              bf16=cfg.optim.bf16, recompute=cfg.model.recompute_granularity == "full",
                              guidance=d.teacher_guidance_scale, dist_opt=cfg.optim.use_distributed_optimizer,
-                             cp=ps.cp_size, sp=ps.sequence_parallel)
+                             cp=ps.cp_size, sp=ps.sequence_parallel,
+                             lora={r: cfg.lora.rank(r) for r in ("student", "critic")},
+                             shared_base=not cfg.lora.no_shared_base)
         return mp.choose_offload(plan, budget)  # the run's table: with the GAN head, the actor needs critic weights
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:

@@ -83,5 +83,13 @@ def kv_cache_bytes(ms, *_) -> tuple[int, int]:
                       f"to stream; causal students are video (the Wan family)")
 
 
+def lora_linears(ms) -> list:
+    """The linears LoRA adapters may sit on (`DiTFamily.lora_targets`), every layer: (name, "column" | "row", in,
+    out): qkv (h -> 3h), proj (h -> h), fc1 (h -> m), fc2 (m -> h)."""
+    h, m = ms.spec.hidden_size, ms.mlp
+    return [("qkv", "column", h, 3 * h), ("proj", "row", h, h), ("fc1", "column", h, m),
+            ("fc2", "row", m, h)] * ms.spec.num_layers
+
+
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes, kv_cache_bytes)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears)

@@ -163,5 +163,14 @@ def kv_cache_bytes(ms, n: int, frames: int, tp: int, bf16: bool, cp: int = 1, sp
     return 2 * n * tokens * (s.num_heads // tp // cp) * s.head_dim * w, 2 * n * L * (s.num_heads // tp) * s.head_dim * w
 
 
+def lora_linears(ms) -> list:
+    """The linears LoRA adapters may sit on (`WanFamily.lora_targets`), every layer and expert: (name, "column" |
+    "row", in, out): per block q, k, v, out of self- and cross-attention (D -> D) and fc1 (D -> F), fc2 (F -> D)."""
+    s, D, F = ms.spec, ms.spec.hidden_size, ms.spec.ffn_dim
+    attn = [("to_q", "column", D, D), ("to_k", "column", D, D), ("to_v", "column", D, D), ("to_out", "row", D, D)]
+    block = attn + attn + [("fc1", "column", D, F), ("fc2", "row", F, D)]
+    return block * s.num_layers * max(1, len(s.experts))
+
+
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes, kv_cache_bytes)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears)
