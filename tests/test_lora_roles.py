@@ -158,6 +158,21 @@ def test_a_lora_run_resumes_exactly_and_only_over_its_base(teacher, other_teache
     assert "holds LoRA adapters of rank 4, this run's student is full weights: give --student-lora-rank 4" in err
 
 
+def test_a_lora_critic_keeps_its_gan_head_trainable(teacher, tmp_path):
+    """--dmd2-gan: the critic is the GAN critic around its trunk; the trunk gets the adapters over the teacher's
+    weights, the head stays trainable, and a cycle runs."""
+    with world_of_one():
+        tr = StudentTrainer(parse_dmd2_args(args(teacher, str(tmp_path / "gan"), 1, "--dmd2-gan")), DMD2Method)
+        critic = tr.roles["critic"].model
+        trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+        assert {n for n in trained if not n.startswith("head.")} == {n for n in trained if ".lora." in n}
+        assert any(n.startswith("head.") for n in trained) and any(".lora." in n for n in trained)
+        t = dict(tr.roles["teacher"].model.named_parameters())
+        assert all(p.data_ptr() == t[n[len("trunk."):]].data_ptr() for n, p in critic.named_parameters()
+                   if n.startswith("trunk.") and ".lora." not in n)
+        tr.train()
+
+
 @pytest.mark.parametrize("more, message", [
     (["--lora-target-modules", "to_q,qkv"], "--lora-target-modules: Wan has no linear named qkv (its LoRA targets: "
                                             "to_q,to_k,to_v,to_out,fc1,fc2)"),

@@ -124,8 +124,9 @@ def test_teacher_of_another_size(ckpts, tmp_path, capsys):
     args = dmd2_args(ckpts["teacher"])
     args[args.index("debug")] = "digits"
     fails(capsys, "dmd2", args + ["--train-iters", "2", "--save", tmp_path / "s"], "CheckpointError",
-          f"--teacher-load {ckpts['teacher']} (the student's init): parameter x_embed.weight has shape (32, 4) in "
-          f"the checkpoint but (128, 4) in this model", "saved with --model-size debug; this run uses digits", keep=[ckpts["teacher"]])
+          f"--teacher-load {ckpts['teacher']}: parameter x_embed.weight has shape (32, 4) in the checkpoint but "
+          f"(128, 4) in this model", "saved with --model-size debug; this run uses digits",
+          keep=[ckpts["teacher"]])  # the teacher is built first (LoRA roles may share its weights)
 
 
 def _as_tp2(root: str, it: int) -> None:

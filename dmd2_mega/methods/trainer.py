@@ -179,8 +179,8 @@ class StudentTrainer(RunStateTrainer):
             raise ConfigError(f"--lora-target-modules: {family.title} has no linear named {','.join(unknown)} "
                               f"(its LoRA targets: {','.join(family.lora_targets) or 'none'})")
         rank = lo.rank(name)
-        names = adapt(module, targets, rank, lo.alpha or rank, self.cfg.train.seed + zlib.crc32(name.encode()),
-                      base=shared)
+        linears = adapt(module, targets, rank, lo.alpha or rank, self.cfg.train.seed + zlib.crc32(name.encode()),
+                        base=shared)
         base = "the teacher's weights, shared" if shared is not None else "its own frozen copy of its init"
         if shared is not None:
             self.shared_base.append(name)
@@ -188,9 +188,8 @@ class StudentTrainer(RunStateTrainer):
                                 "targets": list(targets), "base": os.path.abspath(source),
                                 "fingerprint": state_fingerprint(payload["model"], payload["partition_dims"],
                                                                  self.ps)}
-        linears = [module.get_submodule(n) for n in names]
         count = sum(rank * (lin.in_features + lin.out_features) for lin in linears)
-        print_rank0(f"> {name}: LoRA rank {rank} alpha {lo.alpha or rank:g} on {len(names)} linears "
+        print_rank0(f"> {name}: LoRA rank {rank} alpha {lo.alpha or rank:g} on {len(linears)} linears "
                     f"({','.join(targets)}; {count:,} adapter parameters) over {base}", self.ps.rank)
 
     def _role(self, name: str, model: torch.nn.Module, extra: tuple = ()) -> Role:

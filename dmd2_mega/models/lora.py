@@ -112,17 +112,25 @@ def share_base(model: nn.Module, base: nn.Module) -> int:
 
 def adapt(model: nn.Module, targets: tuple, rank: int, alpha: float, seed: int, base: nn.Module = None) -> list:
     """A LoRA role (module docstring) from `model` holding its init weights: shares `base`'s weights when given
-    (`share_base`), freezes every weight of `model` and attaches adapters on `targets`, the only trainable
-    parameters it then has. Returns the adapted linears' names."""
+    (`share_base`), freezes every weight of its family model and attaches adapters on `targets`, the only trainable
+    parameters the family model then has. A method's wrapper around the family model (DMD2's GAN critic: its
+    `trunk`) keeps its own parameters (the GAN head) trainable. Returns the adapted linears."""
+    from dmd2_mega.models.family import FamilyModel
+    trunk = model
+    while True:  # the innermost family model: a wrapper's trunk
+        inner = [m for n, m in trunk.named_children() if isinstance(m, FamilyModel)]
+        if len(inner) != 1:
+            break
+        trunk = inner[0]
     if base is not None:
-        share_base(model, base)
-    model.requires_grad_(False)
-    device = next(model.parameters()).device
-    names = attach_lora(model, targets, rank, alpha, seed)
-    for m in model.modules():
+        share_base(trunk, base)
+    trunk.requires_grad_(False)
+    device = next(trunk.parameters()).device
+    names = attach_lora(trunk, targets, rank, alpha, seed)
+    for m in trunk.modules():
         if isinstance(m, LoRA):
             m.to(device)
-    return names
+    return [trunk.get_submodule(n) for n in names]
 
 
 def merge_lora(base: dict, adapters: dict, scale: float) -> dict:
