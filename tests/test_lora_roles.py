@@ -19,7 +19,7 @@ from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.trainer import StudentTrainer
 from dmd2_mega.models.lora import LoRA
 from dmd2_mega.pretrained import load_model
-from tests.utils import read_trace, world_of_one
+from tests.utils import PRETRAIN_DMD2, SAMPLE, read_trace, torchrun, world_of_one
 
 pytestmark = pytest.mark.timeout(600)
 KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
@@ -156,6 +156,28 @@ def test_a_lora_run_resumes_exactly_and_only_over_its_base(teacher, other_teache
                                        "0")) == 1
     err = capsys.readouterr().err
     assert "holds LoRA adapters of rank 4, this run's student is full weights: give --student-lora-rank 4" in err
+
+
+@pytest.mark.integration
+def test_lora_roles_at_tp2_and_their_checkpoint_read_at_another_tp(teacher, tmp_path):
+    """A 2-cycle LoRA run at TP = 2 == the world of one (1e-5); the TP = 1 checkpoint sampled at TP = 2 (adapters
+    and base resharded, the base's fingerprint summed over both ranks) == sampled at TP = 1."""
+    import numpy as np
+    from launch import pretrain_dmd2, sample as sample_script
+    ref, tp2 = str(tmp_path / "ref"), str(tmp_path / "tp2")
+    with world_of_one():
+        assert pretrain_dmd2.main(args(teacher, ref, 2)) == 0
+    torchrun(2, PRETRAIN_DMD2, args(teacher, tp2, 2, "--tensor-model-parallel-size", "2")).check("TP=2")
+    for a, b in zip(read_trace(tp2 + ".trace.jsonl"), read_trace(ref + ".trace.jsonl")):
+        for k in ("actor-dmd-loss", "critic-loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a["iteration"])
+    one, two = str(tmp_path / "s1"), str(tmp_path / "s2")
+    with world_of_one():
+        assert sample_script.main(["--load", ref, "--num-samples", "4", "--num-media", "0", "--out", one]) == 0
+    torchrun(2, SAMPLE, ["--load", ref, "--num-samples", "4", "--num-media", "0", "--out", two,
+                         "--tensor-model-parallel-size", "2"]).check("sample at TP=2")
+    x1, x2 = (np.load(os.path.join(d, "samples.npz"))["images"] for d in (one, two))
+    assert x1.shape == x2.shape and float(np.abs(x1 - x2).max()) <= 1e-4 * float(np.abs(x1).max())
 
 
 def test_a_lora_critic_keeps_its_gan_head_trainable(teacher, tmp_path):
