@@ -26,6 +26,7 @@ comes from the model built on the meta device (no memory).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -148,7 +149,7 @@ def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
     meta = payload.pop("lora_merged")
     for key in ("optimizer", "scheduler", "saved_tp_size"):
         payload.pop(key, None)
-    args = json.loads(json.dumps(payload.get("args", {})))  # a deep copy; the merged role is full weights now
+    args = copy.deepcopy(payload.get("args", {}))  # the merged role is full weights now
     args.setdefault("lora", {})[f"{payload.get('role', 'student')}_rank"] = 0
     payload.update(args=args, tp_size=1, merged_lora=meta)
     n = int(payload["iteration"])
