@@ -12,7 +12,6 @@ output on the same inputs. The grid is 5 x 3 x 4 = 60 tokens: 5 frames (not a mu
 of 12 tokens, so under CP = 2 (30 tokens a rank) and SP a rank's tokens do not start at a frame. A chunk of one
 frame under TP = 2 x CP = 2 x SP is 12 tokens split 3 ways per rank.
 """
-import argparse
 import os
 import sys
 
@@ -20,15 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as mpu  # noqa: E402
 
-from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.train.grad_buffer import GradBuffer  # noqa: E402
 from dmd2_mega.models import BuildOptions, DataShape  # noqa: E402
 from dmd2_mega.models.causal import CausalLayout  # noqa: E402
 from dmd2_mega.models.wan import WanSpec  # noqa: E402
 from dmd2_mega.models.wan.family import WanFamily  # noqa: E402
-from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import tp_partition_dim  # noqa: E402
+from tests.mp_scripts.layouts import run_layouts  # noqa: E402
 from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 
 SPEC = WanSpec("causal-cp-test", num_heads=4, head_dim=8, num_layers=2, ffn_dim=32, in_channels=4, out_channels=4,
@@ -75,21 +73,7 @@ def run(ps, name: str, cp: int, sp: bool, causal: str, out_dir: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("layouts", nargs="+")
-    a = p.parse_args()
-    try:
-        for layout in a.layouts:
-            name, tp, cp, sp = layout.split(":")
-            tp, cp, sp = int(tp), int(cp), sp == "1"
-            for causal in CAUSAL:
-                ps = init_distributed(ParallelConfig(tp, cp, sp), seed=11)
-                run(ps, name, cp, sp, causal, a.out)
-                mpu.destroy_model_parallel()  # the next run builds its own groups on the same processes
-    finally:
-        destroy_distributed()
-    return 0
+    return run_layouts(lambda ps, name, cp, sp, _, causal, out: run(ps, name, cp, sp, causal, out), variants=CAUSAL)
 
 
 if __name__ == "__main__":

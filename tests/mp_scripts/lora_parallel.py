@@ -8,11 +8,11 @@ full gradients.
 Per layout two models: the small Wan of wan_token_parallel.py (every target: self- and cross-attention q, k, v, out,
 FFN; inputs and loss as there) and the `debug` DiT (qkv, proj, fc1, fc2; TP only: at CP > 1 or SP it is skipped).
 Each has its base perturbed from a seeded whole tensor (`perturb`) and frozen, and rank-2 adapters (alpha 4) whose B
-is set from a seeded whole matrix, sliced as the adapter's layout (B = 0 would give A no gradient). Gradients go through the run's `GradBuffer` (the adapters' partial TP
-factors summed over TP), then each is gathered to its TP = 1 tensor. Saved: DIR/<name>-wan.pt, DIR/<name>-dit.pt
+is set from a seeded whole matrix, sliced as the adapter's layout (B = 0 would give A no gradient). Gradients go
+through the run's `GradBuffer` (the adapters' partial TP factors summed over TP), then each is gathered to its
+TP = 1 tensor. Saved: DIR/<name>-wan.pt, DIR/<name>-dit.pt
 with out, loss and grads {parameter name: full gradient} of the trainable (adapter) parameters only.
 """
-import argparse
 import os
 import sys
 import zlib
@@ -20,16 +20,15 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from megatron.core import parallel_state as mpu  # noqa: E402
 
-from dmd2_mega.config import ParallelConfig  # noqa: E402
-from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import tp_partition_dim  # noqa: E402
 from dmd2_mega.models import BuildOptions, DataShape, build_model  # noqa: E402
 from dmd2_mega.models.lora import LoRA, attach_lora  # noqa: E402
 from dmd2_mega.models.wan import Wan  # noqa: E402
 from dmd2_mega.models.wan.family import WanFamily  # noqa: E402
 from dmd2_mega.models.dit.family import DiTFamily  # noqa: E402
 from dmd2_mega.train.grad_buffer import GradBuffer  # noqa: E402
+from tests.mp_scripts.layouts import run_layouts  # noqa: E402
 from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 from tests.mp_scripts.wan_token_parallel import SHAPE, SPEC, inputs  # noqa: E402
 
@@ -102,19 +101,7 @@ def run(ps, name: str, cp: int, sp: bool, out_dir: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("layouts", nargs="+")
-    a = p.parse_args()
-    try:
-        for layout in a.layouts:
-            name, tp, cp, sp = layout.split(":")
-            ps = init_distributed(ParallelConfig(int(tp), int(cp), sp == "1"), seed=11)
-            run(ps, name, int(cp), sp == "1", a.out)
-            mpu.destroy_model_parallel()  # the next layout builds its own groups on the same processes
-    finally:
-        destroy_distributed()
-    return 0
+    return run_layouts(lambda ps, name, cp, sp, _, __, out: run(ps, name, cp, sp, out))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ token-mean features: mean((v - target)^2) + mean(features(layer 0)^2). Gradients
 gathered to its TP=1 tensor. Every rank checks that its output equals rank 0's (the output gather gives all
 ranks the same full tensor).
 """
-import argparse
 import os
 import sys
 
@@ -23,13 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as mpu  # noqa: E402
 
-from dmd2_mega.config import ParallelConfig  # noqa: E402
 from dmd2_mega.train.grad_buffer import GradBuffer  # noqa: E402
 from dmd2_mega.models import BuildOptions, DataShape  # noqa: E402
 from dmd2_mega.models.wan import Wan, WanSpec  # noqa: E402
-from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed, tp_partition_dim  # noqa: E402
+from dmd2_mega.distributed.parallel import tp_partition_dim  # noqa: E402
+from tests.mp_scripts.layouts import run_layouts  # noqa: E402
 from tests.mp_scripts.tp_forward_backward import gather_full  # noqa: E402
 
 SPEC = WanSpec("wan-cp-test", num_heads=4, head_dim=8, num_layers=2, ffn_dim=32, in_channels=4, out_channels=4,
@@ -67,20 +65,7 @@ def run(ps, name: str, cp: int, sp: bool, recompute: bool, out_dir: str) -> None
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("layouts", nargs="+")
-    a = p.parse_args()
-    try:
-        for layout in a.layouts:
-            name, tp, cp, sp, recompute = layout.split(":")
-            tp, cp, sp, recompute = int(tp), int(cp), sp == "1", recompute == "1"
-            ps = init_distributed(ParallelConfig(tp, cp, sp), seed=11)
-            run(ps, name, cp, sp, recompute, a.out)
-            mpu.destroy_model_parallel()  # the next layout builds its own groups on the same processes
-    finally:
-        destroy_distributed()
-    return 0
+    return run_layouts(lambda ps, name, cp, sp, more, _, out: run(ps, name, cp, sp, more == ["1"], out))
 
 
 if __name__ == "__main__":
