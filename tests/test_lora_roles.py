@@ -19,7 +19,7 @@ from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.trainer import StudentTrainer
 from dmd2_mega.models.lora import LoRA
 from dmd2_mega.pretrained import load_model
-from tests.utils import PRETRAIN_DMD2, SAMPLE, read_trace, torchrun, world_of_one
+from tests.utils import PRETRAIN_DMD2, SAMPLE, read_trace, torchrun, wan_digits_teacher, world_of_one
 
 pytestmark = pytest.mark.timeout(600)
 KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
@@ -27,13 +27,7 @@ KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    from launch import pretrain_flow
-    save = str(tmp_path_factory.mktemp("lora_roles") / "teacher")
-    with world_of_one():
-        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
-                                   "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3",
-                                   "--save", save]) == 0
-    return save
+    return wan_digits_teacher(str(tmp_path_factory.mktemp("lora_roles") / "teacher"), 4, "--lr", "3e-3")
 
 
 def args(teacher: str, save: str, iters: int, *more) -> list:
@@ -94,14 +88,9 @@ def test_shared_base_is_one_copy_trains_only_adapters_and_equals_separate_copies
 @pytest.fixture(scope="module")
 def other_teacher(teacher, tmp_path_factory):
     """The teacher trained 1 cycle more: other base weights."""
-    from launch import pretrain_flow
     save = str(tmp_path_factory.mktemp("lora_roles") / "other")
     shutil.copytree(teacher, save)
-    with world_of_one():
-        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
-                                   "--global-batch-size", "4", "--train-iters", "5", "--lr", "3e-3", "--save", save,
-                                   "--load", save, "--override-opt-param-scheduler"]) == 0
-    return save
+    return wan_digits_teacher(save, 5, "--lr", "3e-3", "--load", save, "--override-opt-param-scheduler")
 
 
 def test_a_lora_run_resumes_exactly_and_only_over_its_base(teacher, other_teacher, tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.methods.self_forcing.method import SelfForcingMethod
 from dmd2_mega.methods.trainer import StudentTrainer
-from tests.utils import read_trace, torchrun, world_of_one
+from tests.utils import read_trace, torchrun, wan_digits_teacher, world_of_one
 
 pytestmark = pytest.mark.timeout(600)
 INTEGRATION_FIXTURES = ("teacher",)
@@ -22,12 +22,7 @@ KEYS = ("actor-dmd-loss", "critic-loss", "actor-grad_norm", "critic-grad_norm")
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    from launch import pretrain_flow
-    save = str(tmp_path_factory.mktemp("self_forcing") / "teacher")
-    with world_of_one():
-        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
-                                   "--global-batch-size", "4", "--train-iters", "2", "--save", save]) == 0
-    return save
+    return wan_digits_teacher(str(tmp_path_factory.mktemp("self_forcing") / "teacher"), 2)
 
 
 def args(teacher: str, save: str, iters: int, *more) -> list:

@@ -222,6 +222,17 @@ def train_debug_teacher(save: str, iters: int = 10, seed: int = 5, timeout: floa
     return save
 
 
+def wan_digits_teacher(save: str, iters: int, *more: str) -> str:
+    """A wan-digits flow-matching teacher on `--data moving-digits` in `save`, trained in process (a world of one)
+    for `iters` steps at micro-batch 4 (`more`: further pretrain_flow.py flags)."""
+    from launch import pretrain_flow
+    with world_of_one():
+        assert pretrain_flow.main(["--model-size", "wan-digits", "--data", "moving-digits", "--micro-batch-size", "4",
+                                   "--global-batch-size", "4", "--train-iters", str(iters), "--save", save,
+                                   *more]) == 0
+    return save
+
+
 def tiny_wan_transformer(seed: int = 0, **config):
     """A random diffusers `WanTransformer3DModel` of the wan-debug sizes (`config` overrides), its weights moved off
     diffusers' zero-initialised ones so that every parameter matters."""
