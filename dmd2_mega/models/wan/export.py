@@ -73,7 +73,7 @@ def export_lora(load: str, out: str, payload: dict, spec, ema: bool, log) -> dic
         layers[f"{module}.lora_{factor}.weight"] = t.float().contiguous()
     sigmas = payload.get("student_sigmas")
     adapter = {"r": meta["rank"], "lora_alpha": meta["alpha"], "target_modules": sorted(modules)}
-    text = lora_readme(load, which, sigmas, meta, (payload.get("data_info") or {}).get("latent_shape"))
+    text = readme(load, which, sigmas, False, (payload.get("data_info") or {}).get("latent_shape"), lora=meta)
     from diffusers import WanPipeline  # diffusers' writer: its names, its file, its metadata
     with staged_output(out, "--to-diffusers", True, NEW_FOLDER, log) as where:
         WanPipeline.save_lora_weights(where, transformer_lora_layers=layers,
@@ -86,21 +86,6 @@ def export_lora(load: str, out: str, payload: dict, spec, ema: bool, log) -> dic
     return {"weights": which, "sigmas": sigmas, "iteration": payload["iteration"], "modules": len(modules)}
 
 
-def lora_readme(load: str, which: str, sigmas, meta: dict, latent: Optional[list]) -> str:
-    """The full export's README (`readme`) with the base teacher's own transformer and the adapters loaded onto it
-    (`load_lora_weights`) in place of an exported transformer."""
-    text = readme(load, which, sigmas, False, latent)
-    text = text.replace('transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", '
-                        'torch_dtype=dtype)\n', "")
-    text = text.replace("transformer=transformer, ", "")
-    text = text.replace("                                   torch_dtype=dtype).to(device)\n",
-                        "                                   torch_dtype=dtype).to(device)\n"
-                        'pipe.load_lora_weights("<this folder>")  # the student: its adapters on the teacher\n')
-    return text.replace(f"({which} weights)", f"({which} LoRA adapters of rank {meta['rank']}, alpha "
-                                               f"{meta['alpha']:g}, over the base {meta['base']}; the base pipeline "
-                                               f"must hold that teacher's transformer)")
-
-
 def write_scheduler(folder: str, sigmas: Optional[list]) -> None:
     """FlowMatchEulerDiscreteScheduler with stochastic sampling: each step predicts x0 and re-noises it to the next
     sigma with fresh noise, the DMD2 student's sampler; `sigmas` is the student's schedule (None: a teacher)."""
@@ -111,14 +96,21 @@ def write_scheduler(folder: str, sigmas: Optional[list]) -> None:
     atomic_write(os.path.join(folder, "scheduler_config.json"), lambda f: json.dump(cfg, f, indent=1), text=True)
 
 
-def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list]) -> str:
+def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list],
+           lora: Optional[dict] = None) -> str:
     """How to run the export in WanPipeline, as written on a GPU (bf16) or the CPU (fp32): a student on its own
     sigmas without CFG, a teacher as Wan samples; at the frame count and size of `latent` ([C, T, H, W], the
     checkpoint's data_info; None: not recorded, a converted teacher). Only the two folder names are placeholders
-    (`tests/test_export_atomic.py` runs it)."""
+    (`tests/test_export_atomic.py` runs it). `lora` (a LoRA student's record, `export_lora`): the base pipeline's
+    own transformer with the adapters loaded onto it, in place of an exported transformer."""
+    load_t = ("" if lora else 'transformer = WanTransformer3DModel.from_pretrained("<this folder>", '
+              'subfolder="transformer", torch_dtype=dtype)\n')
     load_t2 = ('transformer_2 = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer_2", '
                'torch_dtype=dtype)\n') if experts else ""
-    parts = "transformer=transformer, " + ("transformer_2=transformer_2, " if experts else "")
+    parts = ("" if lora else "transformer=transformer, ") + ("transformer_2=transformer_2, " if experts else "")
+    adapters = 'pipe.load_lora_weights("<this folder>")  # the student: its adapters on the teacher\n' if lora else ""
+    what = (f"{which} LoRA adapters of rank {lora['rank']}, alpha {lora['alpha']:g}, over the base {lora['base']}; "
+            f"the base pipeline must hold that teacher's transformer" if lora else f"{which} weights")
     if latent is not None and len(latent) == 4:
         _, t, h, w = (int(n) for n in latent)
         size = (f"# the size it was trained at: latents [T, H, W] = [{t}, {h}, {w}], i.e. (T - 1) * 4 + 1 = {(t - 1) * 4 + 1} "
@@ -144,14 +136,13 @@ def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list])
     else:
         run = (f"{size}torch.manual_seed(0)  # the initial noise (no generator=) comes from torch's global RNG\n"
                f'video = pipe(prompt="...", num_inference_steps=50, guidance_scale=5.0{at}).frames[0]\n')
-    return (f"# Exported by dmd2-mega from {load} ({which} weights)\n\n"
+    return (f"# Exported by dmd2-mega from {load} ({what})\n\n"
             f"Replace the two folder names; the rest runs as written, on a GPU in bf16 or on the CPU in fp32.\n\n"
             f"```python\nimport functools\nimport torch\n"
             f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n\n"
             f'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
             f"dtype = torch.bfloat16 if device == \"cuda\" else torch.float32\n"
-            f'transformer = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer", '
-            f"torch_dtype=dtype)\n{load_t2}"
+            f"{load_t}{load_t2}"
             f'scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")\n'
             f'pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", {parts}scheduler=scheduler,\n'
-            f"                                   torch_dtype=dtype).to(device)\n{run}```\n")
+            f"                                   torch_dtype=dtype).to(device)\n{adapters}{run}```\n")
