@@ -128,11 +128,13 @@ def checkpoint_spec(root: str, payload: dict) -> ModelSize:
     return get_size(size)
 
 
-def _read_ours(root: str, flag: str) -> dict:
+def _read_ours(root: str, flag: str, merge: bool = True) -> dict:
+    """The TP=1 payload of one of our checkpoints; a LoRA role's adapters merged into their base unless not
+    `merge` (`train/lora_checkpoint.merged_payload`)."""
     payload = load_payload(root, _one_process(), flag=flag)  # every TP shard joined into TP=1
     if payload is None:
         raise CheckpointError(f"{flag} {root} holds no checkpoint (no {TRACKER})")
-    return merged_payload(payload, _one_process(), f"{flag} {root}")  # LoRA adapters merged into their base
+    return merged_payload(payload, _one_process(), f"{flag} {root}") if merge else payload
 
 
 def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
@@ -140,9 +142,7 @@ def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
     `save` (its adapters, and its EMA's, merged into the base it names; no optimizer state: it samples, exports
     and initialises a run, and resumes only with --no-load-optim). Returns {"iteration", "dir", "base"}."""
     check_free(save, "--save", True, NEW_CHECKPOINT)
-    raw = load_payload(load, _one_process(), flag="--load")
-    if raw is None:
-        raise CheckpointError(f"--load {load} holds no checkpoint (no {TRACKER})")
+    raw = _read_ours(load, "--load", merge=False)
     if "lora" not in raw:
         raise ConfigError(f"--merge-lora: --load {load} holds full weights, not LoRA adapters: nothing to merge")
     payload = merged_payload(raw, _one_process(), f"--load {load}")
@@ -162,12 +162,7 @@ def merge_lora_checkpoint(load: str, save: str, log=print) -> dict:
 
 def _export(layout: str, load: str, out: str, ema: bool, log) -> dict:
     """`layout` "diffusers-lora" reads a LoRA student's adapters as they are; every other, full weights (merged)."""
-    if layout == "diffusers-lora":
-        payload = load_payload(load, _one_process(), flag="--load")
-        if payload is None:
-            raise CheckpointError(f"--load {load} holds no checkpoint (no {TRACKER})")
-    else:
-        payload = _read_ours(load, "--load")
+    payload = _read_ours(load, "--load", merge=layout != "diffusers-lora")
     size = checkpoint_spec(load, payload)
     if layout not in size.family.export_layouts:
         raise ConfigError(f"--load {load} holds a {size.family.title} model, which has no {layout} layout; "
