@@ -184,10 +184,11 @@ class StudentTrainer(RunStateTrainer):
         base = "the teacher's weights, shared" if shared is not None else "its own frozen copy of its init"
         if shared is not None:
             self.shared_base.append(name)
+        base_path = os.path.abspath(source)
+        known = [m["fingerprint"] for m in self.lora_meta.values() if m["base"] == base_path]  # one pass per base
+        fingerprint = known[0] if known else state_fingerprint(payload["model"], payload["partition_dims"], self.ps)
         self.lora_meta[name] = {"rank": rank, "alpha": lo.alpha or rank, "scale": (lo.alpha or rank) / rank,
-                                "targets": list(targets), "base": os.path.abspath(source),
-                                "fingerprint": state_fingerprint(payload["model"], payload["partition_dims"],
-                                                                 self.ps)}
+                                "targets": list(targets), "base": base_path, "fingerprint": fingerprint}
         count = sum(rank * (lin.in_features + lin.out_features) for lin in linears)
         print_rank0(f"> {name}: LoRA rank {rank} alpha {lo.alpha or rank:g} on {len(linears)} linears "
                     f"({','.join(targets)}; {count:,} adapter parameters) over {base}", self.ps.rank)

@@ -93,21 +93,17 @@ def attach_lora(model: nn.Module, targets: tuple, rank: int, alpha: float, seed:
     return names
 
 
-def share_base(model: nn.Module, base: nn.Module) -> int:
+def share_base(model: nn.Module, base: nn.Module) -> None:
     """Make every parameter of `model` the same tensor as `base`'s of the same name (a LoRA role over the teacher's
-    weights: one copy of the base, `adapt`); returns the bytes no longer held twice. The two must have the same
-    parameter names and shapes (the same family and size; a causal Wan and its bidirectional teacher do)."""
+    weights: one copy of the base, `adapt`). The two must have the same parameter names and shapes (the same family
+    and size; a causal Wan and its bidirectional teacher do)."""
     mine, theirs = dict(model.named_parameters()), dict(base.named_parameters())
     if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
         raise ConfigError("a LoRA role shares the teacher's weights only when both are the same model: give the "
                           "role its own copy (--no-lora-shared-base) or the teacher's --model-size")
-    saved = 0
     for name, p in theirs.items():
         path, _, attr = name.rpartition(".")
-        owner = model.get_submodule(path) if path else model
-        saved += mine[name].numel() * mine[name].element_size()
-        setattr(owner, attr, p)
-    return saved
+        setattr(model.get_submodule(path) if path else model, attr, p)
 
 
 def adapt(model: nn.Module, targets: tuple, rank: int, alpha: float, seed: int, base: nn.Module = None) -> list:
