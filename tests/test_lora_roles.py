@@ -4,7 +4,8 @@
 Checked: the student's and the critic's weights are the teacher's very tensors (one storage, `data_ptr`), only the
 adapters train (the optimizers, gradient buffers and EMA see nothing else), the teacher's weights stay bit for bit
 what they were, and the run's trace equals, cycle for cycle, the same run with three separate copies of the base
-(--no-lora-shared-base, 1e-6); a resume continues it exactly; a target the family lacks and time-slicing a shared
+(--no-lora-shared-base, 1e-6) and holds two copies of the base fewer in every phase (the measured resident bytes
+of <save>/memory.json); a resume continues it exactly; a target the family lacks and time-slicing a shared
 base are one-line errors.
 """
 import os
@@ -15,6 +16,7 @@ import torch
 
 from dmd2_mega.arguments import parse_dmd2_args
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.files.json_file import read_json
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.trainer import StudentTrainer
 from dmd2_mega.models.lora import LoRA
@@ -83,6 +85,13 @@ def test_shared_base_is_one_copy_trains_only_adapters_and_equals_separate_copies
     for x, y in zip(a, b):
         for k in KEYS:
             assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-12), (k, x["iteration"])
+    # the measured resident bytes count the shared base once: two copies of it fewer, in every phase
+    base = sum(p.untyped_storage().nbytes() for p in t.values())  # its weights (each role has its negative buffer)
+    one, three = (read_json(os.path.join(d, "memory.json")) for d in (shared, copies))
+    assert one["resident_bytes_per_phase"].keys() == {"rollout", "critic", "actor"}
+    for phase, nbytes in one["resident_bytes_per_phase"].items():
+        assert three["resident_bytes_per_phase"][phase] - nbytes == 2 * base, phase
+    assert one["trainable_parameters"] == three["trainable_parameters"] > 0 and one["process_peak_rss_bytes"] > 0
 
 
 @pytest.fixture(scope="module")

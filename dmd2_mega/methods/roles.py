@@ -52,17 +52,24 @@ class Role:
         backward starts the DP reduction)."""
         return contextlib.nullcontext() if last or self.grads is None else self.grads.no_sync()
 
+    def tensors(self) -> list:
+        """The role's weights, grads, optimizer state and extra tensors on its device (a slept storage has 0 bytes)."""
+        if self.sleeper is not None:
+            return self.sleeper.held()
+        modules, optimizers = [self.model], [self.optimizer] if self.optimizer else []
+        return weight_tensors(modules) + state_tensors(modules, optimizers, self.extra)
+
     def resident_bytes(self) -> int:
         """Device bytes of the role's weights, grads, optimizer state and extra tensors."""
         if self.sleeper is not None:
             return self.sleeper.resident_bytes()
-        modules, optimizers = [self.model], [self.optimizer] if self.optimizer else []
-        return resident_bytes(weight_tensors(modules) + state_tensors(modules, optimizers, self.extra))
+        return resident_bytes(self.tensors())
 
 
 def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
     """Sleep what `phase` of the method's `table` does not need, then wake what it does (sleeping first keeps
-    the peak at the larger phase, not the sum); returns the resident bytes of all roles."""
+    the peak at the larger phase, not the sum); returns the resident bytes of all roles, each storage counted once
+    (LoRA roles hold the teacher's very weights: `models/lora.share_base`)."""
     needed = phase_needs(table, phase)
     for name, role in roles.items():
         if role.sleeper is not None and name not in needed:
@@ -70,4 +77,4 @@ def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
     for name, role in roles.items():
         if role.sleeper is not None and name in needed:
             role.sleeper.set_resident(needed[name])
-    return sum(r.resident_bytes() for r in roles.values())
+    return resident_bytes([t for r in roles.values() for t in r.tensors()])

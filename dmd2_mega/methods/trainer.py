@@ -51,9 +51,11 @@ from dmd2_mega.sampling import eval_conditions, generate_student
 from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.train.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.train.checkpoint_guard import check_family, check_role, check_save_dirs
+from dmd2_mega.train import memory_record
 from dmd2_mega.train.lora_checkpoint import state_fingerprint
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
+from dmd2_mega.train.memory_record import PeakResident
 from dmd2_mega.train.optim import LRSchedule
 from dmd2_mega.train.resilience import ExitController
 from dmd2_mega.train.run_lock import lock_run_dirs
@@ -130,6 +132,7 @@ class StudentTrainer(RunStateTrainer):
         per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.cp_size, ps.rank)
         self.flops_per_iter = method.flops_per_iter(per_sample, self.num_micro_batches)
         self.clock = PhaseClock(ps.device)
+        self.peak = PeakResident()
         f, b = method.data_factor, t.micro_batch_size
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * f, b * f,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -267,6 +270,7 @@ class StudentTrainer(RunStateTrainer):
         skipped = {name: r.optimizer.skip_counters[0] for name, r in trained.items()}  # device tensors: no sync
         result = self.method.cycle(self.roles, self.micro_batches(), hook=self.clock)
         self.clock.end_cycle()
+        self.peak.update(result.resident)
         self.state = replace(self.state, iteration=self.iteration + 1)
         if self.ema is not None:
             self.ema.update(self.iteration)
@@ -296,7 +300,21 @@ class StudentTrainer(RunStateTrainer):
             optimizers = {name: self.roles[name].optimizer for name in out["skipped"]}
             return (self.iteration, out), optimizers, out["skipped"]
 
-        return train_loop(self, step, "cycle", self.method.name)
+        result = train_loop(self, step, "cycle", self.method.name)
+        self._report_memory()
+        return result
+
+    def _report_memory(self) -> None:
+        """The run's measured peak resident bytes and process RSS (`train/memory_record.py`): logged, and with
+        --save written to <save>/memory.json."""
+        if self.peak.peak()[0] is None:  # no cycle ran (resumed at --train-iters)
+            return
+        trainable = sum(p.numel() for name in set(self.trained_in.values())
+                        for p in self.roles[name].model.parameters() if p.requires_grad)
+        summary = self.peak.summary(trainable, str(self.ps.device))
+        print_rank0(f"> memory (rank 0): {PeakResident.describe(summary)}", self.ps.rank)
+        if self.cfg.train.save and self.ps.is_main:
+            memory_record.write(self.cfg.train.save, summary)
 
     def log(self, logger: TrainLogger, pending: list) -> None:
         phases = self.trained_in

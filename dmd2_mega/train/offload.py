@@ -222,9 +222,13 @@ class Sleeper:
     def tensors(self) -> list[Tensor]:
         return self.weight_tensors() + self.state_tensors()
 
+    def held(self) -> list[Tensor]:
+        """The tensors on the device (a slept storage has 0 bytes there)."""
+        return [t for t in self.tensors() if t.device == self.device]
+
     def resident_bytes(self) -> int:
         """Device bytes this role holds now (0 while asleep)."""
-        return resident_bytes(self.tensors(), self.device)
+        return resident_bytes(self.held())
 
     def _storages(self, part: str) -> list:
         weights = _unique_storages(self.weight_tensors(), self.device)
@@ -310,7 +314,7 @@ class Sleeper:
 
 class ExpertSleeper:
     """Time-slicing of a frozen role of several experts (module docstring, "Experts"); the Sleeper interface the
-    roles use: set_resident / sleep / wake / resident_bytes / asleep / close / copied_bytes."""
+    roles use: set_resident / sleep / wake / held / resident_bytes / asleep / close / copied_bytes."""
 
     def __init__(self, name: str, experts: Sequence[torch.nn.Module], device: Optional[torch.device] = None):
         self.name = name
@@ -350,6 +354,9 @@ class ExpertSleeper:
     @property
     def copied_bytes(self) -> int:
         return sum(s.copied_bytes for s in self.sleepers)
+
+    def held(self) -> list[Tensor]:
+        return [t for s in self.sleepers for t in s.held()]
 
     def resident_bytes(self) -> int:
         return sum(s.resident_bytes() for s in self.sleepers)
