@@ -68,11 +68,15 @@ def test_folder_of_another_model_class(tmp_path):
     fails(["--from-diffusers", tmp_path / "empty", "--save", tmp_path / "out"], "no config.json")
 
 
-def test_image_to_video_config_is_refused(tmp_path):
+@pytest.mark.parametrize("change, words", [
+    ({"pos_embed_seq_len": 514}, ("pos_embed_seq_len=514", "FLF2V", "not supported")),
+    ({"image_dim": 1280, "added_kv_proj_dim": 24}, ("image_dim 1280", "in_channels = 2 out_channels + 4")),
+    ({"image_dim": 1280}, ("image_dim=1280 with added_kv_proj_dim=None",))])
+def test_configs_the_family_does_not_build_are_refused(tmp_path, change, words):
     d = tiny_wan(tmp_path / "wan")
     cfg = json.load(open(d / "config.json"))
-    json.dump({**cfg, "image_dim": 1280, "added_kv_proj_dim": 24}, open(d / "config.json", "w"))
-    fails(["--from-diffusers", d, "--save", tmp_path / "out"], "image_dim=1280", "not supported", save=tmp_path / "out")
+    json.dump({**cfg, **change}, open(d / "config.json", "w"))
+    fails(["--from-diffusers", d, "--save", tmp_path / "out"], *words, save=tmp_path / "out")
 
 
 def test_missing_and_truncated_shards(tmp_path):

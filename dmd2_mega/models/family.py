@@ -31,6 +31,7 @@ Nothing outside `models/` knows which family it holds.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -56,12 +57,20 @@ class DataShape:
     num_classes: Optional[int] = None
     """Labels in [0, num_classes); the model adds a learned null class."""
     cond_shape: Optional[tuple] = None
-    """Per-sample embedding shape [D] or [L, D]; the null condition is zeros (or the data's negative prompt)."""
+    """Per-sample embedding shape [D] or [L, D]; the null condition is zeros (or the data's negative prompt). With
+    `cond_parts`, the flat [N] of the parts."""
+    cond_parts: Optional[tuple] = None
+    """A condition of several parts, flattened and concatenated in this order: ((name, shape), ...), e.g. an
+    image-to-video Wan's text, CLIP embedding and image latent (`models/wan/image.py`); None: cond_shape as it is."""
 
     def __post_init__(self):
         if isinstance(self.spatial, int):  # a square image of that side
             object.__setattr__(self, "spatial", (self.spatial, self.spatial))
         object.__setattr__(self, "spatial", tuple(int(n) for n in self.spatial))
+        if self.cond_parts is not None:
+            parts = tuple((str(name), tuple(int(n) for n in shape)) for name, shape in self.cond_parts)
+            object.__setattr__(self, "cond_parts", parts)
+            object.__setattr__(self, "cond_shape", (sum(math.prod(shape) for _, shape in parts),))
 
     @property
     def sample_shape(self) -> tuple:
@@ -74,7 +83,7 @@ class DataShape:
         cond = info.get("cond_shape")
         shape = info.get("latent_shape") or (info["in_channels"], info["image_size"], info["image_size"])
         return cls(int(shape[0]), tuple(int(n) for n in shape[1:]), info.get("num_classes"),
-                   tuple(cond) if cond is not None else None)
+                   tuple(cond) if cond is not None else None, info.get("cond_parts"))
 
 
 def check_build(name: str, num_heads: int, tp_size: int, options: "BuildOptions") -> None:
@@ -133,6 +142,11 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def null_cond(self, n: int, device) -> torch.Tensor:
         """The negative / null condition of n samples."""
+
+    def negative_for(self, cond: torch.Tensor) -> torch.Tensor:
+        """CFG's negative condition of the samples of `cond`: `null_cond`, unless the condition has parts the
+        negative keeps (an image-to-video Wan keeps the image, `models/wan/image.py`)."""
+        return self.null_cond(cond.shape[0], cond.device)
 
     def set_negative(self, emb: torch.Tensor) -> None:
         """CFG's negative condition for text models: the data's negative-prompt embedding [*cond_shape] (held in

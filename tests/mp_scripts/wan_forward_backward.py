@@ -6,7 +6,7 @@
 
 CKPT is one of our checkpoints converted from a diffusers folder (`pretrained.import_diffusers`, any TP);
 `--model-size CKPT` builds it from its config.json, `load_payload` reshards it to this run's TP. inputs.pt holds
-x [B, C, T, H, W], sigma [B], cond [B, L, D] and target (same shape as x); the loss is
+x [B, C, T, H, W], sigma [B], cond [B, L, D] (or an I2V Wan's flat cond [B, N] with its cond_parts) and target (same shape as x); the loss is
 mean((model(x, sigma, cond) - target)^2). Saved: output, loss, and every parameter's gradient all-gathered to
 its full TP=1 tensor (keyed by our parameter names).
 """
@@ -36,7 +36,9 @@ def main() -> int:
     try:
         inp = torch.load(a.inputs)
         x, sigma, cond, target = inp["x"], inp["sigma"], inp["cond"], inp["target"]
-        shape = DataShape(x.shape[1], tuple(x.shape[2:]), cond_shape=tuple(cond.shape[1:]))
+        parts = inp.get("cond_parts")  # an image-to-video Wan's flat condition (`models/wan/image.py`)
+        shape = DataShape(x.shape[1], tuple(x.shape[2:]), cond_shape=None if parts else tuple(cond.shape[1:]),
+                          cond_parts=parts)
         model = build_model(a.ckpt, shape, tp_size=ps.tp_size)
         load_model_weights(model, load_payload(a.ckpt, ps, flag="--ckpt")["model"], a.ckpt)
         if a.bf16:

@@ -8,6 +8,7 @@ spec builds); everything else is the same name and the same tensor:
     *.inner.{weight,bias} (megatron linears)       <-> *.{weight,bias}
     blocks.N.attn{1,2}.to_out.inner.*              <-> blocks.N.attn{1,2}.to_out.0.*
     blocks.N.fc1.inner.* / fc2.inner.*             <-> blocks.N.ffn.net.0.proj.* / ffn.net.2.*
+    condition_embedder.image_embedder.ff.{0,2}.*   <-> condition_embedder.image_embedder.ff.net.{0.proj,2}.*  (I2V)
 A folder is a model folder (config.json + diffusion_pytorch_model.safetensors, or sharded with
 diffusion_pytorch_model.safetensors.index.json) or a pipeline folder holding one under transformer/
 (Wan 2.2 A14B: transformer/ and transformer_2/). `read_state` streams the shards one at a time into our
@@ -30,6 +31,8 @@ from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, WanSpec
 _RULES = [  # (ours, diffusers), applied in order to a parameter name
     (r"^condition_embedder\.(time|text)_embedder\.0\.", r"condition_embedder.\1_embedder.linear_1."),
     (r"^condition_embedder\.(time|text)_embedder\.2\.", r"condition_embedder.\1_embedder.linear_2."),
+    (r"^condition_embedder\.image_embedder\.ff\.0\.", r"condition_embedder.image_embedder.ff.net.0.proj."),
+    (r"^condition_embedder\.image_embedder\.ff\.2\.", r"condition_embedder.image_embedder.ff.net.2."),
     (r"\.to_out\.inner\.", r".to_out.0."),
     (r"\.fc1\.inner\.", r".ffn.net.0.proj."),
     (r"\.fc2\.inner\.", r".ffn.net.2."),

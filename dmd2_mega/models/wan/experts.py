@@ -15,13 +15,16 @@ from __future__ import annotations
 import torch
 
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel
-from dmd2_mega.models.wan.model import Wan, WanSpec
+from dmd2_mega.models.wan.model import NegativePrompt, Wan, WanSpec
 
 EXPERTS = ("transformer", "transformer_2")
 """The pipeline subfolders of the high- and the low-noise expert."""
 
 
-class WanExperts(FamilyModel):
+class WanExperts(NegativePrompt, FamilyModel):
+    """Two experts (module docstring); its own copy of the negative prompt stays readable while a time-sliced
+    teacher's experts sleep."""
+
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__()
         if spec.boundary_ratio is None:
@@ -31,7 +34,8 @@ class WanExperts(FamilyModel):
         self.low = Wan(spec, shape, tp_size, options)
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
         self.boundary_t = spec.boundary_ratio * 1000.0
-        self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
+        self.parts = self.high.parts
+        self.register_buffer("negative", torch.zeros_like(self.high.negative), persistent=False)
 
     def expert_modules(self) -> tuple:
         return (self.high, self.low)
@@ -40,10 +44,6 @@ class WanExperts(FamilyModel):
         super().set_negative(emb)
         for expert in self.expert_modules():
             expert.set_negative(emb)
-
-    def null_cond(self, n: int, device) -> torch.Tensor:
-        """Its own copy of the negative prompt: readable while a time-sliced teacher's experts sleep."""
-        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
 
     def _route(self, fn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """fn(expert, x, sigma, cond) per expert on its samples, reassembled in sample order."""

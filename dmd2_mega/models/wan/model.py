@@ -53,6 +53,7 @@ from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
+from dmd2_mega.models.wan.image import CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, concat_mask
 from dmd2_mega.distributed.parallel import mark_sequence_parallel
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
@@ -62,7 +63,8 @@ _CONFIG_KEYS = {  # what from_config reads of a WanTransformer3DModel config.jso
     "num_attention_heads": count(), "attention_head_dim": count(), "num_layers": count(), "ffn_dim": count(),
     "in_channels": count(), "out_channels": count(None, nullable=True), "text_dim": count(), "freq_dim": count(),
     "patch_size": Key(int, low=1, length=3), "cross_attn_norm": Key(bool, True), "eps": positive(1e-6),
-    "rope_max_seq_len": count(1024)}
+    "rope_max_seq_len": count(1024), "image_dim": count(None, nullable=True),
+    "added_kv_proj_dim": count(None, nullable=True)}
 
 TEXT_LEN = 512
 """Wan's text length (UMT5 tokens, zero-padded): the negative buffer's length when no data gives one."""
@@ -86,6 +88,8 @@ class WanSpec:
     cross_attn_norm: bool = True
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
+    image_dim: Optional[int] = None
+    """Wan 2.1 I2V: the CLIP image embeddings' width, read as extra cross-attention keys / values (`image.py`)."""
     boundary_ratio: Optional[float] = None
     """Two-expert Wan 2.2 A14B (`models/wan/experts.py`): the high-noise expert predicts where the timestep is
     >= boundary_ratio * 1000, the low-noise one below; None for one model."""
@@ -99,21 +103,37 @@ class WanSpec:
     def hidden_size(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def mask_channels(self) -> int:
+        """The concat I2V form's mask channels (in_channels = 2 out_channels + mask); 0 for text-to-video."""
+        return self.in_channels - 2 * self.out_channels if self.in_channels != self.out_channels else 0
+
     def data_shape(self) -> DataShape:
         """The shape to build a converted Wan with when no data gives one (`pretrained.load_model`, the meta model
-        of a conversion): one latent frame of one patch, Wan's TEXT_LEN tokens of text."""
-        return DataShape(self.in_channels, self.patch_size, cond_shape=(TEXT_LEN, self.text_dim))
+        of a conversion): one latent frame of one patch, Wan's TEXT_LEN tokens of text (an I2V Wan: and CLIP_LEN image
+        tokens, the image latent)."""
+        if not self.mask_channels:
+            return DataShape(self.in_channels, self.patch_size, cond_shape=(TEXT_LEN, self.text_dim))
+        clip = (("clip", (CLIP_LEN, self.image_dim)),) if self.image_dim else ()
+        return DataShape(self.out_channels, self.patch_size, cond_parts=(
+            ("text", (TEXT_LEN, self.text_dim)), *clip, ("image", (self.out_channels, *self.patch_size))))
 
     def __post_init__(self):
         if self.head_dim % 2 or self.head_dim < 6:
             raise ConfigError(f"{self.name}: attention_head_dim {self.head_dim} must be even and >= 6 (3-D rotary)")
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ConfigError(f"{self.name}: patch_size must be 3 positive ints, got {self.patch_size}")
+        if self.image_dim is not None and not self.mask_channels:
+            raise ConfigError(f"{self.name}: image_dim {self.image_dim} (CLIP image embeddings) comes with the image-"
+                              f"to-video channels in_channels = 2 out_channels + {MASK_CHANNELS}; got in_channels "
+                              f"{self.in_channels}, out_channels {self.out_channels}")
         if self.boundary_ratio is not None and not 0 < self.boundary_ratio < 1:
             raise ConfigError(f"{self.name}: boundary_ratio must lie in (0, 1), got {self.boundary_ratio}")
-        if self.out_channels != self.in_channels:
-            raise ConfigError(f"{self.name}: out_channels {self.out_channels} != in_channels {self.in_channels}; "
-                              f"a velocity model predicts as many channels as it reads")
+        if self.out_channels != self.in_channels and self.in_channels != 2 * self.out_channels + MASK_CHANNELS:
+            raise ConfigError(f"{self.name}: in_channels {self.in_channels} with out_channels {self.out_channels}: a "
+                              f"velocity model reads the channels it predicts (text-to-video, in = out) or, as an "
+                              f"image-to-video Wan, those, a {MASK_CHANNELS}-channel mask and the image's latent "
+                              f"(in = 2 out + {MASK_CHANNELS})")
 
     def diffusers_config(self) -> dict:
         """The config.json of the equivalent `WanTransformer3DModel`."""
@@ -122,7 +142,8 @@ class WanSpec:
                 "in_channels": self.in_channels, "out_channels": self.out_channels, "text_dim": self.text_dim,
                 "freq_dim": self.freq_dim, "ffn_dim": self.ffn_dim, "num_layers": self.num_layers,
                 "cross_attn_norm": self.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": self.eps,
-                "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": self.rope_max_seq_len,
+                "image_dim": self.image_dim, "added_kv_proj_dim": self.hidden_size if self.image_dim else None,
+                "rope_max_seq_len": self.rope_max_seq_len,
                 "pos_embed_seq_len": None}
 
     @classmethod
@@ -131,18 +152,21 @@ class WanSpec:
         cls_name = config.get("_class_name")
         if cls_name != DIFFUSERS_CLASS:
             raise ConfigError(f"{name}: config.json describes a {cls_name}, not a {DIFFUSERS_CLASS}")
-        for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
-            if config.get(key) is not None:
-                raise ConfigError(f"{name}: {key}={config[key]} (an image-to-video Wan) is not supported; "
-                                  f"the Wan family builds the text-to-video transformer")
+        if config.get("pos_embed_seq_len") is not None:
+            raise ConfigError(f"{name}: pos_embed_seq_len={config['pos_embed_seq_len']} (Wan 2.1 FLF2V, first and "
+                              f"last frame) is not supported; the Wan family builds text- and image-to-video")
         if config.get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
             raise ConfigError(f"{name}: qk_norm={config['qk_norm']!r} is not supported (rms_norm_across_heads only)")
         c = read_keys(config, _CONFIG_KEYS, name, what=f"a {DIFFUSERS_CLASS}")
+        hidden = c["num_attention_heads"] * c["attention_head_dim"]
+        if (c["image_dim"] is None) != (c["added_kv_proj_dim"] is None) or c["added_kv_proj_dim"] not in (None, hidden):
+            raise ConfigError(f"{name}: image_dim={c['image_dim']} with added_kv_proj_dim={c['added_kv_proj_dim']}; "
+                              f"Wan 2.1 I2V sets both, added_kv_proj_dim the hidden size {hidden}")
         return cls(name=name, num_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"],
                    num_layers=c["num_layers"], ffn_dim=c["ffn_dim"], in_channels=c["in_channels"],
                    out_channels=c["out_channels"] or c["in_channels"], text_dim=c["text_dim"], freq_dim=c["freq_dim"],
                    patch_size=c["patch_size"], cross_attn_norm=c["cross_attn_norm"], eps=c["eps"],
-                   rope_max_seq_len=c["rope_max_seq_len"])
+                   rope_max_seq_len=c["rope_max_seq_len"], image_dim=c["image_dim"])
 
 
 def _tp_group(tp_size: int):
@@ -173,7 +197,7 @@ class WanAttention(nn.Module):
     """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads.
     Under CP / SP the tokens are this rank's share (`models/token_parallel.py`)."""
 
-    def __init__(self, spec: WanSpec, mcfg, tp_size: int, impl: str, backend: str):
+    def __init__(self, spec: WanSpec, mcfg, tp_size: int, impl: str, backend: str, image: bool = False):
         super().__init__()
         d = spec.hidden_size
         self.local_heads, self.head_dim, self.backend = spec.num_heads // tp_size, spec.head_dim, backend
@@ -185,18 +209,29 @@ class WanAttention(nn.Module):
         width = d // tp_size
         self.norm_q = QKNorm(width, spec.head_dim, spec.eps, tp_size)
         self.norm_k = QKNorm(width, spec.head_dim, spec.eps, tp_size)
+        if image:  # Wan 2.1 I2V's cross-attention: keys / values of the image tokens too, split over TP like the text's
+            self.add_k_proj = linears.column(d, d, mcfg, xavier, impl)
+            self.add_v_proj = linears.column(d, d, mcfg, xavier, impl)
+            self.norm_added_k = QKNorm(width, spec.head_dim, spec.eps, tp_size)
+        self.image = image
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.local_heads, self.head_dim))  # [B, S, heads_local, d]
 
-    def text_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-attention's k, v [B, L, heads_local, d] of the text: megatron's column linears (their backward
-        all-reduces the text's gradient over TP)."""
-        return self._heads(self.norm_k(self.to_k(ctx))), self._heads(self.to_v(ctx))
+    def text_kv(self, ctx: tuple) -> tuple:
+        """Cross-attention's k, v [B, L, heads_local, d] of the text, then (an I2V Wan) those of the image tokens,
+        from ctx = (text [B, L, D], image [B, Li, D] or None): megatron's column linears (their backward all-reduces
+        the context's gradient over TP)."""
+        text, image = ctx
+        kv = (self._heads(self.norm_k(self.to_k(text))), self._heads(self.to_v(text)))
+        if self.image:
+            kv += (self._heads(self.norm_added_k(self.add_k_proj(image))), self._heads(self.add_v_proj(image)))
+        return kv
 
-    def forward(self, x: torch.Tensor, ctx: Optional[torch.Tensor], split: TokenSplit, rope=None,
+    def forward(self, x: torch.Tensor, ctx: Optional[tuple], split: TokenSplit, rope=None,
                 mixer=None) -> torch.Tensor:
-        """x [B, local tokens, D]; ctx None for self-attention, else the text [B, L, D] (whole on every rank).
+        """x [B, local tokens, D]; ctx None for self-attention, else (text [B, L, D], image tokens [B, Li, D] or None),
+        whole on every rank.
         mixer: None (every token sees every token), or a causal model's per-layer attention (`models/wan/causal.py`:
         `self_attention(q, k, v, backend)` on [B, S, heads, d], `text_kv(compute)`), which may cache k / v."""
         if ctx is None:  # every token for this rank's heads (Ulysses under CP), the padding dropped
@@ -206,8 +241,11 @@ class WanAttention(nn.Module):
             a = mixer.self_attention(q, k, v, self.backend) if mixer is not None else attend(q, k, v, self.backend)
             return self._out(split.attention_tokens(a).flatten(2), split)
         q = self._heads(self.norm_q(split.sp_linears(x, self.to_q)[0]))
-        k, v = self.text_kv(ctx) if mixer is None else mixer.text_kv(lambda: self.text_kv(ctx))
-        return self._out(attend(q, k, v, self.backend).flatten(2), split)
+        kv = self.text_kv(ctx) if mixer is None else mixer.text_kv(lambda: self.text_kv(ctx))
+        a = attend(q, kv[0], kv[1], self.backend)
+        if self.image:  # the image tokens' attention adds to the text's (diffusers' WanAttnProcessor)
+            a = a + attend(q, kv[2], kv[3], self.backend)
+        return self._out(a.flatten(2), split)
 
     def _out(self, a: torch.Tensor, split: TokenSplit) -> torch.Tensor:
         if split.sp > 1:
@@ -221,7 +259,7 @@ class WanBlock(nn.Module):
         d = spec.hidden_size
         self.eps = spec.eps
         self.attn1 = WanAttention(spec, mcfg, tp_size, impl, backend)
-        self.attn2 = WanAttention(spec, mcfg, tp_size, impl, backend)
+        self.attn2 = WanAttention(spec, mcfg, tp_size, impl, backend, image=spec.image_dim is not None)
         self.norm2 = nn.LayerNorm(d, eps=spec.eps) if spec.cross_attn_norm else None
         xavier = nn.init.xavier_uniform_
         self.fc1 = linears.column(d, spec.ffn_dim, mcfg, xavier, impl)
@@ -270,7 +308,8 @@ def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 class ConditionEmbedder(nn.Module):
-    """Timestep -> (temb [B, D], mod [B, 6, D]); text [B, L, text_dim] -> ctx [B, L, D]. Names follow diffusers'."""
+    """Timestep -> (temb [B, D], mod [B, 6, D]); text [B, L, text_dim] -> ctx [B, L, D]; an I2V Wan's CLIP image
+    embeddings -> image tokens [B, Li, D] (`image.ImageEmbedder`). Names follow diffusers'."""
 
     def __init__(self, spec: WanSpec, mcfg):
         super().__init__()
@@ -282,6 +321,7 @@ class ConditionEmbedder(nn.Module):
         for lin in (*self.time_embedder[::2], *self.text_embedder[::2]):
             nn.init.xavier_uniform_(lin.weight)
             nn.init.zeros_(lin.bias)
+        self.image_embedder = ImageEmbedder(spec.image_dim, d) if spec.image_dim is not None else None
 
     def time(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(temb [B, D], mod [B, 6, D]) of sigma [B]."""
@@ -293,11 +333,35 @@ class ConditionEmbedder(nn.Module):
         """ctx [B, L, D] of the text embeddings cond [B, L, text_dim]."""
         return self.text_embedder(cond.to(self.text_embedder[0].weight.dtype))
 
+    def image(self, clip: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Image tokens [B, Li, D] of CLIP embeddings [B, Li, image_dim]; None for a model without them."""
+        return self.image_embedder(clip) if self.image_embedder is not None else None
+
     def forward(self, sigma: torch.Tensor, cond: torch.Tensor):
         return *self.time(sigma), self.text(cond)
 
 
-class Wan(FamilyModel):
+class NegativePrompt:
+    """CFG's negative of a Wan (one model or two experts): the `negative` buffer (the negative prompt's text
+    embedding) and `parts` (an I2V condition's layout, or None)."""
+
+    negative: torch.Tensor
+    parts: Optional[CondParts]
+
+    def null_cond(self, n: int, device) -> torch.Tensor:
+        if self.parts is not None:
+            raise ValueError(f"{self.spec.name} reads an image with its text: its negative condition is each "
+                             f"sample's own (negative_for(cond))")
+        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
+
+    def negative_for(self, cond: torch.Tensor) -> torch.Tensor:
+        """CFG's negative of cond [B, ...]: the negative prompt; an I2V sample keeps its image (`image.py`)."""
+        if self.parts is None:
+            return self.null_cond(cond.shape[0], cond.device)
+        return self.parts.with_text(cond, self.negative)
+
+
+class Wan(NegativePrompt, FamilyModel):
     """The Wan family's model (module docstring); built by `family.WanFamily.build` / `registry.build_model`."""
 
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
@@ -318,14 +382,15 @@ class Wan(FamilyModel):
         nn.init.zeros_(self.proj_out.weight)
         nn.init.zeros_(self.proj_out.bias)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, d) / d ** 0.5)
+        # an I2V Wan's condition: text, CLIP embedding and image latent in one flat tensor (`image.CondParts`)
+        self.parts = CondParts.from_parts(shape.cond_parts, spec.name) if shape.cond_parts else None
+        self.image_form = image_form(spec, shape)
         # CFG's negative branch: the negative-prompt embedding stored with the data (`set_negative`), else zeros
-        self.register_buffer("negative", torch.zeros(shape.cond_shape), persistent=False)
+        self.register_buffer("negative", torch.zeros(self.parts.text if self.parts else shape.cond_shape),
+                             persistent=False)
         mark_sequence_parallel([*self.patch_embedding.parameters(), *self.proj_out.parameters(), self.scale_shift_table,
                                 *(p for blk in self.blocks for p in blk.sequence_parallel_params())],
                                options.sequence_parallel)
-
-    def null_cond(self, n: int, device) -> torch.Tensor:
-        return self.negative.to(device=device, dtype=torch.float32).expand(n, *self.negative.shape)
 
     def _grid(self, x: torch.Tensor) -> tuple[int, int, int]:
         if x.dim() != 5:
@@ -336,13 +401,14 @@ class Wan(FamilyModel):
         """(this rank's tokens [B, local, D], ctx [B, L, D], temb, mod (`_conditions`), rope (cos, sin) of this CP
         chunk [chunk, d/2], split): the tokens are split over CP (and TP under SP) before the patch embedding.
         first_frame: the rotary frame index of x's first frame (a streamed chunk's place in its video)."""
-        b, c = x.shape[:2]
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)
-        x = x.to(self.patch_embedding.weight.dtype)
+        x, text, image_tokens = self._read_image(x.to(self.patch_embedding.weight.dtype), cond)
+        b, c = x.shape[:2]
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
         cos, sin = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device, first_frame=first_frame)
-        temb, mod, ctx = self._conditions(sigma, cond, f)
+        temb, mod, ctx = self._conditions(sigma, text, f)
+        ctx = (ctx, image_tokens)
         temb, mod = split.enter_sp(temb), split.enter_sp(mod)  # replicated over TP: enter SP before any split
         if temb.dim() == 3 and (split.cp > 1 or split.sp > 1):  # per frame: this rank's tokens read their frame's
             rows = split.local_index(x.device) // (hh * ww)
@@ -350,16 +416,39 @@ class Wan(FamilyModel):
         tokens = self.patch_embedding(split.shard(patches))
         return tokens, ctx, temb, mod, (split.cp_rows(cos), split.cp_rows(sin)), split
 
-    def _conditions(self, sigma: torch.Tensor, cond: torch.Tensor, frames: int):
+    def _read_image(self, x: torch.Tensor, cond: torch.Tensor) -> tuple:
+        """(the model's input latents, text [B, L, text_dim], image tokens [B, Li, D] or None) of x [B, C, T, H, W] and
+        cond: a text-to-video Wan reads x and cond as they are; an I2V Wan unpacks cond (`image.py`): the concat form
+        appends [mask, image latent] to x's channels, the first-frame form puts the image in x's first frame."""
+        if self.parts is None:
+            return x, cond, None
+        frames = x.shape[2] if self.image_form == "concat" else 1
+        text, clip, image = self.parts.unpack(cond, (self.parts.image[0], frames, *x.shape[3:]))
+        image = image.to(x.dtype)
+        if self.image_form == "concat":
+            x = torch.cat([x, concat_mask(image, self.spec.mask_channels), image], dim=1)
+        else:
+            x = torch.cat([image, x[:, :, image.shape[2]:]], dim=2)
+        return x, text, self.condition_embedder.image(clip)
+
+    def _conditions(self, sigma: torch.Tensor, text: torch.Tensor, frames: int):
         """(temb, mod, ctx): temb [B, D] and mod [B, 6, D] per sample, or per frame [B, F, D] and [B, F, 6, D] (a
-        causal model's levels per chunk: `modulate` runs rows of tokens); ctx [B, L, D]."""
-        return self.condition_embedder(sigma, cond)
+        causal model's levels per chunk, the first-frame I2V form's clean first frame: `modulate` runs rows of
+        tokens); ctx [B, L, D]."""
+        temb, mod, ctx = self.condition_embedder(sigma, text)
+        if self.image_form == "first-frame":  # the image's frame at timestep 0, as WanImageToVideoPipeline's TI2V
+            temb0, mod0 = self.condition_embedder.time(torch.zeros_like(sigma))
+            temb = torch.cat([temb0[:, None], temb[:, None].expand(-1, frames - 1, -1)], 1)
+            mod = torch.cat([mod0[:, None], mod[:, None].expand(-1, frames - 1, -1, -1)], 1)
+        return temb, mod, ctx
 
     def _block(self, i: int, h, ctx, mod, rope, split, mixer=None):
         blk, mixer = self.blocks[i], mixer.layer(i) if mixer is not None else None
         # a stateful mixer (a KV cache being read and filled) is not re-run in backward: the recompute would differ
         if self.options.recompute and self.training and torch.is_grad_enabled() and (mixer is None or mixer.stateless):
-            return torch.utils.checkpoint.checkpoint(blk, h, ctx, mod, rope, split, mixer, use_reentrant=False)
+            # the context's tensors as arguments of their own: the checkpoint keeps them, as it keeps h
+            return torch.utils.checkpoint.checkpoint(_run_block, blk, h, *ctx, mod, rope, split, mixer,
+                                                     use_reentrant=False)
         return blk(h, ctx, mod, rope, split, mixer)
 
     def _features(self, x, sigma, cond, layer: int, mixer=None) -> torch.Tensor:
@@ -389,21 +478,56 @@ class Wan(FamilyModel):
         return self._forward(x, sigma, cond)
 
 
+def image_form(spec: WanSpec, shape: DataShape) -> Optional[str]:
+    """How the model reads an image (`image.py`): "concat" (Wan 2.1 / 2.2 I2V: in_channels = 2 out + mask),
+    "first-frame" (a text-to-video config given image conditions: TI2V-5B's image mode) or None (text only)."""
+    if spec.mask_channels:
+        return "concat"
+    return "first-frame" if shape.cond_parts else None
+
+
+def _check_image(spec: WanSpec, shape: DataShape) -> tuple:
+    """The text shape of `shape`'s condition, after checking its image parts against the spec's form."""
+    form = image_form(spec, shape)
+    if form == "concat" and not shape.cond_parts:
+        raise ConfigError(f"--model-size {spec.name} is an image-to-video Wan (in_channels {spec.in_channels}): the "
+                          f"data must carry each clip's image latent (prepare_data.py with an I2V pipeline)")
+    if form is None:
+        return shape.cond_shape
+    parts = CondParts.from_parts(shape.cond_parts, spec.name)
+    want = ((spec.out_channels, *shape.spatial) if form == "concat" else (spec.in_channels, 1, *shape.spatial[1:]))
+    if tuple(parts.image) != tuple(want):
+        raise ConfigError(f"the data's image latents are {list(parts.image)}, but --model-size {spec.name} reads "
+                          f"{list(want)} ({form} image-to-video) for latents {list(shape.sample_shape)}")
+    if (parts.clip is not None) != (spec.image_dim is not None) or (parts.clip and parts.clip[1] != spec.image_dim):
+        raise ConfigError(f"the data's CLIP image embeddings are {list(parts.clip) if parts.clip else None}, but "
+                          f"--model-size {spec.name} reads "
+                          f"{'[L, %d]' % spec.image_dim if spec.image_dim else 'none'} (image_dim)")
+    return parts.text
+
+
+def _run_block(blk: WanBlock, h, text, image, mod, rope, split, mixer):
+    return blk(h, (text, image), mod, rope, split, mixer)
+
+
 def check_shape(spec: WanSpec, shape: DataShape, tp_size: int) -> None:
     """ConfigError naming the flag or size for a data shape / TP size this spec cannot take (the heads:
     `family.check_build`)."""
     if spec.ffn_dim % tp_size:
         raise ConfigError(f"--tensor-model-parallel-size {tp_size} must divide ffn_dim {spec.ffn_dim} of "
                           f"--model-size {spec.name}")
-    if shape.cond_shape is None or len(shape.cond_shape) != 2:
+    text = _check_image(spec, shape)
+    if text is None or len(text) != 2:
         raise ConfigError(f"--model-size {spec.name} (Wan) takes text embeddings [L, {spec.text_dim}] per sample; "
-                          f"the data has {'class labels' if shape.cond_shape is None else list(shape.cond_shape)}")
-    if shape.cond_shape[-1] != spec.text_dim:
-        raise ConfigError(f"the data's text embeddings are {shape.cond_shape[-1]} wide, but --model-size "
+                          f"the data has {'class labels' if text is None else list(text)}")
+    if text[-1] != spec.text_dim:
+        raise ConfigError(f"the data's text embeddings are {text[-1]} wide, but --model-size "
                           f"{spec.name} has text_dim {spec.text_dim}")
-    if shape.in_channels != spec.in_channels:
+    if shape.in_channels != spec.out_channels:
         raise ConfigError(f"the data's latents have {shape.in_channels} channels, but --model-size {spec.name} "
-                          f"takes in_channels {spec.in_channels}")
+                          + (f"takes {spec.out_channels} latent channels (in_channels {spec.in_channels} with the "
+                             f"mask and the image latent)" if spec.mask_channels else
+                             f"takes in_channels {spec.in_channels}"))
     if len(shape.spatial) != 3:
         raise ConfigError(f"--model-size {spec.name} (Wan) takes video latents [C, T, H, W]; the data's are "
                           f"{[shape.in_channels, *shape.spatial]}")
