@@ -78,7 +78,7 @@ def generate(model, cond: torch.Tensor, *, shape: tuple, steps: int, guidance: f
 
     def run(lo, hi):
         c = cond[lo:hi].to(device)
-        nc = null_cond[lo:hi].to(device) if null_cond is not None else model.null_cond(hi - lo, device)
+        nc = null_cond[lo:hi].to(device) if null_cond is not None else model.negative_for(c)
         return flow.euler_sampler(model, noise[lo:hi].to(device), c, nc if guidance != 1.0 else None,
                                   steps=steps, guidance=guidance, shift=shift)
 
@@ -314,7 +314,7 @@ class Sampler:
         if self.student:
             x0 = few_step_sample(model, noise, cond, self.sigmas.to(noise.device))
         else:
-            null = model.null_cond(cond.shape[0], noise.device) if self.guidance != 1.0 else None
+            null = model.negative_for(cond) if self.guidance != 1.0 else None
             x0 = flow.euler_sampler(model, noise[0], cond, null, steps=self.steps, guidance=self.guidance,
                                     shift=self.shift)
         return x0.float().clamp_(-1, 1)

@@ -88,6 +88,9 @@ class FakeTeacher(torch.nn.Module):
     def null_cond(self, n, device):
         return null_cond(n, device)
 
+    def negative_for(self, cond):  # the FamilyModel contract's default
+        return null_cond(cond.shape[0], cond.device)
+
 
 class RecordingOptimizer:
     """dmd2_mega.train.optim.Optimizer that records (parameters, gradients) just before each step."""

@@ -21,6 +21,9 @@ Every model is a `FamilyModel`:
     null_cond(n, device) -> [n, ...]
         the negative / null condition of classifier-free guidance: the learned null class, or for text the
         negative-prompt embedding given by `set_negative` (the data's; zeros until then).
+    negative_for(cond) -> [B, ...]
+        CFG's negative of these samples, what every sampler and score calls: `null_cond`, or for a condition
+        with parts the negative keeps (an image-to-video Wan's image) the sample's own with its text swapped.
     expert_modules() -> (sub-models of which each forward runs only some) or ()
         Wan 2.2's experts: a time-sliced frozen role wakes only the expert a forward runs.
     tp_split() -> {parameter name: dim it is split along across TP ranks, or None if replicated}

@@ -119,7 +119,7 @@ def integrate_rows(model, dataset, rows: Sequence[int], job: TrajectoryJob, nois
         noise = noise_of(batch).float()
         c = cond.to(device)
         c = c.float() if c.is_floating_point() else c
-        null = model.null_cond(len(batch), device) if job.guidance != 1.0 else None
+        null = model.negative_for(c) if job.guidance != 1.0 else None
         x0, states = flow.euler_path(model, noise.to(device), c, null, grid, job.guidance, keep)
         parts["latents"].append(x0.float().cpu())
         parts[key].append(cond)

@@ -90,7 +90,7 @@ def teacher_scores(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Ten
     if guidance == 1.0:
         x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
     else:
-        neg = teacher.model.null_cond(n, x_s.device)
+        neg = teacher.model.negative_for(b.cond)
         v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).to(x_s.dtype)
         x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
     return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=x0_fake, x0_real=x0_real)

@@ -83,6 +83,9 @@ class GANCritic(FamilyModel):
     def null_cond(self, n: int, device) -> Tensor:
         return self.trunk.null_cond(n, device)
 
+    def negative_for(self, cond: Tensor) -> Tensor:
+        return self.trunk.negative_for(cond)
+
 
 def holds_head(state: dict) -> bool:
     """Whether a critic state dict was saved with its GAN head (a `GANCritic`)."""
