@@ -155,7 +155,7 @@ def shape_from_args(a: argparse.Namespace) -> mp.ModelShape:
                                   image_size=a.image_size, num_classes=a.num_classes, cond_shape=a.cond_shape,
                                   text_len=a.text_len)
     return mp.model_shape(name, shape.in_channels, shape.spatial, a.patch, num_classes=shape.num_classes,
-                          cond_shape=shape.cond_shape)
+                          cond_shape=None if shape.cond_parts else shape.cond_shape, cond_parts=shape.cond_parts)
 
 
 def describe_model(name: str, ms: mp.ModelShape) -> str:

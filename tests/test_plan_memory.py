@@ -57,8 +57,10 @@ ACT_FACTOR = 1.25
 # DiT image side (recorded as the old `image_size` data_info), a tuple Wan's (T, H, W) (as `latent_shape`)
 WAN_SHAPES = [("wan-debug", 4, (3, 4, 6), (7, 16)), ("wan-debug", 4, (1, 2, 2), (1, 16)),
               ("wan-debug", 4, (5, 6, 10), (3, 16))]
+# an image-to-video Wan's condition of parts (`models/wan/image.py`): text [7, 16], CLIP [5, 8], the image latent
+I2V_SHAPE = ("wan-i2v-debug", 4, (3, 4, 6), (("text", (7, 16)), ("clip", (5, 8)), ("image", (4, 3, 4, 6))))
 SHAPES = [("debug", 1, 8, None), ("digits", 1, 8, None), ("debug", 4, 6, (7, 12)), ("digits", 3, 12, None),
-          *WAN_SHAPES]
+          *WAN_SHAPES, I2V_SHAPE]
 WAN_14B_PARAMETERS = 14_288_491_584  # the meta-device build (test_wan_14b_count_equals_meta_build)
 
 
@@ -69,6 +71,11 @@ def ps():
 
 
 def data_info(ch, spatial, cond_shape) -> dict:
+    """cond_shape: None (labels), [L, D] / [D] (embeddings) or ((name, shape), ...) (a condition of parts)."""
+    if cond_shape and isinstance(cond_shape[0], tuple):
+        shape = DataShape(ch, spatial, cond_parts=cond_shape)
+        return {"num_classes": None, "cond_shape": shape.cond_shape, "cond_parts": shape.cond_parts,
+                "in_channels": ch, "latent_shape": [ch, *spatial]}
     info = {"num_classes": None if cond_shape else 10, "cond_shape": cond_shape}
     if isinstance(spatial, int):  # as checkpoints written before video data recorded images
         return {**info, "in_channels": ch, "image_size": spatial}
@@ -79,6 +86,10 @@ def make(ps, size, ch, spatial, cond_shape, bf16=False, recompute=None):
     info = data_info(ch, spatial, cond_shape)
     model = cast_model(build_model(ModelConfig(size=size, recompute_granularity=recompute), info, ps), bf16)
     return model.train(), mp.model_shape_from_info(size, info)
+
+
+def i2v_parts(image: tuple) -> tuple:
+    return (("text", (512, 4096)), ("clip", (257, 1280)), ("image", image))
 
 
 def batch(ms, n, seed=0):
@@ -199,13 +210,13 @@ def test_forward_flops_match_flop_counter(ps, size, ch, img, cond_shape, n):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("size,ch,img,cond_shape,n", [("debug", 1, 8, None, 5), ("digits", 1, 8, None, 64),
                                                       ("digits", 4, 16, None, 3), (*WAN_SHAPES[0], 3),
-                                                      (*WAN_SHAPES[2], 2)])
+                                                      (*WAN_SHAPES[2], 2), (*I2V_SHAPE, 2)])
 def test_saved_activations_within_factor(ps, size, ch, img, cond_shape, n, bf16, recompute):
     model, ms = make(ps, size, ch, img, cond_shape, bf16, recompute)
     est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute == "full")
     got = kept_bytes(model, ms, n)
     assert est / ACT_FACTOR <= got <= est * ACT_FACTOR, f"measured {got} B kept for backward, estimated {est} B"
-    if ms.family.name == "wan":  # the Wan estimate is exact (module docstring of models/wan/plan.py)
+    if ms.family.name == "wan" and not ms.cond_parts:  # text-to-video: exact (docstring of models/wan/plan.py)
         assert got == est
 
 
@@ -289,6 +300,11 @@ def test_wan_14b_count_equals_meta_build(ps):
     assert (counts["sharded"], counts["replicated"]) == split(model)
     assert counts["sharded"] + counts["replicated"] == WAN_14B_PARAMETERS
     assert counts["tensors"] == len(list(model.parameters())) and counts["buffer"] == 512 * 4096
+    i2v = mp.param_counts(mp.model_shape_from_info("wan2.1-i2v-14b-480p", {  # the I2V form: its K/V, CLIP embedder
+        "num_classes": None, "latent_shape": [16, 1, 2, 2], "cond_parts": i2v_parts((16, 1, 2, 2))}))
+    with torch.device("meta"):
+        model = Wan(get_spec("wan2.1-i2v-14b-480p"), DataShape(16, (1, 2, 2), cond_parts=i2v_parts((16, 1, 2, 2))))
+    assert (i2v["sharded"], i2v["replicated"]) == split(model) and i2v["tensors"] == len(list(model.parameters()))
     assert mp.params_per_rank(ms, 8) == counts["sharded"] // 8 + counts["replicated"]
     for tp in (3, 16):  # 40 heads
         with pytest.raises(ValueError, match=f"size {tp} must divide the 40 heads"):

@@ -67,6 +67,15 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
     _wan("wan2.2-ti2v-5b", num_heads=24, head_dim=128, num_layers=30, ffn_dim=14336, in_channels=48,
          out_channels=48),
     _wan("wan2.2-a14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824, boundary_ratio=0.875),
+    # image-to-video (`models/wan/image.py`): Wan 2.1 I2V 14B (480P and 720P share the transformer), Wan 2.2 I2V A14B
+    _wan("wan-i2v-debug", num_heads=2, head_dim=12, num_layers=2, ffn_dim=48, in_channels=12, out_channels=4,
+         text_dim=16, freq_dim=16, image_dim=8),
+    _wan("wan2.1-i2v-14b-480p", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824, in_channels=36,
+         image_dim=1280),
+    _wan("wan2.1-i2v-14b-720p", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824, in_channels=36,
+         image_dim=1280),
+    _wan("wan2.2-i2v-a14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824, in_channels=36,
+         boundary_ratio=0.9),
 ])
 
 

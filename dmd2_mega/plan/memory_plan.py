@@ -64,7 +64,9 @@ class ModelShape:
     """(H, W) images (an int n means (n, n)) or (T, H, W) video latents, as the family takes them."""
     num_classes: Optional[int] = 10
     cond_shape: Optional[tuple] = None
-    """Per-sample text embeddings [D] or [L, D] instead of labels."""
+    """Per-sample text embeddings [D] or [L, D] instead of labels (with cond_parts: their flat [N])."""
+    cond_parts: Optional[tuple] = None
+    """A condition of parts (`models.DataShape.cond_parts`: an image-to-video Wan's text, CLIP embedding, image)."""
 
     def __post_init__(self):
         if isinstance(self.spatial, int):
@@ -91,7 +93,14 @@ class ModelShape:
     @property
     def text_len(self) -> int:
         """L: the text tokens cross-attention reads (0 for labels or a pooled embedding)."""
+        if self.cond_parts:
+            return dict(self.cond_parts)["text"][0]
         return self.cond_shape[0] if self.cond_shape is not None and len(self.cond_shape) == 2 else 0
+
+    @property
+    def image_len(self) -> int:
+        """The image tokens cross-attention also reads (an I2V Wan's CLIP embedding), else 0."""
+        return dict(self.cond_parts).get("clip", (0,))[0] if self.cond_parts else 0
 
     @property
     def sample_numel(self) -> int:
@@ -103,17 +112,18 @@ class ModelShape:
 
 
 def model_shape(size: str, in_channels: int, spatial, patch: Optional[int] = None,
-                num_classes: Optional[int] = 10, cond_shape: Optional[tuple] = None) -> ModelShape:
+                num_classes: Optional[int] = 10, cond_shape: Optional[tuple] = None,
+                cond_parts: Optional[tuple] = None) -> ModelShape:
     """`--model-size` (a registered name or a config.json / folder a family recognises) on latents
     [in_channels, *spatial] as its family takes them (`ModelFamily.plan_spec`: e.g. the DiT's square images with
     `patch`, Wan's (T, H, W) with text [L, text_dim]). ConfigError for a shape the model cannot take."""
     spec = get_spec(size)
-    if (num_classes is None) == (cond_shape is None):
+    if (num_classes is None) == (cond_shape is None and cond_parts is None):
         raise ConfigError("give exactly one of --num-classes or --cond-shape")
     cond_shape = tuple(cond_shape) if cond_shape is not None else None
-    shape = DataShape(in_channels, spatial, num_classes, cond_shape)
+    shape = DataShape(in_channels, spatial, num_classes, cond_shape, cond_parts)
     spec = family_of(spec).plan_spec(spec, size, shape, patch)
-    return ModelShape(spec, in_channels, shape.spatial, num_classes, cond_shape)
+    return ModelShape(spec, in_channels, shape.spatial, num_classes, shape.cond_shape, shape.cond_parts)
 
 
 def model_shape_from_info(size: str, info: dict) -> ModelShape:
@@ -123,7 +133,7 @@ def model_shape_from_info(size: str, info: dict) -> ModelShape:
     shape = DataShape.from_info(info)
     return model_shape(size, shape.in_channels, shape.spatial,
                        num_classes=shape.num_classes if shape.cond_shape is None else None,
-                       cond_shape=shape.cond_shape)
+                       cond_shape=None if shape.cond_parts else shape.cond_shape, cond_parts=shape.cond_parts)
 
 
 def param_counts(ms: ModelShape) -> dict:

@@ -25,6 +25,7 @@ from dmd2_mega.models.wan.diffusers import model_dir, read_config, read_state
 from dmd2_mega.models.wan.causal import CausalWan, check_causal
 from dmd2_mega.models.wan.experts import EXPERTS, WanExperts
 from dmd2_mega.models.wan.export import export_diffusers, export_lora
+from dmd2_mega.models.wan.image import CLIP_LEN
 from dmd2_mega.models.wan.model import DIFFUSERS_CLASS, TEXT_LEN, Wan, WanSpec, check_shape
 
 EXPERTS_FILE = "wan_experts.json"
@@ -143,7 +144,12 @@ class WanFamily(ModelFamily):
         if cond_shape is not None:
             raise ConfigError(f"--model-size {name} (Wan) reads text embeddings [L, {spec.text_dim}]: give "
                               f"--text-len L, not --cond-shape")
-        return DataShape(latent_shape[0], tuple(latent_shape[1:]), None, (text_len or TEXT_LEN, spec.text_dim))
+        text = (text_len or TEXT_LEN, spec.text_dim)
+        if not spec.mask_channels:
+            return DataShape(latent_shape[0], tuple(latent_shape[1:]), None, text)
+        clip = (("clip", (CLIP_LEN, spec.image_dim)),) if spec.image_dim else ()  # I2V: text, CLIP, image latent
+        return DataShape(latent_shape[0], tuple(latent_shape[1:]),
+                         cond_parts=(("text", text), *clip, ("image", tuple(latent_shape))))
 
     def plan_spec(self, spec, name, shape, patch):
         if patch is not None:
@@ -160,9 +166,11 @@ class WanFamily(ModelFamily):
     def describe(self, name, spec, latents, tokens, text_len):
         experts = (f"; {len(spec.experts)} experts ({'/'.join(spec.experts)}, boundary {spec.boundary_ratio}) in "
                    f"every role, each sample runs one" if spec.experts else "")
+        image = (f"; image-to-video: in_channels {spec.in_channels} (latent, mask, image latent)"
+                 + (f", CLIP {CLIP_LEN} x {spec.image_dim}" if spec.image_dim else "") if spec.mask_channels else "")
         return (f"model {name} (Wan): hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_heads} heads, "
                 f"FFN {spec.ffn_dim}, patch {'x'.join(map(str, spec.patch_size))}; latents {latents} -> {tokens} "
-                f"tokens, text {text_len} x {spec.text_dim}{experts}")
+                f"tokens, text {text_len} x {spec.text_dim}{image}{experts}")
 
 
 WAN = WanFamily()

@@ -12,6 +12,10 @@ bias whole, the q / k RMSNorm weights [D/t] split like the heads):
                              (E+1)D + (D+1)D, proj_out (D+1)CP, final scale_shift_table 2D; per block the
                              two to_out biases and the fc2 bias 3D, scale_shift_table 6D, norm2 2D (when
                              cross_attn_norm)
+    image-to-video (`image.py`): the patch embedding reads CPi = in_channels P = (2C + 4) P; Wan 2.1 I2V adds
+                             per block add_k_proj / add_v_proj 2D(D+1) and norm_added_k D (sharded) and the
+                             CLIP embedder 2Di + Di(Di+1) + (Di+1)D + 2D (replicated) on Li = 257 tokens of
+                             width Di; its FLOPs: 2 Li (Di^2 + Di D), and cross-attention on L + Li tokens
     buffer:                  the negative-prompt embedding [L, E] (model dtype)
 Forward FLOPs per sample on one TP rank (matmuls, 2 per multiply-add):
     2 S (CP D + D CP) + 2 (f D + D^2) + 2 L (E D + D^2) + 2 D 6D / t
@@ -33,6 +37,10 @@ Activations a training forward of n samples keeps for backward, per block (c = 1
                             tables). --recompute-granularity full keeps each block's input n S D w (and the
                             modulation n 6D w once, no rope tables), plus one block's full set while that
                             block is recomputed in backward.
+    An I2V Wan adds per block n Li 3D w / t + 4 n Li (image k / v, norm statistics) + 2 n S D w / t + 4 n S a / t
+    (the second attention's output and log-sum-exp, and their sum), and outside n Li (4 Di + 3 Di w + 2 D w + 16)
+    (the CLIP embedder): an estimate, measured within 10% (wan-i2v-debug, fp32 and bf16, with and without
+    recompute; in fp32 the text and CLIP embedders keep views of the whole flat condition).
     Measured with saved-tensor hooks (tests/test_plan_memory.py: wan-debug fp32 and bf16, with and without
     recompute, TP 1 and 2; a config without cross_attn_norm) the estimate equals the kept bytes: factor 1.00
     (the DiT's ACT_FACTOR of 1.25 is not needed). It assumes SDPA / flash attention (log-sum-exp only, no S^2
@@ -74,16 +82,27 @@ def _dims(ms):
     return s, s.hidden_size, s.ffn_dim, ms.in_channels * math.prod(s.patch_size), ms.tokens, ms.text_len
 
 
+def _image(ms) -> tuple:
+    """(CPi, Li, Di): the patch embedding's input width (an I2V Wan's in_channels = 2 C + 4 per patch element, else
+    C P), the CLIP image tokens and their width (0, 0 without)."""
+    s = ms.spec
+    return s.in_channels * math.prod(s.patch_size), ms.image_len, s.image_dim or 0
+
+
 def param_counts(ms) -> dict:
     """{'sharded': total over TP ranks, 'replicated': per rank, 'tensors': parameter tensors, 'buffer'}."""
     s, D, F, CP, _, L = _dims(ms)
+    CPi, _, Di = _image(ms)
+    image_kv = 2 * D * (D + 1) + D if Di else 0  # cross-attention's add_k_proj, add_v_proj, norm_added_k
     attn_sharded = 3 * D * (D + 1) + D * D + 2 * D
-    sharded = s.num_layers * (2 * attn_sharded + F * (D + 1) + D * F) + 6 * D * (D + 1)
+    sharded = s.num_layers * (2 * attn_sharded + image_kv + F * (D + 1) + D * F) + 6 * D * (D + 1)
     per_block = 3 * D + 6 * D + (2 * D if s.cross_attn_norm else 0)
-    replicated = ((CP + 1) * D + (s.freq_dim + 1) * D + (D + 1) * D + (s.text_dim + 1) * D + (D + 1) * D
-                  + (D + 1) * CP + 2 * D + s.num_layers * per_block)
+    embedder = 2 * Di + Di * (Di + 1) + (Di + 1) * D + 2 * D if Di else 0  # the CLIP embedder: LN, MLP, LN
+    replicated = ((CPi + 1) * D + (s.freq_dim + 1) * D + (D + 1) * D + (s.text_dim + 1) * D + (D + 1) * D
+                  + (D + 1) * CP + 2 * D + s.num_layers * per_block + embedder)
     # per block: 2 x (q, k, v, out weights + biases, norm_q, norm_k), fc1 + fc2 (+ biases), table, norm2
-    tensors = 15 + s.num_layers * (2 * 10 + 4 + 1 + (2 if s.cross_attn_norm else 0))
+    tensors = (15 + s.num_layers * (2 * 10 + 4 + 1 + (2 if s.cross_attn_norm else 0))
+               + (8 + 5 * s.num_layers if Di else 0))
     e = max(1, len(s.experts))  # Wan 2.2 A14B: both experts live in every role (each sample runs one of them)
     return {"sharded": e * sharded, "replicated": e * replicated, "tensors": e * tensors, "buffer": e * L * s.text_dim}
 
@@ -91,10 +110,11 @@ def param_counts(ms) -> dict:
 def forward_flops(ms, n: int = 1, tp: int = 1) -> int:
     """Matmul FLOPs of one forward of n samples on one TP rank (module docstring)."""
     s, D, F, CP, S, L = _dims(ms)
-    out = 2 * S * (CP * D + D * CP) + 2 * (s.freq_dim * D + D * D) + 2 * L * (s.text_dim * D + D * D)
-    out += 2 * D * 6 * D // tp
+    CPi, Li, Di = _image(ms)
+    out = 2 * S * (CPi * D + D * CP) + 2 * (s.freq_dim * D + D * D) + 2 * L * (s.text_dim * D + D * D)
+    out += 2 * D * 6 * D // tp + 2 * Li * (Di * Di + Di * D)
     self_attn = 2 * S * 4 * D * D + 4 * S * S * D
-    cross_attn = 2 * S * 2 * D * D + 2 * L * 2 * D * D + 4 * S * L * D
+    cross_attn = 2 * S * 2 * D * D + 2 * (L + Li) * 2 * D * D + 4 * S * (L + Li) * D
     block = self_attn + cross_attn + 2 * S * 2 * D * F
     return n * (out + s.num_layers * block // tp)
 
@@ -124,17 +144,22 @@ def layer_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: boo
     w = 2 if bf16 else 4
     c = 1 if s.cross_attn_norm else 0
     exchanged = n * Sc * D // tp * w if cp > 1 else 0  # CP: the padded attention output before its all-to-all
+    _, Li, _ = _image(ms)  # an I2V Wan's image tokens: their k / v, and the second attention's output and lse
+    image = n * Li * 3 * D // tp * w + 4 * n * Li + 2 * n * Sc * D // tp * w + 4 * n * Sc * s.num_heads // tp
     return (n * Ss * D * (6 * w + 4 + 4 * c) + n * Sc * (9 * D + 2 * F) // tp * w + exchanged
             + n * L * 3 * D // tp * w + 4 * n * Ss * (7 + 2 * c) + 4 * n * Sc * 2 * s.num_heads // tp
-            + 4 * n * L + 4 * n * 8 * D + (8 * D * c if bf16 else 0))  # norm2's weight and bias upcast to fp32
+            + 4 * n * L + 4 * n * 8 * D + (8 * D * c if bf16 else 0)  # norm2's weight and bias upcast to fp32
+            + (image if Li else 0))
 
 
 def outside_activation_bytes(ms, n: int, tp: int, bf16: bool, recompute: bool, cp: int = 1, sp: bool = False) -> int:
     s, D, _, CP, S, L = _dims(ms)
     Sc, Ss = tokens_per_rank(ms, tp, cp, sp)
     w = 2 if bf16 else 4
-    out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * Ss * (CP + 2 * D) * w
+    CPi, Li, Di = _image(ms)
+    out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * Ss * (CPi + 2 * D) * w
            + 8 * n * Ss + 4 * n * D)
+    out += n * Li * (4 * Di + 3 * Di * w + 2 * D * w + 16)  # the CLIP embedder: input, MLP, image tokens, LN stats
     return out + (n * 6 * D * w if recompute else 4 * Sc * s.head_dim)
 
 
