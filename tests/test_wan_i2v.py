@@ -19,19 +19,18 @@ import pytest
 import torch
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import DataShape, build_model
+from dmd2_mega.models import DataShape, build_model, get_spec
 from dmd2_mega.models.wan import DIFFUSERS_CLASS, Wan, WanSpec
 from dmd2_mega.models.wan.diffusers import diffusers_name
 from dmd2_mega.pretrained import export_diffusers, import_diffusers
 from dmd2_mega.train.checkpoint import load_model_weights, load_payload
-from tests.utils import MP_SCRIPTS, torchrun, world_of_one
+from tests.utils import MP_SCRIPTS, tiny_wan_transformer, torchrun, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 FB = os.path.join(MP_SCRIPTS, "wan_forward_backward.py")
 TEXT = (512, 16)  # diffusers' I2V attention takes the text as the last 512 context tokens
 CLIP = (257, 8)
-BASE = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=16, freq_dim=16, ffn_dim=32,
-            num_layers=2, rope_max_seq_len=64)
+BASE = dict(ffn_dim=32, rope_max_seq_len=64)  # over wan-debug's config (tests/utils.tiny_wan_transformer)
 FORMS = {  # name: (config overrides, latent [C, T, H, W], form)
     "wan21-i2v": (dict(in_channels=12, out_channels=4, image_dim=8, added_kv_proj_dim=24), (4, 3, 4, 6), "concat"),
     "wan22-i2v": (dict(in_channels=12, out_channels=4), (4, 2, 4, 4), "concat"),
@@ -47,13 +46,7 @@ def world():
 
 def make_folder(root, name: str):
     over, shape, form = FORMS[name]
-    torch.manual_seed(sum(map(ord, name)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = WanTransformer3DModel(**{**BASE, **over}).eval()
-    with torch.no_grad():
-        for p in ref.parameters():  # nothing zero-initialised stays zero
-            p.add_(0.1 * torch.randn_like(p))
+    ref = tiny_wan_transformer(sum(map(ord, name)), **{**BASE, **over}).eval()
     folder = os.path.join(root, name)
     ref.save_pretrained(folder, safe_serialization=True)
     return ref, folder, shape, form
@@ -175,7 +168,7 @@ def test_tp2_matches_diffusers_and_round_trip_is_bit_exact(world, tmp_path, name
 
 
 def test_cfg_negative_keeps_the_image_and_swaps_the_text(world):
-    spec = WanSpec.from_config({**BASE, **FORMS["wan21-i2v"][0], "_class_name": DIFFUSERS_CLASS}, "tiny")
+    spec = get_spec("wan-i2v-debug")
     inp = inputs("wan21-i2v")
     model = Wan(spec, DataShape(4, (3, 4, 6), cond_parts=inp["cond_parts"]))
     negative = torch.randn(*TEXT)
@@ -194,7 +187,7 @@ def test_cfg_negative_keeps_the_image_and_swaps_the_text(world):
     (None, "must carry each clip's image latent"),
 ])
 def test_image_data_the_model_cannot_read_is_one_config_error(world, parts, words):
-    spec = WanSpec.from_config({**BASE, **FORMS["wan21-i2v"][0], "_class_name": DIFFUSERS_CLASS}, "tiny")
+    spec = get_spec("wan-i2v-debug")
     shape = DataShape(4, (3, 4, 6), cond_parts=parts) if parts else DataShape(4, (3, 4, 6), cond_shape=TEXT)
     with pytest.raises(ConfigError) as e:
         Wan(spec, shape)
