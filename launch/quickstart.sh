@@ -8,7 +8,9 @@
 # accuracy from 97.0% to 98.0%; 1.0 for the 1-step student raised diversity 0.85 -> 0.93 but cost
 # accuracy, 99.1% -> 96.1%), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (further pretrain_dmd2.py flags,
 # e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
-# model moved between 2.24 and 2.65 across sampling seeds).
+# model moved between 2.24 and 2.65 across sampling seeds), LORA_RANK (the LoRA 4-step student: student and
+# critic as rank-r adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it),
+# LORA_LR (its learning rate).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
 # GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.5-1.7x per cycle and did not pay for itself there.
@@ -28,6 +30,8 @@ DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-1.25}"
 DMD2_FLAGS_4STEP="${DMD2_FLAGS_4STEP-}"
 DMD2_FLAGS_1STEP="${DMD2_FLAGS_1STEP-}"
 NUM_SAMPLES="${NUM_SAMPLES:-2000}"
+LORA_RANK="${LORA_RANK:-8}"
+LORA_LR="${LORA_LR:-3e-3}"
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
     LAUNCH=(torchrun --standalone --nproc-per-node "$NPROC")
@@ -62,22 +66,45 @@ for steps in 4 1; do
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
 done
 
+if [ "$LORA_RANK" -gt 0 ]; then
+    echo "== 2/4 DMD2: 4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights)"
+    start=$SECONDS
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
+        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps 4 \
+        --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$DMD2_GUIDANCE_4STEP" \
+        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$DMD2_ITERS_4STEP" \
+        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/student_4step_lora" --load "$RUN_DIR/student_4step_lora" --save-interval 120 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_4step_lora" $DMD2_FLAGS_4STEP
+    echo "   LoRA student distilled in $((SECONDS - start))s"
+fi
+
 echo "== 3/4 samples ($NUM_SAMPLES each, class-balanced)"
 for steps in 50 4 1; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
         --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
-for steps in 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples "$NUM_SAMPLES" \
-        --out "$RUN_DIR/samples/student_${steps}step"
+STUDENTS=(4step 1step)
+[ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
+for student in "${STUDENTS[@]}"; do
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${student}" --num-samples "$NUM_SAMPLES" \
+        --out "$RUN_DIR/samples/student_${student}"
 done
 
 echo "== 4/4 quality: Frechet distance of classifier features vs held-out digits, accuracy, diversity"
 S="$RUN_DIR/samples"
-python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" \
-    "teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz" \
-    "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz" \
-    "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz" \
-    "DMD2 student, 4 steps=$S/student_4step/samples.npz" \
-    "DMD2 student, 1 step=$S/student_1step/samples.npz" | tee "$RUN_DIR/metrics.md"
+ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
+      "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
+      "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz"
+      "DMD2 student, 4 steps=$S/student_4step/samples.npz"
+      "DMD2 student, 1 step=$S/student_1step/samples.npz")
+MEMORY=("DMD2 student, 4 steps (full weights)=$RUN_DIR/student_4step")
+if [ "$LORA_RANK" -gt 0 ]; then
+    ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
+    MEMORY+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$RUN_DIR/student_4step_lora")
+fi
+python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" "${ROWS[@]}" | tee "$RUN_DIR/metrics.md"
+echo "== measured memory of the distillation runs (this process's roles; <save>/memory.json)"
+python -m dmd2_mega.eval.memory_table "${MEMORY[@]}" | tee -a "$RUN_DIR/metrics.md"
 echo "grids: $S/*/grid.png; metrics: $RUN_DIR/metrics.json; total ${SECONDS}s"

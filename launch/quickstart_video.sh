@@ -8,7 +8,8 @@
 # Re-running resumes from the checkpoints.
 # Env: RUN_DIR (default runs/quickstart_video), NPROC (torchrun ranks, default 1), TEACHER_ITERS, DMD2_ITERS_4STEP,
 # DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
-# default 400 = 10 per (digit, direction) prompt).
+# default 400 = 10 per (digit, direction) prompt), LORA_RANK (the LoRA 4-step student: student and critic as rank-r
+# adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it), LORA_LR (its lr).
 # Measured 2026-12-01 from a fresh clone on 2 CPU cores (no GPU): 16.4 min in all: set-up 145 s (.venv and the pip
 # installs), teacher 391 s (1,500 steps), 4-step student 148 s, 1-step student 123 s (80
 # cycles each), samples and table ~3 min. The table is in docs/usage.md ("Video quickstart"); the settings' reasons in
@@ -25,6 +26,8 @@ DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-80}"
 DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-80}"
 GUIDANCE="${GUIDANCE:-2}"
 NUM_SAMPLES="${NUM_SAMPLES:-400}"
+LORA_RANK="${LORA_RANK:-4}"
+LORA_LR="${LORA_LR:-2e-2}"
 SHIFT=3  # timestep shift: more training at high noise, where the direction is decided (docs/data_format.md)
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
@@ -59,24 +62,48 @@ for steps in 4 1; do
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
 done
 
+if [ "$LORA_RANK" -gt 0 ]; then
+    echo "== 2/4 DMD2: 4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights)"
+    start=$SECONDS
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits --data moving-digits \
+        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
+        --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
+        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$DMD2_ITERS_4STEP" \
+        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/student_4step_lora" --load "$RUN_DIR/student_4step_lora" --save-interval 40 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_4step_lora"
+    echo "   LoRA student distilled in $((SECONDS - start))s"
+fi
+
 echo "== 3/4 samples ($NUM_SAMPLES each, every (digit, direction) prompt in turn)"
 start=$SECONDS
 for steps in 50 4 1; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
         --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
-for steps in 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${steps}step" --num-samples "$NUM_SAMPLES" \
-        --out "$RUN_DIR/samples/student_${steps}step"
+STUDENTS=(4step 1step)
+[ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
+for student in "${STUDENTS[@]}"; do
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${student}" --num-samples "$NUM_SAMPLES" \
+        --out "$RUN_DIR/samples/student_${student}"
 done
 echo "   sampled in $((SECONDS - start))s"
 
 echo "== 4/4 quality: per-frame Frechet distance vs held-out clips, digit / direction accuracy, consistency"
 S="$RUN_DIR/samples"
-python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics.json" --gif "$RUN_DIR/grid.gif" \
-    "teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz" \
-    "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz" \
-    "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz" \
-    "DMD2 student, 4 steps=$S/student_4step/samples.npz" \
-    "DMD2 student, 1 step=$S/student_1step/samples.npz" | tee "$RUN_DIR/metrics.md"
+ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
+      "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
+      "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz"
+      "DMD2 student, 4 steps=$S/student_4step/samples.npz"
+      "DMD2 student, 1 step=$S/student_1step/samples.npz")
+MEMORY=("DMD2 student, 4 steps (full weights)=$RUN_DIR/student_4step")
+if [ "$LORA_RANK" -gt 0 ]; then
+    ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
+    MEMORY+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$RUN_DIR/student_4step_lora")
+fi
+python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics.json" --gif "$RUN_DIR/grid.gif" "${ROWS[@]}" \
+    | tee "$RUN_DIR/metrics.md"
+echo "== measured memory of the distillation runs (this process's roles; <save>/memory.json)"
+python -m dmd2_mega.eval.memory_table "${MEMORY[@]}" | tee -a "$RUN_DIR/metrics.md"
 echo "GIF grid: $RUN_DIR/grid.gif; clips: $S/*/media/; metrics: $RUN_DIR/metrics.json; total ${SECONDS}s"
