@@ -10,10 +10,10 @@
 # DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
 # default 400 = 10 per (digit, direction) prompt), LORA_RANK (the LoRA 4-step student: student and critic as rank-r
 # adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it), LORA_LR (its lr).
-# Measured 2026-12-01 from a fresh clone on 2 CPU cores (no GPU): 16.4 min in all: set-up 145 s (.venv and the pip
-# installs), teacher 391 s (1,500 steps), 4-step student 148 s, 1-step student 123 s (80
-# cycles each), samples and table ~3 min. The table is in docs/usage.md ("Video quickstart"); the settings' reasons in
-# benchmarks/RESULTS.md ("Video quickstart").
+# Measured 2026-12-03 from a fresh clone on 2 CPU cores (no GPU), after the digits quickstart had made .venv: 12m15s
+# (teacher 283 s for 1,500 steps, 4-step student 97 s, 1-step 79 s, LoRA 4-step 122 s: 80 cycles each; samples
+# 129 s). The table is in docs/usage.md ("Video quickstart"); the settings' reasons in benchmarks/RESULTS.md ("Video
+# quickstart", "LoRA students in the quickstarts").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
