@@ -7,7 +7,8 @@ Every dataset yields
          [N, *cond_shape] embeddings                   (text-conditional)
 through one interface (`LatentDataset`): `len(ds)`, `ds.get_batch(indices) -> (x, cond)`, `channels`,
 `spatial`, `image_size`, `num_classes` (int, or None for embeddings), `cond_shape` (tuple, or None for
-labels), `negative` and `null_cond(n)`: the null condition for CFG, i.e. labels full of `num_classes` (the
+labels), `cond_parts` (a condition of parts flat in cond, e.g. an I2V Wan's text, CLIP and image latent, else
+None), `negative` and `null_cond(n)`: the null condition for CFG, i.e. labels full of `num_classes` (the
 null class id), the negative-prompt embedding or all-zero embeddings. In-memory sets (`ImageDataset`) are
 float32; shard sets stream in their stored dtype (`loader.MicroBatchLoader` casts on the device).
 

@@ -16,6 +16,7 @@ import torch
 
 from dmd2_mega.errors import DataError
 from dmd2_mega.files.json_file import read_json
+from .dataset import check_parts
 from .safetensors_rows import FileStamp, HeaderError, RowFile, TensorInfo, read_header
 
 INDEX = "index.json"
@@ -61,6 +62,8 @@ def read_index(path: str) -> dict:
             raise DataError(f"{index_path}: cond 'labels' needs 'num_classes' >= 1, found {k!r}")
     elif kind == "embedding":
         _int_list(index.get("cond_shape"), None, index_path, "cond_shape")
+        if index.get("cond_parts") is not None:  # a condition of parts, flat in 'cond' (checked by the dataset)
+            check_parts(index["cond_parts"], tuple(index["cond_shape"]), index_path)
     else:
         raise DataError(f"{index_path}: 'cond' must be 'labels' or 'embedding', found {kind!r}")
     return index

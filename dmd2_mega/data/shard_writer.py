@@ -9,14 +9,18 @@ from safetensors.torch import save_file
 
 from dmd2_mega.files.atomic import atomic_path, atomic_write
 from dmd2_mega.errors import DataError
+from .dataset import check_parts
 from .shard_index import INDEX, NEGATIVE
 
 
 def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor] = None,
                  cond: Optional[torch.Tensor] = None, num_classes: Optional[int] = None,
-                 shard_size: int = 4096, negative: Optional[torch.Tensor] = None) -> dict:
+                 shard_size: int = 4096, negative: Optional[torch.Tensor] = None,
+                 cond_parts: Optional[tuple] = None) -> dict:
     """Write latents [N, C, H, W] with labels [N] (num_classes defaults to max + 1) or
     cond [N, *cond_shape] as `shard_size`-sample shards + index.json under `path`; returns the index.
+    cond_parts: cond [N, n] is a condition of parts flattened ((name, shape), ...: an image-to-video Wan's text,
+    CLIP embedding and image latent); the negative is then the text part's.
     Every file is written atomically (`files/atomic.py`) and index.json last, so a crash never leaves a readable
     partial set."""
     if (labels is None) == (cond is None):
@@ -35,6 +39,9 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
                                                     else int(labels.max()) + 1))
     else:
         index.update(cond="embedding", cond_shape=list(cond.shape[1:]))
+        if cond_parts is not None:
+            parts = check_parts(cond_parts, tuple(cond.shape[1:]), "write_shards")
+            index["cond_parts"] = [[name, list(shape)] for name, shape in parts]
     os.makedirs(path, exist_ok=True)
     key = "labels" if labels is not None else "cond"
     for i, start in enumerate(range(0, n, shard_size)):
@@ -44,8 +51,9 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
             save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, tmp)
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
     if negative is not None:
-        if cond is None or tuple(negative.shape) != tuple(cond.shape[1:]):
-            raise DataError(f"write_shards: negative must be one embedding {list(c.shape[1:])} of text data, got "
+        text = dict(check_parts(cond_parts, tuple(c.shape[1:]), "write_shards"))["text"] if cond_parts else c.shape[1:]
+        if cond is None or tuple(negative.shape) != tuple(text):
+            raise DataError(f"write_shards: negative must be one embedding {list(text)} of text data, got "
                             f"{list(negative.shape)}")
         with atomic_path(os.path.join(path, NEGATIVE)) as tmp:
             save_file({"cond": negative.contiguous()}, tmp)

@@ -70,9 +70,9 @@ class ShardDataset(LatentDataset):
         labels = index["cond"] == "labels"
         self.dtypes = {name: self._common_dtype(name) for name in ("latents", self.key)}
         self._set_shapes(index["latent_shape"][0], index["latent_shape"][1:], index["num_classes"] if labels else None,
-                         None if labels else index["cond_shape"], os.path.join(path, INDEX))
+                         None if labels else index["cond_shape"], os.path.join(path, INDEX), index.get("cond_parts"))
         if not labels and os.path.exists(os.path.join(path, NEGATIVE)):
-            self.set_negative(read_negative(path, self.cond_shape), os.path.join(path, NEGATIVE))
+            self.set_negative(read_negative(path, self.negative_shape), os.path.join(path, NEGATIVE))
         elif not labels:
             self.null_note = (f"the zero embedding ({path} holds no {NEGATIVE}; launch/prepare_data.py writes one "
                               f"from --negative-prompt)")
@@ -171,7 +171,7 @@ def load_shards(path: str) -> ImageDataset:
     baseline of `ShardDataset`, for sets that fit in host memory."""
     ds = ShardDataset(path, max_open=1)
     x, cond = ds.get_batch(torch.arange(len(ds)))
-    out = ImageDataset(x, cond, ds.num_classes, ds.cond_shape, source=ds.source)
+    out = ImageDataset(x, cond, ds.num_classes, ds.cond_shape, source=ds.source, cond_parts=ds.cond_parts)
     out.negative, out.null_note = ds.negative, ds.null_note
     ds.close()
     return out

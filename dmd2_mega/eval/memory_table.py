@@ -33,8 +33,8 @@ def load(run_dir: str) -> tuple:
 def markdown(results: list[tuple[str, dict]]) -> str:
     mib = 2 ** 20
     first = results[0][1]["peak_resident_bytes"] if results else 1
-    lines = ["| run | trainable parameters | peak resident MiB (all roles) | phase | vs first row | process peak RSS MiB |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | trainable parameters | peak resident MiB (all roles) | phase | vs first row "
+             "| process peak RSS MiB |", "|---|---|---|---|---|---|"]
     for name, r in results:
         lines.append(f"| {name} | {r['trainable_parameters']:,} | {r['peak_resident_bytes'] / mib:.2f} | "
                      f"{r['peak_phase']} | {r['peak_resident_bytes'] / first:.2f}x | "

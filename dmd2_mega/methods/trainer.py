@@ -55,7 +55,6 @@ from dmd2_mega.train import memory_record
 from dmd2_mega.train.lora_checkpoint import state_fingerprint
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
-from dmd2_mega.train.memory_record import PeakResident
 from dmd2_mega.train.optim import LRSchedule
 from dmd2_mega.train.resilience import ExitController
 from dmd2_mega.train.run_lock import lock_run_dirs
@@ -132,7 +131,7 @@ class StudentTrainer(RunStateTrainer):
         per_sample = sample_flops(cfg.model.size, self.info, ps.tp_size, ps.cp_size, ps.rank)
         self.flops_per_iter = method.flops_per_iter(per_sample, self.num_micro_batches)
         self.clock = PhaseClock(ps.device)
-        self.peak = PeakResident()
+        self.peak = memory_record.PeakResident()
         f, b = method.data_factor, t.micro_batch_size
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size * f, b * f,
                                           ps.dp_rank, ps.dp_size, t.seed)
@@ -312,7 +311,7 @@ class StudentTrainer(RunStateTrainer):
         trainable = sum(p.numel() for name in set(self.trained_in.values())
                         for p in self.roles[name].model.parameters() if p.requires_grad)
         summary = self.peak.summary(trainable, str(self.ps.device))
-        print_rank0(f"> memory (rank 0): {PeakResident.describe(summary)}", self.ps.rank)
+        print_rank0(f"> memory (rank 0): {memory_record.PeakResident.describe(summary)}", self.ps.rank)
         if self.cfg.train.save and self.ps.is_main:
             memory_record.write(self.cfg.train.save, summary)
 

@@ -37,6 +37,8 @@ def data_info(dataset) -> dict:
     info = {"in_channels": dataset.channels, "latent_shape": [dataset.channels, *dataset.spatial],
             "num_classes": dataset.num_classes,
             "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
+    if getattr(dataset, "cond_parts", None):  # a condition of parts (`models.DataShape.cond_parts`)
+        info["cond_parts"] = [[name, list(shape)] for name, shape in dataset.cond_parts]
     if len(dataset.spatial) == 2 and dataset.spatial[0] == dataset.spatial[1]:
         info["image_size"] = dataset.spatial[0]
     return info

@@ -135,6 +135,9 @@ class CausalWan(Wan):
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__(spec, shape, tp_size, options)
         self.causal_layout: CausalLayout = options.causal
+        if self.parts is not None:
+            raise ConfigError(f"--causal with --model-size {spec.name} on image-to-video data: a causal student that "
+                              f"streams from an image is not built yet (issue 32)")
 
     def _conditions(self, sigma, cond, frames):
         if sigma.dim() == 1:

@@ -398,8 +398,9 @@ class Wan(NegativePrompt, FamilyModel):
         return tuple(n // p for n, p in zip(x.shape[2:], self.spec.patch_size))
 
     def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, first_frame: int = 0):
-        """(this rank's tokens [B, local, D], ctx [B, L, D], temb, mod (`_conditions`), rope (cos, sin) of this CP
-        chunk [chunk, d/2], split): the tokens are split over CP (and TP under SP) before the patch embedding.
+        """(this rank's tokens [B, local, D], ctx (text [B, L, D], image tokens [B, Li, D] or None), temb, mod
+        (`_conditions`), rope (cos, sin) of this CP chunk [chunk, d/2], split): the tokens are split over CP (and TP
+        under SP) before the patch embedding.
         first_frame: the rotary frame index of x's first frame (a streamed chunk's place in its video)."""
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)

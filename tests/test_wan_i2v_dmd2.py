@@ -1,0 +1,74 @@
+"""DMD2 on an image-to-video Wan teacher (issue 32; `models/wan/image.py`): a teacher converted from a tiny random
+diffusers Wan 2.1 I2V transformer (in_channels 2 x 4 + 4, CLIP K/V), shards whose condition has parts (text [5, 16],
+CLIP [3, 8] and the image latent [4, 3, 4, 6], flat in 'cond', `write_shards(cond_parts=...)`) and a negative prompt.
+
+Checked: the shards carry their parts into the checkpoint's data_info; 2 cycles with teacher CFG 3 (the negative
+keeps each sample's image) at TP=2 reproduce TP=1 to 1e-5 per trace key; malformed parts in index.json are one
+DataError naming the file.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from dmd2_mega.data import build_dataset, write_shards
+from dmd2_mega.errors import DataError
+from dmd2_mega.train.checkpoint import load_payload
+from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, converted_wan_teacher, launch,
+                         read_trace, run_parallel, world_of_one)
+
+pytestmark = pytest.mark.timeout(600)
+INTEGRATION_FIXTURES = ("runs",)  # fixtures that launch processes: their tests are marked integration
+I2V = dict(in_channels=12, out_channels=4, image_dim=8, added_kv_proj_dim=24)
+PARTS = (("text", (5, 16)), ("clip", (3, 8)), ("image", (4, 3, 4, 6)))
+
+
+def i2v_data(path: str, n: int = 16) -> str:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(n, 4, 3, 4, 6, generator=g)
+    image = torch.cat([latents[:, :, :1], torch.zeros(n, 4, 2, 4, 6)], dim=2)  # the first frame, then zero frames
+    cond = torch.cat([torch.randn(n, 5 * 16, generator=g), torch.randn(n, 3 * 8, generator=g), image.flatten(1)], 1)
+    write_shards(path, latents, cond=cond, shard_size=8, negative=torch.randn(5, 16, generator=g), cond_parts=PARTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wan_i2v_dmd2")
+    teacher, _ = converted_wan_teacher(str(d), **I2V)
+    data = i2v_data(str(d / "i2v"))
+
+    def args(out, *more):
+        return ["--model-size", teacher, "--teacher-load", teacher, "--data", data, "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "2",
+                "--log-interval", "1", "--lr", "1e-3", "--lr-decay-iters", "3", "--dmd2-teacher-guidance-scale", "3",
+                "--seed", "3", "--save", out, "--loss-trace", out + ".jsonl", *more]
+
+    jobs = {"ref": lambda: launch(1, PRETRAIN_DMD2, args(str(d / "ref")), timeout=300),
+            "tp2": lambda: launch(2, PRETRAIN_DMD2, args(str(d / "tp2"), "--tensor-model-parallel-size", "2"),
+                                  timeout=300)}
+    done = run_parallel(jobs)
+    for name, res in done.items():
+        res.check(name)
+    return {"ref": str(d / "ref"), "tp2": str(d / "tp2"), "data": data, "stdout": done["ref"].stdout}
+
+
+def test_i2v_dmd2_at_tp2_equals_tp1_with_the_image_in_every_role(runs):
+    ref = read_trace(runs["ref"] + ".jsonl")
+    assert len(ref) == 2 and all(r["dmd-normaliser"] > 0 for r in ref)
+    assert_traces_close(read_trace(runs["tp2"] + ".jsonl"), ref, 1e-5, "I2V DMD2 TP=2 vs TP=1", keys=DMD2_TRACE_KEYS)
+    assert "negative: the negative prompt of" in runs["stdout"]
+    with world_of_one() as ps:
+        info = load_payload(runs["ref"], ps)["data_info"]
+    assert [tuple(p[1]) for p in info["cond_parts"]] == [s for _, s in PARTS]
+
+
+def test_malformed_parts_are_one_error_naming_the_index(tmp_path):
+    data = i2v_data(str(tmp_path / "d"), n=4)
+    index = json.load(open(os.path.join(data, "index.json")))
+    index["cond_parts"][2][1] = [4, 1, 4, 6]  # the parts no longer flatten to cond_shape
+    json.dump(index, open(os.path.join(data, "index.json"), "w"))
+    with pytest.raises(DataError) as e:
+        build_dataset(data, "train")
+    assert "index.json" in str(e.value) and "do not describe cond_shape" in str(e.value)
