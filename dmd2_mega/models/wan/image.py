@@ -1,6 +1,6 @@
 """The Wan family's image-to-video forms: what the image adds to a sample's condition and how the model reads it.
 
-Forms (`WanSpec.image_form`, from the transformer's config.json and the data):
+Forms (`model.image_form`, from the transformer's config.json and the data):
     "concat"       Wan 2.1 I2V, Wan 2.2 I2V A14B: in_channels = 2 C + M for C latent channels. The model reads
                    [x, mask, y] on channels (WanImageToVideoPipeline's order): y [C, T, H, W] the VAE latent of the
                    image followed by zero frames, mask [M, T, H, W] one on the first latent frame (M = the VAE's
@@ -57,12 +57,8 @@ class CondParts:
                               f"[C, T, H, W]")
         return cls(named["text"], named.get("clip"), named["image"])
 
-    def _sizes(self, image: Optional[tuple] = None) -> list:
-        return [math.prod(s) for s in (self.text, self.clip, image or self.image) if s is not None]
-
-    @property
-    def size(self) -> int:
-        return sum(self._sizes())
+    def _sizes(self, image: tuple) -> list:
+        return [math.prod(s) for s in (self.text, self.clip, image) if s is not None]
 
     def unpack(self, cond: torch.Tensor, image: tuple) -> tuple:
         """(text [B, L, D], clip [B, Li, Di] or None, image [B, *image]) views of cond [B, N]; `image`: the image
@@ -76,10 +72,6 @@ class CondParts:
         text = next(pieces).view(b, *self.text)
         clip = next(pieces).view(b, *self.clip) if self.clip is not None else None
         return text, clip, next(pieces).view(b, *image)
-
-    def pack(self, text: torch.Tensor, clip: Optional[torch.Tensor], image: torch.Tensor) -> torch.Tensor:
-        parts = [text, *([clip] if self.clip is not None else []), image]
-        return torch.cat([p.reshape(p.shape[0], -1).float() for p in parts], dim=1)
 
     def with_text(self, cond: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """cond with its text replaced by `text` [L, D] (broadcast) or [B, L, D]: CFG's negative of an I2V sample."""
