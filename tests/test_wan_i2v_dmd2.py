@@ -3,20 +3,22 @@ diffusers Wan 2.1 I2V transformer (in_channels 2 x 4 + 4, CLIP K/V), shards whos
 CLIP [3, 8] and the image latent [4, 3, 4, 6], flat in 'cond', `write_shards(cond_parts=...)`) and a negative prompt.
 
 Checked: the shards carry their parts into the checkpoint's data_info; 2 cycles with teacher CFG 3 (the negative
-keeps each sample's image) at TP=2 reproduce TP=1 to 1e-5 per trace key; malformed parts in index.json are one
-DataError naming the file.
+keeps each sample's image) at TP=2 reproduce TP=1 to 1e-5 per trace key; launch/sample.py samples the student and
+(with CFG) the teacher from the shards' conditions, and blanking the images changes the samples; malformed parts in
+index.json are one DataError naming the file.
 """
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from dmd2_mega.data import build_dataset, write_shards
 from dmd2_mega.errors import DataError
 from dmd2_mega.train.checkpoint import load_payload
-from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, assert_traces_close, converted_wan_teacher, launch,
-                         read_trace, run_parallel, world_of_one)
+from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, converted_wan_teacher,
+                         launch, python, read_trace, run_parallel, world_of_one)
 
 pytestmark = pytest.mark.timeout(600)
 INTEGRATION_FIXTURES = ("runs",)  # fixtures that launch processes: their tests are marked integration
@@ -24,10 +26,12 @@ I2V = dict(in_channels=12, out_channels=4, image_dim=8, added_kv_proj_dim=24)
 PARTS = (("text", (5, 16)), ("clip", (3, 8)), ("image", (4, 3, 4, 6)))
 
 
-def i2v_data(path: str, n: int = 16) -> str:
+def i2v_data(path: str, n: int = 16, blank: bool = False) -> str:
+    """n clips whose image latent is their first frame followed by zero frames (all zeros with `blank`)."""
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(n, 4, 3, 4, 6, generator=g)
     image = torch.cat([latents[:, :, :1], torch.zeros(n, 4, 2, 4, 6)], dim=2)  # the first frame, then zero frames
+    image = torch.zeros_like(image) if blank else image
     cond = torch.cat([torch.randn(n, 5 * 16, generator=g), torch.randn(n, 3 * 8, generator=g), image.flatten(1)], 1)
     write_shards(path, latents, cond=cond, shard_size=8, negative=torch.randn(5, 16, generator=g), cond_parts=PARTS)
     return path
@@ -51,7 +55,8 @@ def runs(tmp_path_factory):
     done = run_parallel(jobs)
     for name, res in done.items():
         res.check(name)
-    return {"ref": str(d / "ref"), "tp2": str(d / "tp2"), "data": data, "stdout": done["ref"].stdout}
+    return {"ref": str(d / "ref"), "tp2": str(d / "tp2"), "data": data, "stdout": done["ref"].stdout,
+            "teacher": teacher, "blank": i2v_data(str(d / "blank"), blank=True)}
 
 
 def test_i2v_dmd2_at_tp2_equals_tp1_with_the_image_in_every_role(runs):
@@ -62,6 +67,22 @@ def test_i2v_dmd2_at_tp2_equals_tp1_with_the_image_in_every_role(runs):
     with world_of_one() as ps:
         info = load_payload(runs["ref"], ps)["data_info"]
     assert [tuple(p[1]) for p in info["cond_parts"]] == [s for _, s in PARTS]
+
+
+def test_sample_py_reads_the_image_of_each_condition(runs, tmp_path):
+    """launch/sample.py on the I2V student and, with CFG, on the teacher, conditions from --data: the same noise and
+    text with the images blanked give other samples."""
+    out = {}
+    for name, load, more in (("student", runs["ref"], []), ("teacher", runs["teacher"], ["--steps", "3", "--guidance",
+                                                                                         "2"])):
+        for data in ("data", "blank"):
+            python(SAMPLE, ["--load", load, "--data", runs[data], "--num-samples", "4", "--out",
+                            str(tmp_path / f"{name}_{data}"), *more]).check(f"{name} on {data}")
+            out[name, data] = torch.from_numpy(np.load(tmp_path / f"{name}_{data}" / "samples.npz")["images"])
+    for name in ("student", "teacher"):
+        a, b = out[name, "data"], out[name, "blank"]
+        assert a.shape == (4, 4, 3, 4, 6) and torch.isfinite(a).all()
+        assert float((a - b).abs().max()) > 1e-3, f"the {name}'s samples do not depend on the image"
 
 
 def test_malformed_parts_are_one_error_naming_the_index(tmp_path):
