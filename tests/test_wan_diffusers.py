@@ -142,21 +142,26 @@ def test_tp2_matches_diffusers_and_round_trip_is_bit_exact(world, tmp_path, name
     assert rel(got["out"], want_out) <= 1e-5
     for n, g in want_grads.items():
         assert rel(got["grads"][n], g, grad_floor(want_grads)) <= 1e-5, n
-    # ours (TP=2) -> diffusers: bit-exact, and diffusers loads it
-    export_diffusers(str(ckpt), str(out_dir), log=lambda *_: None)
+    back = exported_bit_exact(str(ckpt), folder, out_dir)  # ours (TP=2) -> diffusers
+    with torch.no_grad():
+        assert torch.equal(back(inp["x"], inp["sigma"] * 1000, inp["cond"]).sample, want_out)
+    cfg = json.load(open(out_dir / "scheduler" / "scheduler_config.json"))
+    assert cfg["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+
+
+def exported_bit_exact(ckpt: str, folder: str, out_dir):
+    """Export our checkpoint `ckpt` to `out_dir`; its transformer's tensors equal the diffusers `folder`'s bit for
+    bit (names, dtypes, values). Returns the export loaded by `WanTransformer3DModel.from_pretrained`."""
+    export_diffusers(ckpt, str(out_dir), log=lambda *_: None)
     from safetensors.torch import load_file
     a = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
-    b = load_file(out_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    b = load_file(os.path.join(out_dir, "transformer", "diffusion_pytorch_model.safetensors"))
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        back = WanTransformer3DModel.from_pretrained(out_dir, subfolder="transformer").eval()
-    with torch.no_grad():
-        assert torch.equal(back(inp["x"], inp["sigma"] * 1000, inp["cond"]).sample, want_out)
-    cfg = json.load(open(out_dir / "scheduler" / "scheduler_config.json"))
-    assert cfg["_class_name"] == "FlowMatchEulerDiscreteScheduler"
+        return WanTransformer3DModel.from_pretrained(out_dir, subfolder="transformer").eval()
 
 
 def test_names_map_both_ways(world):
