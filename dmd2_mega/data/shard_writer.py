@@ -33,14 +33,14 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
     if c.shape[0] != n or n == 0 or shard_size < 1:
         raise DataError(f"write_shards: need N >= 1 latents with N conditions and shard_size >= 1; got "
                         f"{n} latents, {c.shape[0]} conditions, shard_size {shard_size}")
+    parts = check_parts(cond_parts, tuple(c.shape[1:]), "write_shards") if cond_parts is not None else None
     index = {"shards": [], "latent_shape": list(latents.shape[1:])}
     if labels is not None:
         index.update(cond="labels", num_classes=int(num_classes if num_classes is not None
                                                     else int(labels.max()) + 1))
     else:
         index.update(cond="embedding", cond_shape=list(cond.shape[1:]))
-        if cond_parts is not None:
-            parts = check_parts(cond_parts, tuple(cond.shape[1:]), "write_shards")
+        if parts is not None:
             index["cond_parts"] = [[name, list(shape)] for name, shape in parts]
     os.makedirs(path, exist_ok=True)
     key = "labels" if labels is not None else "cond"
@@ -51,7 +51,7 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
             save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, tmp)
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
     if negative is not None:
-        text = dict(check_parts(cond_parts, tuple(c.shape[1:]), "write_shards"))["text"] if cond_parts else c.shape[1:]
+        text = dict(parts)["text"] if parts else c.shape[1:]
         if cond is None or tuple(negative.shape) != tuple(text):
             raise DataError(f"write_shards: negative must be one embedding {list(text)} of text data, got "
                             f"{list(negative.shape)}")

@@ -100,11 +100,12 @@ class ImageEmbedder(nn.Module):
             nn.init.xavier_uniform_(lin.weight)
             nn.init.zeros_(lin.bias)
 
-    @staticmethod
-    def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(),
-                            norm.eps).to(x.dtype)
-
     def forward(self, clip: torch.Tensor) -> torch.Tensor:
         x = clip.to(self.ff[0].weight.dtype)
-        return self._norm(self.norm2, self.ff(self._norm(self.norm1, x)))
+        return fp32_layer_norm(self.norm2, self.ff(fp32_layer_norm(self.norm1, x)))
+
+
+def fp32_layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm` (affine) of x computed in fp32, cast back to x's dtype (diffusers' FP32LayerNorm)."""
+    return F.layer_norm(x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(),
+                        norm.eps).to(x.dtype)

@@ -53,7 +53,8 @@ from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
-from dmd2_mega.models.wan.image import CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, concat_mask
+from dmd2_mega.models.wan.image import (CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, concat_mask,
+                                        fp32_layer_norm)
 from dmd2_mega.distributed.parallel import mark_sequence_parallel
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
@@ -277,8 +278,7 @@ class WanBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + mod.float()).unbind(-2)
         n = modulate(h, shift1, scale1, self.eps)
         h = (h.float() + gated(self.attn1(n, None, split, rope, mixer), gate1)).type_as(h)
-        n = h if self.norm2 is None else F.layer_norm(h.float(), h.shape[-1:], self.norm2.weight.float(),
-                                                      self.norm2.bias.float(), self.eps).type_as(h)
+        n = h if self.norm2 is None else fp32_layer_norm(self.norm2, h)
         h = h + self.attn2(n, ctx, split, mixer=mixer)
         n = modulate(h, shift2, scale2, self.eps)
         if split.sp > 1:  # MLP on the whole CP chunk of this rank's FFN columns; each rank keeps its tokens
