@@ -26,6 +26,7 @@ setup(
         "diffusers>=0.35",
         "transformers",
         "accelerate",
+        "ftfy",  # diffusers' WanImageToVideoPipeline cleans prompts with it unconditionally (WanPipeline if present)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],

@@ -79,8 +79,8 @@ def generate(model, cond: torch.Tensor, *, shape: tuple, steps: int, guidance: f
     def run(lo, hi):
         c = cond[lo:hi].to(device)
         nc = null_cond[lo:hi].to(device) if null_cond is not None else model.negative_for(c)
-        return flow.euler_sampler(model, noise[lo:hi].to(device), c, nc if guidance != 1.0 else None,
-                                  steps=steps, guidance=guidance, shift=shift)
+        return model.pin_given(flow.euler_sampler(model, noise[lo:hi].to(device), c, nc if guidance != 1.0 else None,
+                                                  steps=steps, guidance=guidance, shift=shift), c)
 
     out = _dp_map(run, n, shape, device, dp_rank, dp_size, dp_group)
     model.train(was)
@@ -118,8 +118,10 @@ def generate_student(model, cond: torch.Tensor, sigmas: torch.Tensor, *, shape: 
     n = cond.shape[0]
     noise = torch.randn((len(sigmas), n, *shape), generator=torch.Generator().manual_seed(seed))
     was = _eval_mode(model)
-    out = _dp_map(lambda lo, hi: few_step_sample(model, noise[:, lo:hi].to(device), cond[lo:hi].to(device),
-                                                 sigmas.to(device)), n, shape, device, dp_rank, dp_size, dp_group)
+    def run(lo, hi):
+        c = cond[lo:hi].to(device)
+        return model.pin_given(few_step_sample(model, noise[:, lo:hi].to(device), c, sigmas.to(device)), c)
+    out = _dp_map(run, n, shape, device, dp_rank, dp_size, dp_group)
     model.train(was)
     return out
 
@@ -317,7 +319,7 @@ class Sampler:
             null = model.negative_for(cond) if self.guidance != 1.0 else None
             x0 = flow.euler_sampler(model, noise[0], cond, null, steps=self.steps, guidance=self.guidance,
                                     shift=self.shift)
-        return x0.float().clamp_(-1, 1)
+        return model.pin_given(x0, cond).float().clamp_(-1, 1)
 
 
 def checkpoint_sampler(payload: dict, steps: Optional[int], guidance: float, shift: Optional[float],

@@ -66,6 +66,9 @@ class TinyNet(torch.nn.Module):
         h = torch.tanh(x.reshape(x.shape[0], -1) @ self.w1 + self.table(cond) + sigma.to(F64)[:, None] * self.ws)
         return (h @ self.w2 + self.b2).reshape(x.shape)
 
+    def pin_given(self, x0, cond):  # the FamilyModel contract's default: a class condition fixes nothing
+        return x0
+
 
 MU = torch.randn(CLASSES + 1, *SHAPE, generator=torch.Generator().manual_seed(99), dtype=F64)
 
@@ -90,6 +93,9 @@ class FakeTeacher(torch.nn.Module):
 
     def negative_for(self, cond):  # the FamilyModel contract's default
         return null_cond(cond.shape[0], cond.device)
+
+    def pin_given(self, x0, cond):
+        return x0
 
 
 class RecordingOptimizer:

@@ -35,7 +35,7 @@ from dmd2_mega.flow import student_sigmas
 from dmd2_mega.models import get_spec
 from dmd2_mega.train.resilience import run_main
 from launch.convert_checkpoint import main as convert_main, parse_args
-from tests.utils import run, tiny_wan_transformer, world_of_one
+from tests.utils import run, tiny_wan_pipeline_parts, tiny_wan_transformer, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 LATENT = [4, 3, 2, 4]  # [C, T, H, W] the student was "trained" on: 9 frames of 16 x 32 with the tiny VAE (4x, 8x)
@@ -50,27 +50,10 @@ def world():
 
 def _tiny_pipeline(folder) -> None:
     """A WanPipeline folder of tiny random models (nothing downloaded)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", "a", "cat"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    transformer = tiny_wan_transformer(0)
+    from diffusers import WanPipeline
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        WanPipeline(tokenizer=PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                                      unk_token="<unk>"),
-                    text_encoder=UMT5EncoderModel(UMT5Config(
-                        vocab_size=len(vocab), d_model=16, d_kv=4, num_heads=2, d_ff=32, num_layers=1,
-                        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
-                    vae=AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                         temperal_downsample=[False, True, True],
-                                         latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
-                    scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                    transformer=transformer).save_pretrained(folder)
+        WanPipeline(transformer=tiny_wan_transformer(0), **tiny_wan_pipeline_parts()).save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")

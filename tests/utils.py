@@ -252,6 +252,29 @@ def tiny_wan_transformer(seed: int = 0, **config):
     return model
 
 
+def tiny_wan_pipeline_parts() -> dict:
+    """The text and VAE parts of a tiny Wan pipeline (nothing downloaded): a word-level tokenizer over ["a", "cat"],
+    a 1-layer UMT5 (d_model 16: wan-debug's text_dim), an AutoencoderKLWan with 4 latent channels (4x in time, 8x
+    in space; mean 0, std 1) and FlowMatchEulerDiscreteScheduler(shift=3); WanPipeline and
+    WanImageToVideoPipeline take them as keywords."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", "a", "cat"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return dict(tokenizer=PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                                  unk_token="<unk>"),
+                text_encoder=UMT5EncoderModel(UMT5Config(
+                    vocab_size=len(vocab), d_model=16, d_kv=4, num_heads=2, d_ff=32, num_layers=1,
+                    relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
+                vae=AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                     latents_std=[1.0] * 4),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
 def converted_wan_teacher(d, seed: int = 11, **config) -> tuple[str, str]:
     """(converted teacher, data) in folder d: a tiny random diffusers `WanTransformer3DModel` (the wan-debug sizes,
     `config` overriding them; weights perturbed off their init) saved and converted with

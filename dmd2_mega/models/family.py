@@ -24,6 +24,9 @@ Every model is a `FamilyModel`:
     negative_for(cond) -> [B, ...]
         CFG's negative of these samples, what every sampler and score calls: `null_cond`, or for a condition
         with parts the negative keeps (an image-to-video Wan's image) the sample's own with its text swapped.
+    pin_given(x0, cond) -> x0
+        a generated sample with what its condition fixes put back (a first-frame image-to-video Wan's first
+        latent frame is the given image's, as WanImageToVideoPipeline returns it); x0 itself for other models.
     expert_modules() -> (sub-models of which each forward runs only some) or ()
         Wan 2.2's experts: a time-sliced frozen role wakes only the expert a forward runs.
     tp_split() -> {parameter name: dim it is split along across TP ranks, or None if replicated}
@@ -150,6 +153,10 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
         """CFG's negative condition of the samples of `cond`: `null_cond`, unless the condition has parts the
         negative keeps (an image-to-video Wan keeps the image, `models/wan/image.py`)."""
         return self.null_cond(cond.shape[0], cond.device)
+
+    def pin_given(self, x0: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """x0 [B, *shape] with the part its condition fixes put back (module docstring); x0 for most models."""
+        return x0
 
     def set_negative(self, emb: torch.Tensor) -> None:
         """CFG's negative condition for text models: the data's negative-prompt embedding [*cond_shape] (held in

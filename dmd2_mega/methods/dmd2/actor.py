@@ -1,7 +1,8 @@
 """Actor phase: one student optimizer step with the DMD generator loss on the scored samples.
 
 For each scored micro-batch j (gradient accumulation over j, DP all-reduce on the last):
-    x0hat = x_i - sigma_i * v_student(x_i, sigma_i, cond)                 WITH grad
+    x0hat = x_i - sigma_i * v_student(x_i, sigma_i, cond)                 WITH grad (then `pin_given`: what the
+            condition fixes, a first-frame I2V image, is put back, as in x0_real and x0_fake: no gradient there)
     norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
     loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
 (kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics); with the GAN head on, + gen_weight *
@@ -43,7 +44,7 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
     for j, sc in enumerate(scores):
         with student.accumulating(last=j == m - 1):
             v = student.model(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
-            x0hat = kernels.x0_from_velocity(sc.x, v, sc.sigma)
+            x0hat = student.model.pin_given(kernels.x0_from_velocity(sc.x, v, sc.sigma), sc.cond)
             loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
             added, more = head.actor_term(critic, x0hat, batches[j].actor_gen if batches else None, sc.cond)
             obj = loss if added is None else loss + added

@@ -85,7 +85,8 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
 
 @torch.no_grad()
 def teacher_scores(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Tensor, *, guidance: float) -> Scores:
-    """The frozen teacher's CFG x0 at (x_s, sigma) for the scored rows `b`, with the critic's x0_fake."""
+    """The frozen teacher's CFG x0 at (x_s, sigma) for the scored rows `b`, with the critic's x0_fake; both with
+    what the condition fixes put back (`FamilyModel.pin_given`)."""
     n = x_s.shape[0]
     if guidance == 1.0:
         x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
@@ -93,4 +94,6 @@ def teacher_scores(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Ten
         neg = teacher.model.negative_for(b.cond)
         v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).to(x_s.dtype)
         x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
-    return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=x0_fake, x0_real=x0_real)
+    pin = teacher.model.pin_given  # what the condition fixes (a first-frame I2V image) scores no difference
+    return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=pin(x0_fake, b.cond),
+                  x0_real=pin(x0_real, b.cond))

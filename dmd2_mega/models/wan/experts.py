@@ -34,7 +34,7 @@ class WanExperts(NegativePrompt, FamilyModel):
         self.low = Wan(spec, shape, tp_size, options)
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
         self.boundary_t = spec.boundary_ratio * 1000.0
-        self.parts = self.high.parts
+        self.parts, self.image_form = self.high.parts, self.high.image_form
         self.register_buffer("negative", torch.zeros_like(self.high.negative), persistent=False)
 
     def expert_modules(self) -> tuple:

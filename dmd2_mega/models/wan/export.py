@@ -37,7 +37,8 @@ def export_diffusers(load: str, out: str, payload: dict, spec, meta, ema: bool, 
                               f"export the student (--save), not the critic")
     prefixes = ("high.", "low.") if spec.boundary_ratio is not None else ("",)
     sigmas, info = payload.get("student_sigmas"), payload.get("data_info") or {}
-    text = readme(load, which, sigmas, spec.boundary_ratio is not None, info.get("latent_shape"))
+    form = "concat" if spec.mask_channels else "first-frame" if info.get("cond_parts") else None
+    text = readme(load, which, sigmas, spec.boundary_ratio is not None, info.get("latent_shape"), image=form)
     with staged_output(out, "--to-diffusers", True, NEW_FOLDER, log) as where:
         for prefix, sub in zip(prefixes, EXPERTS):
             write_folder(os.path.join(where, sub), {n[len(prefix):]: t for n, t in state.items()
@@ -97,18 +98,26 @@ def write_scheduler(folder: str, sigmas: Optional[list]) -> None:
 
 
 def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list],
-           lora: Optional[dict] = None) -> str:
+           lora: Optional[dict] = None, image: Optional[str] = None) -> str:
     """How to run the export in WanPipeline, as written on a GPU (bf16) or the CPU (fp32): a student on its own
     sigmas without CFG, a teacher as Wan samples; at the frame count and size of `latent` ([C, T, H, W], the
     checkpoint's data_info; None: not recorded, a converted teacher). Only the two folder names are placeholders
     (`tests/test_export_atomic.py` runs it). `lora` (a LoRA student's record, `export_lora`): the base pipeline's
-    own transformer with the adapters loaded onto it, in place of an exported transformer."""
+    own transformer with the adapters loaded onto it, in place of an exported transformer. `image` (an
+    image-to-video model's form, `image.py`): WanImageToVideoPipeline on a first frame, a third placeholder (the
+    first-frame form with the pipeline's expand_timesteps; `tests/test_wan_i2v_export.py` runs it)."""
     load_t = ("" if lora else 'transformer = WanTransformer3DModel.from_pretrained("<this folder>", '
               'subfolder="transformer", torch_dtype=dtype)\n')
     load_t2 = ('transformer_2 = WanTransformer3DModel.from_pretrained("<this folder>", subfolder="transformer_2", '
                'torch_dtype=dtype)\n') if experts else ""
     parts = ("" if lora else "transformer=transformer, ") + ("transformer_2=transformer_2, " if experts else "")
     adapters = 'pipe.load_lora_weights("<this folder>")  # the student: its adapters on the teacher\n' if lora else ""
+    pipeline = "WanImageToVideoPipeline" if image else "WanPipeline"
+    if image == "first-frame":  # TI2V: the image is the first latent frame, at timestep 0 (the pipeline's flag)
+        parts += "expand_timesteps=True, "
+    given = ('image = load_image("<the first frame: an image file>")  # resized to height x width by the pipeline\n'
+             if image else "")
+    image_arg = "image=image, " if image else ""
     what = (f"{which} LoRA adapters of rank {lora['rank']}, alpha {lora['alpha']:g}, over the base {lora['base']}; "
             f"the base pipeline must hold that teacher's transformer" if lora else f"{which} weights")
     if latent is not None and len(latent) == 4:
@@ -132,17 +141,20 @@ def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list],
                f"# WanPipeline draws from torch's global RNG (it passes no generator to scheduler.step): torch.manual_seed,\n"
                f"# not generator=, makes a video repeatable\n"
                f"torch.manual_seed(0)\n"
-               f'video = pipe(prompt="...", guidance_scale=1.0, num_inference_steps={len(sigmas)}{at}).frames[0]\n')
+               f'video = pipe({image_arg}prompt="...", guidance_scale=1.0, num_inference_steps={len(sigmas)}{at})'
+               f'.frames[0]\n')
     else:
         run = (f"{size}torch.manual_seed(0)  # the initial noise (no generator=) comes from torch's global RNG\n"
-               f'video = pipe(prompt="...", num_inference_steps=50, guidance_scale=5.0{at}).frames[0]\n')
+               f'video = pipe({image_arg}prompt="...", num_inference_steps=50, guidance_scale=5.0{at}).frames[0]\n')
     return (f"# Exported by dmd2-mega from {load} ({what})\n\n"
-            f"Replace the two folder names; the rest runs as written, on a GPU in bf16 or on the CPU in fp32.\n\n"
+            f"Replace the two folder names{' and the image file' if image else ''}; the rest runs as written, on a GPU "
+            f"in bf16 or on the CPU in fp32.\n\n"
             f"```python\nimport functools\nimport torch\n"
-            f"from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel\n\n"
+            f"from diffusers import FlowMatchEulerDiscreteScheduler, {pipeline}, WanTransformer3DModel\n"
+            + ("from diffusers.utils import load_image\n" if image else "") + "\n"
             f'device = "cuda" if torch.cuda.is_available() else "cpu"\n'
             f"dtype = torch.bfloat16 if device == \"cuda\" else torch.float32\n"
             f"{load_t}{load_t2}"
             f'scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained("<this folder>", subfolder="scheduler")\n'
-            f'pipe = WanPipeline.from_pretrained("<the base Wan pipeline folder>", {parts}scheduler=scheduler,\n'
-            f"                                   torch_dtype=dtype).to(device)\n{adapters}{run}```\n")
+            f'pipe = {pipeline}.from_pretrained("<the base Wan pipeline folder>", {parts}scheduler=scheduler,\n'
+            f"{' ' * (len(pipeline) + 24)}torch_dtype=dtype).to(device)\n{adapters}{given}{run}```\n")

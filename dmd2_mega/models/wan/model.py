@@ -342,11 +342,13 @@ class ConditionEmbedder(nn.Module):
 
 
 class NegativePrompt:
-    """CFG's negative of a Wan (one model or two experts): the `negative` buffer (the negative prompt's text
-    embedding) and `parts` (an I2V condition's layout, or None)."""
+    """What a Wan's condition gives its samplers (one model or two experts): CFG's negative from the `negative`
+    buffer (the negative prompt's text embedding) and `parts` (an I2V condition's layout, or None); the given
+    first frame of the `image_form` "first-frame"."""
 
     negative: torch.Tensor
     parts: Optional[CondParts]
+    image_form: Optional[str]
 
     def null_cond(self, n: int, device) -> torch.Tensor:
         if self.parts is not None:
@@ -359,6 +361,14 @@ class NegativePrompt:
         if self.parts is None:
             return self.null_cond(cond.shape[0], cond.device)
         return self.parts.with_text(cond, self.negative)
+
+    def pin_given(self, x0: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """The first-frame I2V form (TI2V): x0's first latent frame is the given image's, which the model read in
+        place of x's at timestep 0 (the pipeline's expand_timesteps); any other form returns x0."""
+        if self.parts is None or self.image_form != "first-frame":
+            return x0
+        image = self.parts.unpack(cond, (self.parts.image[0], 1, *x0.shape[3:]))[2]
+        return torch.cat([image.to(x0.dtype), x0[:, :, 1:]], dim=2)
 
 
 class Wan(NegativePrompt, FamilyModel):
