@@ -3,7 +3,7 @@ diffusers Wan 2.1 I2V transformer (in_channels 2 x 4 + 4, CLIP K/V), shards whos
 CLIP [3, 8] and the image latent [4, 3, 4, 6], flat in 'cond', `write_shards(cond_parts=...)`) and a negative prompt.
 
 Checked: the shards carry their parts into the checkpoint's data_info; 2 cycles with teacher CFG 3 (the negative
-keeps each sample's image) at TP=2 reproduce TP=1 to 1e-5 per trace key; launch/sample.py samples the student and
+keeps each sample's image) at TP=2 with sequence parallelism and at CP=2 reproduce one rank to 1e-5 per trace key; launch/sample.py samples the student and
 (with CFG) the teacher from the shards' conditions, and blanking the images changes the samples; malformed parts in
 index.json are one DataError naming the file.
 """
@@ -49,20 +49,24 @@ def runs(tmp_path_factory):
                 "--log-interval", "1", "--lr", "1e-3", "--lr-decay-iters", "3", "--dmd2-teacher-guidance-scale", "3",
                 "--seed", "3", "--save", out, "--loss-trace", out + ".jsonl", *more]
 
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               "cp2": ["--context-parallel-size", "2"]}
     jobs = {"ref": lambda: launch(1, PRETRAIN_DMD2, args(str(d / "ref")), timeout=300),
-            "tp2": lambda: launch(2, PRETRAIN_DMD2, args(str(d / "tp2"), "--tensor-model-parallel-size", "2"),
-                                  timeout=300)}
+            **{name: lambda name=name, more=more: launch(2, PRETRAIN_DMD2, args(str(d / name), *more), timeout=300)
+               for name, more in layouts.items()}}
     done = run_parallel(jobs)
     for name, res in done.items():
         res.check(name)
-    return {"ref": str(d / "ref"), "tp2": str(d / "tp2"), "data": data, "stdout": done["ref"].stdout,
+    return {**{name: str(d / name) for name in ("ref", *layouts)}, "data": data, "stdout": done["ref"].stdout,
             "teacher": teacher, "blank": i2v_data(str(d / "blank"), blank=True)}
 
 
-def test_i2v_dmd2_at_tp2_equals_tp1_with_the_image_in_every_role(runs):
+def test_i2v_dmd2_at_tp2_sp_and_cp2_equals_one_rank_with_the_image_in_every_role(runs):
     ref = read_trace(runs["ref"] + ".jsonl")
     assert len(ref) == 2 and all(r["dmd-normaliser"] > 0 for r in ref)
-    assert_traces_close(read_trace(runs["tp2"] + ".jsonl"), ref, 1e-5, "I2V DMD2 TP=2 vs TP=1", keys=DMD2_TRACE_KEYS)
+    for name, what in (("tp2", "TP=2 SP"), ("cp2", "CP=2")):
+        assert_traces_close(read_trace(runs[name] + ".jsonl"), ref, 1e-5, f"I2V DMD2 {what} vs one rank",
+                            keys=DMD2_TRACE_KEYS)
     assert "negative: the negative prompt of" in runs["stdout"]
     with world_of_one() as ps:
         info = load_payload(runs["ref"], ps)["data_info"]
