@@ -171,6 +171,32 @@ def test_a_step_that_does_not_write_leaves_the_cache_alone(world):
     assert torch.equal(a, b)
 
 
+def test_an_image_to_video_student_streams_from_its_image(world):
+    """The concat I2V form (in_channels 2 x 4 + 4): each streamed chunk reads its frames of [mask, image latent]
+    (the mask on the clip's first frame only; past the condition's 4 frames the last one repeats), and equals the
+    parallel pass over 8 frames from a model built for 4; the image matters; the first-frame form is refused."""
+    from dataclasses import replace
+    layout, spec = CausalLayout(2, window=2, sink=1), replace(SPEC, in_channels=12)
+    parts = (("text", (3, 16)), ("image", (4, 4, 4, 6)))
+    torch.manual_seed(0)
+    m = WAN.build(spec, DataShape(4, (4, 4, 6), cond_parts=parts), options=BuildOptions(causal=layout))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    m.eval()
+    x, sigma, text = inputs(8, 4)
+    image = torch.cat([torch.randn(2, 4, 1, 4, 6), torch.zeros(2, 4, 3, 4, 6)], dim=2)
+    cond = torch.cat([text.flatten(1), image.flatten(1)], dim=1)
+    with torch.no_grad():
+        want, (got, _) = m(x, sigma, cond), stream(m, x, sigma, cond, layout)
+        other = m(x, sigma, torch.cat([text.flatten(1), torch.zeros_like(image).flatten(1)], dim=1))
+    assert rel(got, want) <= 1e-5
+    assert rel(other[:, :, :2], want[:, :, :2]) > 1e-3
+    with pytest.raises(ConfigError, match="concat form only"):
+        WAN.build(SPEC, DataShape(4, (4, 4, 6), cond_parts=(("text", (3, 16)), ("image", (4, 1, 4, 6)))),
+                  options=BuildOptions(causal=layout))
+
+
 # ---- c. the degenerate cases ------------------------------------------------------------------------------
 
 def test_one_chunk_is_the_bidirectional_wan_exactly(world):

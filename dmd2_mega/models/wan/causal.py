@@ -2,7 +2,9 @@
 
 Built by `family.WanFamily.build` when the build options carry a `CausalLayout` (`models/causal.py`: chunks,
 rolling window, sink); it has exactly the Wan's parameters, so it initialises from a converted diffusers folder
-or a teacher checkpoint and exports to the same layout. Cross-attention to the text is unchanged.
+or a teacher checkpoint and exports to the same layout. Cross-attention to the text is unchanged. An image-to-video
+student (the concat form, `image.py`) streams from its image: each chunk reads its frames of the clip's [mask, image
+latent] channels (the mask only on the clip's first frame; past the condition's frames its last one repeats).
 
     sigma [B]            one noise level for every chunk (the package's convention)
     sigma [B, chunks]    a level per chunk: the time embedding and the modulation of a token are its chunk's
@@ -135,9 +137,10 @@ class CausalWan(Wan):
     def __init__(self, spec: WanSpec, shape: DataShape, tp_size: int = 1, options: BuildOptions = BuildOptions()):
         super().__init__(spec, shape, tp_size, options)
         self.causal_layout: CausalLayout = options.causal
-        if self.parts is not None:
-            raise ConfigError(f"--causal with --model-size {spec.name} on image-to-video data: a causal student that "
-                              f"streams from an image is not built yet (issue 32)")
+        if self.image_form == "first-frame":
+            raise ConfigError(f"--causal with --model-size {spec.name} on first-frame image-to-video data (TI2V): a "
+                              f"causal student streams from an image in the concat form only (Wan 2.1 I2V: "
+                              f"in_channels = 2 x out + 4)")
 
     def _conditions(self, sigma, cond, frames):
         if sigma.dim() == 1:

@@ -58,11 +58,17 @@ class CondParts:
         return cls(named["text"], named.get("clip"), named["image"])
 
     def _sizes(self, image: tuple) -> list:
-        return [math.prod(s) for s in (self.text, self.clip, image) if s is not None]
+        """The parts' element counts; the image's 0 while its frame count is None (`unpack` reads it off cond)."""
+        return [math.prod(s) for s in (self.text, self.clip) if s is not None] + [0 if None in image
+                                                                                   else math.prod(image)]
 
     def unpack(self, cond: torch.Tensor, image: tuple) -> tuple:
         """(text [B, L, D], clip [B, Li, Di] or None, image [B, *image]) views of cond [B, N]; `image`: the image
-        latent's shape for the latents at hand (a model reads any frame count and size, as for text)."""
+        latent's shape for the latents at hand (a model reads any frame count and size, as for text); a frame count
+        of None is read off cond's size (a clip's whole image latent, which a streamed chunk slices)."""
+        if image[1] is None and cond.dim() == 2:
+            per_frame = image[0] * math.prod(image[2:])
+            image = (image[0], max(1, (cond.shape[1] - sum(self._sizes(image)[:-1])) // per_frame), *image[2:])
         sizes = self._sizes(image)
         if cond.dim() != 2 or cond.shape[1] != sum(sizes):
             raise ValueError(f"an image-to-video Wan takes cond [B, {sum(sizes)}] (text {list(self.text)}, "
@@ -79,12 +85,21 @@ class CondParts:
         return torch.cat([text.to(cond).reshape(-1, n).expand(cond.shape[0], n), cond[:, n:]], dim=1)
 
 
-def concat_mask(image: torch.Tensor, mask_channels: int) -> torch.Tensor:
-    """The concat form's mask [B, M, T', H, W] of an image latent [B, C, T', H, W]: 1 on the first latent frame."""
+def concat_mask(image: torch.Tensor, mask_channels: int, first_frame: int = 0) -> torch.Tensor:
+    """The concat form's mask [B, M, T', H, W] of an image latent [B, C, T', H, W]: 1 on the clip's first latent
+    frame (frame 0 of `image` when it starts the clip, first_frame 0; none in a later streamed chunk)."""
     b, _, t, h, w = image.shape
     mask = image.new_zeros(b, mask_channels, t, h, w)
-    mask[:, :, 0] = 1
+    if first_frame == 0:
+        mask[:, :, 0] = 1
     return mask
+
+
+def chunk_frames(image: torch.Tensor, first: int, frames: int) -> torch.Tensor:
+    """Frames [first, first + frames) of a clip's image latent [B, C, T', H, W]; past its end the last frame repeats
+    (the latent of the zero frames that follow the image), so a causal student streams past its training length."""
+    index = torch.arange(first, first + frames, device=image.device).clamp_(max=image.shape[2] - 1)
+    return image if first == 0 and frames == image.shape[2] else image.index_select(2, index)
 
 
 class ImageEmbedder(nn.Module):

@@ -53,7 +53,7 @@ from dmd2_mega.models.embeddings import sincos_1d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
-from dmd2_mega.models.wan.image import (CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, concat_mask,
+from dmd2_mega.models.wan.image import (CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, chunk_frames, concat_mask,
                                         fp32_layer_norm)
 from dmd2_mega.distributed.parallel import mark_sequence_parallel
 
@@ -414,7 +414,7 @@ class Wan(NegativePrompt, FamilyModel):
         first_frame: the rotary frame index of x's first frame (a streamed chunk's place in its video)."""
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         split = TokenSplit.current(f * hh * ww, self.options.context_parallel, self.options.sequence_parallel)
-        x, text, image_tokens = self._read_image(x.to(self.patch_embedding.weight.dtype), cond)
+        x, text, image_tokens = self._read_image(x.to(self.patch_embedding.weight.dtype), cond, first_frame)
         b, c = x.shape[:2]
         patches = x.reshape(b, c, f, pt, hh, ph, ww, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, f * hh * ww, -1)
         cos, sin = rope_tables((f, hh, ww), self.spec.head_dim, device=x.device, first_frame=first_frame)
@@ -427,17 +427,19 @@ class Wan(NegativePrompt, FamilyModel):
         tokens = self.patch_embedding(split.shard(patches))
         return tokens, ctx, temb, mod, (split.cp_rows(cos), split.cp_rows(sin)), split
 
-    def _read_image(self, x: torch.Tensor, cond: torch.Tensor) -> tuple:
+    def _read_image(self, x: torch.Tensor, cond: torch.Tensor, first_frame: int = 0) -> tuple:
         """(the model's input latents, text [B, L, text_dim], image tokens [B, Li, D] or None) of x [B, C, T, H, W] and
         cond: a text-to-video Wan reads x and cond as they are; an I2V Wan unpacks cond (`image.py`): the concat form
-        appends [mask, image latent] to x's channels, the first-frame form puts the image in x's first frame."""
+        appends [mask, image latent] to x's channels (frames first_frame .. of the clip's: a streamed chunk's,
+        `image.chunk_frames`), the first-frame form puts the image in x's first frame."""
         if self.parts is None:
             return x, cond, None
-        frames = x.shape[2] if self.image_form == "concat" else 1
-        text, clip, image = self.parts.unpack(cond, (self.parts.image[0], frames, *x.shape[3:]))
+        concat = self.image_form == "concat"
+        text, clip, image = self.parts.unpack(cond, (self.parts.image[0], None if concat else 1, *x.shape[3:]))
         image = image.to(x.dtype)
-        if self.image_form == "concat":
-            x = torch.cat([x, concat_mask(image, self.spec.mask_channels), image], dim=1)
+        if concat:
+            image = chunk_frames(image, first_frame, x.shape[2])
+            x = torch.cat([x, concat_mask(image, self.spec.mask_channels, first_frame), image], dim=1)
         else:
             x = torch.cat([image, x[:, :, image.shape[2]:]], dim=2)
         return x, text, self.condition_embedder.image(clip)
