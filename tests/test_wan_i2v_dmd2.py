@@ -97,3 +97,19 @@ def test_malformed_parts_are_one_error_naming_the_index(tmp_path):
     with pytest.raises(DataError) as e:
         build_dataset(data, "train")
     assert "index.json" in str(e.value) and "do not describe cond_shape" in str(e.value)
+
+
+def test_self_forcing_streams_from_the_image_and_refuses_windows_past_it(runs, tmp_path):
+    """A causal student (the concat form: each chunk its frames of [mask, image latent]) trains with Self-Forcing
+    on the I2V teacher; rollouts past the data's 3 frames are one ConfigError (a later window has no image)."""
+    def sf(out, *more):
+        return ["--model-size", runs["teacher"], "--teacher-load", runs["teacher"], "--data", runs["data"],
+                "--distill-method", "self-forcing", "--causal", "--causal-chunk-frames", "1", "--micro-batch-size",
+                "2", "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "2",
+                "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-4", "--train-iters", "1", "--log-interval", "1",
+                "--save", str(tmp_path / out), "--loss-trace", str(tmp_path / out) + ".jsonl", *more]
+    launch(1, PRETRAIN_DMD2, sf("sf"), timeout=300).check("self-forcing on I2V")
+    (trace,) = read_trace(str(tmp_path / "sf") + ".jsonl")
+    assert trace["actor-dmd-loss"] > 0 and trace["critic-loss"] > 0
+    res = launch(1, PRETRAIN_DMD2, sf("long", "--self-forcing-rollout-frames", "6"), timeout=300)
+    assert res.returncode == 1 and "ConfigError: --self-forcing-rollout-frames 6 past the data's 3 frames" in res.stderr

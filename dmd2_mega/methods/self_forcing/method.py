@@ -58,6 +58,15 @@ class SelfForcingMethod(DMD2Method):
             raise ConfigError(f"--self-forcing-rollout-frames {self.rollout_frames}: {e}; pick a length whose chunk "
                               f"boundaries hold windows of the data's {frames} frames") from None
 
+    def check_data(self, dataset) -> None:
+        """A condition with parts (an image-to-video clip's image, which fixes the clip's first frame) cannot score a
+        window that starts later: rollouts past the data's length are refused for it."""
+        if getattr(dataset, "cond_parts", None) and self.rollout_frames > self.settings.shape[1]:
+            raise ConfigError(f"--self-forcing-rollout-frames {self.rollout_frames} past the data's "
+                              f"{self.settings.shape[1]} frames on a condition of parts "
+                              f"{[name for name, _ in dataset.cond_parts]}: an image-to-video window that does not "
+                              f"start the clip has no condition to score it with; leave the flag out")
+
     def model_config(self, name: str, model_cfg):
         """The student is causal; the critic and the teacher see whole videos."""
         return model_cfg if name == "student" else replace(model_cfg, causal=False)
