@@ -5,7 +5,8 @@ CLIP [3, 8] and the image latent [4, 3, 4, 6], flat in 'cond', `write_shards(con
 Checked: the shards carry their parts into the checkpoint's data_info; 2 cycles with teacher CFG 3 (the negative
 keeps each sample's image) at TP=2 with sequence parallelism and at CP=2 reproduce one rank to 1e-5 per trace key; launch/sample.py samples the student and
 (with CFG) the teacher from the shards' conditions, and blanking the images changes the samples; malformed parts in
-index.json are one DataError naming the file.
+index.json are one DataError naming the file; the causal chain (trajectories, causal init, Self-Forcing) runs on the
+I2V teacher and refuses Self-Forcing windows past the image.
 """
 import json
 import os
@@ -17,7 +18,7 @@ import torch
 from dmd2_mega.data import build_dataset, write_shards
 from dmd2_mega.errors import DataError
 from dmd2_mega.train.checkpoint import load_payload
-from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, SAMPLE, assert_traces_close, converted_wan_teacher,
+from tests.utils import (DMD2_TRACE_KEYS, PRETRAIN_DMD2, REPO, SAMPLE, assert_traces_close, converted_wan_teacher,
                          launch, python, read_trace, run_parallel, world_of_one)
 
 pytestmark = pytest.mark.timeout(600)
@@ -99,14 +100,24 @@ def test_malformed_parts_are_one_error_naming_the_index(tmp_path):
     assert "index.json" in str(e.value) and "do not describe cond_shape" in str(e.value)
 
 
-def test_self_forcing_streams_from_the_image_and_refuses_windows_past_it(runs, tmp_path):
-    """A causal student (the concat form: each chunk its frames of [mask, image latent]) trains with Self-Forcing
-    on the I2V teacher; rollouts past the data's 3 frames are one ConfigError (a later window has no image)."""
+def test_causal_chain_streams_from_the_image_and_refuses_windows_past_it(runs, tmp_path):
+    """The causal student on the I2V teacher (the concat form: each chunk its frames of [mask, image latent]): the
+    teacher's trajectories keep the condition's parts, the causal init regresses onto them, Self-Forcing trains it;
+    rollouts past the data's 3 frames are one ConfigError (a later window has no image to score with)."""
+    traj, init = str(tmp_path / "traj"), str(tmp_path / "init")
+    python(os.path.join(REPO, "launch", "prepare_trajectories.py"),
+           ["--teacher-load", runs["teacher"], "--data", runs["data"], "--out", traj, "--num-samples", "4",
+            "--teacher-steps", "4", "--dmd2-denoising-steps", "2", "--guidance", "2"]).check("I2V trajectories")
+    assert build_dataset(traj, "train").cond_parts == PARTS
+    common = ["--model-size", runs["teacher"], "--teacher-load", runs["teacher"], "--causal", "--causal-chunk-frames",
+              "1", "--micro-batch-size", "2", "--global-batch-size", "2", "--dmd2-denoising-steps", "2", "--lr", "1e-4",
+              "--train-iters", "1", "--log-interval", "1"]
+    launch(1, os.path.join(REPO, "launch", "pretrain_causal_init.py"),
+           [*common, "--data", traj, "--save", init]).check("I2V causal init")
+
     def sf(out, *more):
-        return ["--model-size", runs["teacher"], "--teacher-load", runs["teacher"], "--data", runs["data"],
-                "--distill-method", "self-forcing", "--causal", "--causal-chunk-frames", "1", "--micro-batch-size",
-                "2", "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "2",
-                "--dmd2-teacher-guidance-scale", "2", "--lr", "1e-4", "--train-iters", "1", "--log-interval", "1",
+        return [*common, "--data", runs["data"], "--distill-method", "self-forcing", "--student-load", init,
+                "--dmd2-critic-steps-per-rollout", "2", "--dmd2-teacher-guidance-scale", "2",
                 "--save", str(tmp_path / out), "--loss-trace", str(tmp_path / out) + ".jsonl", *more]
     launch(1, PRETRAIN_DMD2, sf("sf"), timeout=300).check("self-forcing on I2V")
     (trace,) = read_trace(str(tmp_path / "sf") + ".jsonl")

@@ -100,10 +100,13 @@ class TrajectoryJob:
 
 
 def data_cond(dataset) -> dict:
-    """index.json's condition entries of `dataset`: labels and their count, or the embedding shape."""
+    """index.json's condition entries of `dataset`: labels and their count, or the embedding shape (and the parts
+    of a condition of parts: an image-to-video clip's text and image)."""
     if dataset.num_classes is not None:
         return {"cond": "labels", "num_classes": int(dataset.num_classes)}
-    return {"cond": "embedding", "cond_shape": list(dataset.cond_shape)}
+    parts = getattr(dataset, "cond_parts", None)
+    return {"cond": "embedding", "cond_shape": list(dataset.cond_shape),
+            **({"cond_parts": [[name, list(shape)] for name, shape in parts]} if parts else {})}
 
 
 @torch.no_grad()
