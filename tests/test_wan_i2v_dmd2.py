@@ -5,8 +5,8 @@ CLIP [3, 8] and the image latent [4, 3, 4, 6], flat in 'cond', `write_shards(con
 Checked: the shards carry their parts into the checkpoint's data_info; 2 cycles with teacher CFG 3 (the negative
 keeps each sample's image) at TP=2 with sequence parallelism and at CP=2 reproduce one rank to 1e-5 per trace key;
 launch/sample.py samples the student and (with CFG) the teacher from the shards' conditions, and blanking the images
-changes the samples; malformed parts in index.json are one DataError naming the file; the causal chain (trajectories, causal init, Self-Forcing) runs on the
-I2V teacher and refuses Self-Forcing windows past the image.
+changes the samples; malformed parts in index.json are one DataError naming the file; the causal chain
+(trajectories, causal init, Self-Forcing) runs on the I2V teacher and refuses Self-Forcing windows past the image.
 """
 import json
 import os
