@@ -11,6 +11,11 @@
     # the validation prompts (no VAE)
     python launch/prepare_data.py --prompts-only --pipeline /models/Wan2.1-T2V-1.3B-Diffusers \
         --prompts prompts.txt --out eval_prompts.safetensors
+    # image-to-video: an I2V pipeline folder adds each clip's first-frame condition (CLIP + image latent) to cond
+    torchrun --nproc-per-node 8 launch/prepare_data.py --pipeline /models/Wan2.1-I2V-14B-480P-Diffusers \
+        --media /data/clips --captions /data/clips/captions.csv --out /data/wan_i2v --frames 81 --height 480 --width 832
+    python launch/prepare_data.py --prompts-only --pipeline /models/Wan2.1-I2V-14B-480P-Diffusers \
+        --images eval_images.csv --out eval_i2v.safetensors --frames 81 --height 480 --width 832
 
 A re-run with the same flags keeps finished shards and does the rest; a second run on an --out that another
 run is writing exits 1 with one line naming it (the trainers' lock file, <out>/.dmd2_mega.lock). Unreadable and
@@ -37,6 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--vae", metavar="DIR", help="a diffusers AutoencoderKLWan (video) or AutoencoderKL (image) folder")
     m.add_argument("--text-encoder", metavar="DIR", help="a transformers UMT5 (or T5) encoder folder")
     m.add_argument("--tokenizer", metavar="DIR", help="default: --text-encoder, else its sibling tokenizer/")
+    m.add_argument("--image-condition", choices=["concat", "first-frame"],
+                   help="image-to-video data without an I2V --pipeline folder (which decides it itself): concat "
+                        "(Wan 2.1 / 2.2 I2V: the latent of [first frame, zeros]) or first-frame (Wan 2.2 TI2V: the "
+                        "first frame's latent); must agree with --pipeline's transformer")
+    m.add_argument("--image-encoder", metavar="DIR", help="a transformers CLIPVisionModel folder (Wan 2.1 I2V; "
+                                                          "default <pipeline>/image_encoder)")
+    m.add_argument("--image-processor", metavar="DIR", help="its CLIPImageProcessor folder (default: --image-encoder "
+                                                            "if it holds preprocessor_config.json, else its sibling "
+                                                            "image_processor/)")
     d = p.add_argument_group("data")
     d.add_argument("--media", metavar="DIR", help="the folder of videos (mp4/webm/gif/...) or images (png/jpg); "
                                                   "with --labels-from-folders: DIR/<class>/<image>")
@@ -65,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stored as negative.safetensors (default: WanPipeline's documented negative prompt)")
     t.add_argument("--prompts-only", action="store_true", help="encode --prompts only and write --out (no VAE)")
     t.add_argument("--prompts", metavar="FILE", help="with --prompts-only: a text file, one prompt per line")
+    t.add_argument("--images", metavar="FILE", help="with --prompts-only, image-to-video: a CSV / JSONL with 'path' "
+                                                    "(an image; relative to --media, else to FILE's folder) and "
+                                                    "'caption' per eval condition")
     r = p.add_argument_group("run")
     r.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="stored latents / embeddings")
     r.add_argument("--compute-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
@@ -78,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def to_config(a: argparse.Namespace) -> PrepConfig:
     """Flags -> PrepConfig; --pipeline DIR fills --vae / --text-encoder / --tokenizer not given (only --vae with
-    --labels-from-folders)."""
+    --labels-from-folders); its model_index.json and transformer/ decide image-to-video (prep/image.py)."""
     vae, text_encoder, tokenizer = a.vae, a.text_encoder, a.tokenizer
     if a.pipeline:
         if not os.path.isdir(a.pipeline):
@@ -93,25 +110,30 @@ def to_config(a: argparse.Namespace) -> PrepConfig:
     if not text_encoder and not a.labels_from_folders:
         raise ConfigError("--text-encoder DIR (or --pipeline DIR) is required (or --labels-from-folders for class "
                           "folders)")
-    if a.prompts_only and a.vae:
-        raise ConfigError("--prompts-only encodes text only; drop --vae")
-    if a.prompts and not a.prompts_only:
-        raise ConfigError("--prompts FILE goes with --prompts-only")
+    if a.prompts_only and a.vae and not a.images:
+        raise ConfigError("--prompts-only encodes text only; drop --vae (or give --images FILE: image-to-video)")
+    for flag, v in (("--prompts FILE", a.prompts), ("--images FILE", a.images)):
+        if v and not a.prompts_only:
+            raise ConfigError(f"{flag} goes with --prompts-only")
     return PrepConfig(
-        text_encoder=text_encoder, tokenizer=tokenizer, vae=None if a.prompts_only else vae, media=a.media,
+        text_encoder=text_encoder, tokenizer=tokenizer, vae=None if a.prompts_only and not a.images else vae,
+        media=a.media,
         captions=a.captions, out=a.out, prompts=a.prompts, frames=a.frames, height=a.height, width=a.width,
         fps=a.fps, max_text_len=a.max_text_len, negative_prompt=a.negative_prompt, shard_size=a.shard_size,
         dtype=a.dtype, compute_dtype=a.compute_dtype, sample_posterior=a.sample_posterior, seed=a.seed,
         batch_size=a.batch_size, text_batch_size=a.text_batch_size, workers=a.workers, device=a.device,
         skip_bad_captions=a.skip_bad_captions, labels_from_folders=a.labels_from_folders,
-        num_classes=a.num_classes)
+        num_classes=a.num_classes, pipeline=a.pipeline, image_condition=a.image_condition,
+        image_encoder=a.image_encoder, image_processor=a.image_processor, images=a.images)
 
 
 def main(a: argparse.Namespace) -> None:
     cfg = to_config(a)
     check_outputs_apart([("--out", a.out)], [("--pipeline", a.pipeline), ("--vae", cfg.vae),
                                              ("--text-encoder", cfg.text_encoder), ("--tokenizer", cfg.tokenizer),
-                                             ("--media", a.media), ("--captions", a.captions), ("--prompts", a.prompts)])
+                                             ("--media", a.media), ("--captions", a.captions), ("--prompts", a.prompts),
+                                             ("--image-encoder", a.image_encoder),
+                                             ("--image-processor", a.image_processor), ("--images", a.images)])
     if a.prompts_only:
         prepare_prompts(cfg)
     else:

@@ -26,7 +26,7 @@ from dmd2_mega.models import get_spec
 from dmd2_mega.sampling import few_step_sample, load_sampling_model
 from dmd2_mega.train.checkpoint import iter_dir, rank_file, save_offline
 from tests.test_export_atomic import LATENT, _run_snippet, convert
-from tests.utils import tiny_wan_pipeline_parts, tiny_wan_transformer, world_of_one
+from tests.utils import tiny_clip_parts, tiny_wan_pipeline_parts, tiny_wan_transformer, world_of_one
 
 pytestmark = pytest.mark.timeout(300)
 SIGMAS = student_sigmas(3, shift=3.0).tolist()
@@ -45,12 +45,8 @@ def world():
 
 def _i2v_pipeline(folder, name: str) -> None:
     from diffusers import WanImageToVideoPipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
     config, _, expand = FORMS[name]
-    clip = {} if expand else dict(
-        image_encoder=CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP[1], intermediate_size=16, num_hidden_layers=2,
-                                                       num_attention_heads=2, image_size=28, patch_size=14)),
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}))
+    clip = {} if expand else tiny_clip_parts(CLIP[1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         WanImageToVideoPipeline(transformer=tiny_wan_transformer(3, ffn_dim=32, rope_max_seq_len=64, **config),

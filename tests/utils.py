@@ -252,15 +252,16 @@ def tiny_wan_transformer(seed: int = 0, **config):
     return model
 
 
-def tiny_wan_pipeline_parts() -> dict:
-    """The text and VAE parts of a tiny Wan pipeline (nothing downloaded): a word-level tokenizer over ["a", "cat"],
-    a 1-layer UMT5 (d_model 16: wan-debug's text_dim), an AutoencoderKLWan with 4 latent channels (4x in time, 8x
-    in space; mean 0, std 1) and FlowMatchEulerDiscreteScheduler(shift=3); WanPipeline and
+def tiny_wan_pipeline_parts(words: Sequence[str] = ("a", "cat"), latents_mean: Sequence[float] = (0.0,) * 4,
+                            latents_std: Sequence[float] = (1.0,) * 4) -> dict:
+    """The text and VAE parts of a tiny Wan pipeline (nothing downloaded): a word-level tokenizer over `words`, a
+    1-layer UMT5 (d_model 16: wan-debug's text_dim), an AutoencoderKLWan with 4 latent channels (4x in time, 8x in
+    space; the given normalisation) and FlowMatchEulerDiscreteScheduler(shift=3); WanPipeline and
     WanImageToVideoPipeline take them as keywords."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", "a", "cat"])}
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", *words])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
@@ -270,9 +271,19 @@ def tiny_wan_pipeline_parts() -> dict:
                     vocab_size=len(vocab), d_model=16, d_kv=4, num_heads=2, d_ff=32, num_layers=1,
                     relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
                 vae=AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
-                                     latents_std=[1.0] * 4),
+                                     temperal_downsample=[False, True, True], latents_mean=list(latents_mean),
+                                     latents_std=list(latents_std)),
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def tiny_clip_parts(hidden: int) -> dict:
+    """A tiny CLIP image encoder and its processor (Wan 2.1 I2V's image_encoder / image_processor): 28 px images in
+    14 px patches, so its embedding is [5, hidden] (4 patches and the class token)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+    return dict(image_encoder=CLIPVisionModel(CLIPVisionConfig(
+                    hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=28, patch_size=14)),
+                image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}))
 
 
 def converted_wan_teacher(d, seed: int = 11, **config) -> tuple[str, str]:

@@ -121,20 +121,21 @@ def _jsonl_rows(lines: Sequence[str]) -> Iterator[Row]:
         yield n, row, ""
 
 
-def _rows(path: str) -> Iterator[Row]:
-    """(first line, fields, reason) of each row of the CSV / JSONL file; reason is "" for a well-formed row."""
+def read_rows(path: str, flag: str = "--captions") -> Iterator[Row]:
+    """(first line, fields, reason) of each row of the CSV / JSONL file in file order; reason is "" for a
+    well-formed row. Errors name `flag` and the file (also read for --images: `image.read_image_prompts`)."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".csv", ".jsonl", ".json"):
-        raise DataError(f"--captions {path}: expected a .csv or .jsonl file, found '{ext}'")
+        raise DataError(f"{flag} {path}: expected a .csv or .jsonl file, found '{ext}'")
     try:
         with open(path, newline="" if ext == ".csv" else None, encoding="utf-8-sig") as f:
             lines = f.readlines()
     except UnicodeDecodeError as e:
-        raise DataError(f"--captions {path}: not UTF-8 text ({e})") from e
+        raise DataError(f"{flag} {path}: not UTF-8 text ({e})") from e
     try:
         yield from (_csv_rows if ext == ".csv" else _jsonl_rows)(lines)
     except DataError as e:
-        raise DataError(f"--captions {path}: {e}") from e
+        raise DataError(f"{flag} {path}: {e}") from e
 
 
 def allowed_extensions(video: bool, frames: int) -> Sequence[str]:
@@ -151,7 +152,7 @@ def read_captions(path: str, video: bool, frames: int, skip_bad: bool = False) -
         raise DataError(f"--captions {path}: no such file (expected a CSV or JSONL with 'path' and 'caption')")
     allowed = allowed_extensions(video, frames)
     seen, bad, rows = {}, [], 0
-    for line, row, reason in _rows(path):
+    for line, row, reason in read_rows(path):
         rows += 1
         if not reason:
             rel, caption = row.get("path"), row.get("caption")

@@ -10,13 +10,15 @@ every rank's "look at --out" before any "write to --out". Rank r encodes the sha
 that have no file yet: clips are read by `--workers` DataLoader processes (uint8 frames), then per shard
     latents  = vae.encode(pixels [B, 3, (T,) H, W], posterior mean, or mean + std * eps with eps drawn
                from a generator seeded by (--seed, clip index): the same on any number of ranks)
-    cond, text_len = text.encode(captions, --max-text-len)      (captions), or
+    cond, text_len = text.encode(captions, --max-text-len)      (captions; with an image-to-video pipeline cond
+                                                                 is flat: text, CLIP, image latent: image.py), or
     labels   = the class folder indices                         (--labels-from-folders: ADM's centre crop,
                                                                  an AutoencoderKL, no text encoder)
 and written whole (writer.py). After a barrier rank 0 writes negative.safetensors or classes.json, index.json,
 report.json and prints the summary. Models run on cuda:LOCAL_RANK in bf16 (fp32 on CPU) unless
 --compute-dtype says otherwise; values are stored in --dtype.
 """
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from dmd2_mega.errors import ConfigError, DataError
 
 from .clips import Clip, read_captions
 from .folders import list_class_folders
+from .image import ImageConditioner, flat_condition, load_first_frames, read_image_prompts, resolve_image
 from .media import load_clip, to_pixels
 from .text import DEFAULT_NEGATIVE, TextEncoder, resolve_folders
 from .vae import LatentVAE, VAESpec
@@ -71,6 +74,11 @@ class PrepConfig:
     skip_bad_captions: bool = False         # leave malformed caption rows out (listed in report.json)
     labels_from_folders: bool = False       # media = DIR/<class>/<image>: class labels, ADM crop, no text
     num_classes: Optional[int] = None       # labels_from_folders: the class folders expected
+    pipeline: Optional[str] = None          # the pipeline folder: its model_index.json / transformer decide I2V
+    image_condition: Optional[str] = None   # "concat" / "first-frame" without an I2V pipeline folder (image.py)
+    image_encoder: Optional[str] = None     # CLIPVisionModel folder (Wan 2.1 I2V); default <pipeline>/image_encoder
+    image_processor: Optional[str] = None   # its CLIPImageProcessor; default the sibling image_processor/
+    images: Optional[str] = None            # --prompts-only: CSV / JSONL of image path + caption per eval condition
 
     def check(self) -> None:
         """Value checks that need no file (ConfigError naming the flag)."""
@@ -90,7 +98,10 @@ class PrepConfig:
                 raise ConfigError(f"--num-classes {self.num_classes} goes with --labels-from-folders")
             return
         given = [flag for flag, v in (("--captions", self.captions), ("--text-encoder", self.text_encoder),
-                                      ("--tokenizer", self.tokenizer), ("--prompts", self.prompts), ("--fps", self.fps))
+                                      ("--tokenizer", self.tokenizer), ("--prompts", self.prompts), ("--fps", self.fps),
+                                      ("--image-condition", self.image_condition), ("--images", self.images),
+                                      ("--image-encoder", self.image_encoder),
+                                      ("--image-processor", self.image_processor))
                  if v is not None] + (["--negative-prompt"] if self.negative_prompt != DEFAULT_NEGATIVE else []) + \
             (["--skip-bad-captions"] if self.skip_bad_captions else [])
         if given:
@@ -181,6 +192,8 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
     frames, height, width = _size(cfg, spec.kind)
     latent_shape = spec.latent_shape(frames, height, width)
     text_config = None if labels else resolve_folders(cfg.text_encoder, cfg.tokenizer)[2]
+    image = None if labels else resolve_image(cfg.pipeline, cfg.image_condition, cfg.image_encoder,
+                                              cfg.image_processor, spec)
     if not os.path.isdir(cfg.media):
         what = "one subfolder of images per class" if labels else "the folder the captions' paths are relative to"
         raise DataError(f"--media {cfg.media}: not a directory ({what})")
@@ -201,10 +214,16 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         clips = captions.clips
         cond_shape = [cfg.max_text_len, text_config["d_model"]]
         cond = {"cond": "embedding", "cond_shape": cond_shape}
-        settings.update(cond_shape=cond_shape, text_encoder=text_config["model_type"])
+        cond_line = f"cond {cond_shape}"
+        if image is not None:  # one flat condition per clip (image.py); settings name the form and parts
+            parts = [[name, list(shape)] for name, shape in image.parts(cond_shape, latent_shape)]
+            cond = {"cond": "embedding", "cond_shape": [sum(math.prod(p) for _, p in parts)], "cond_parts": parts}
+            settings.update(image_condition=image.form, cond_parts=parts)
+            cond_line = f"cond {cond['cond_shape']} = {' + '.join(f'{n} {p}' for n, p in parts)}; {image.describe()}"
+        settings.update(cond_shape=cond["cond_shape"], text_encoder=text_config["model_type"])
         source = {"caption_rows_read": captions.rows, "caption_rows_skipped": captions.bad}
         bad = f", {len(captions.bad)} malformed left out (--skip-bad-captions)" if captions.bad else ""
-        listed, cond_line = f"{len(clips)} clips ({captions.rows} caption rows read{bad})", f"cond {cond_shape}"
+        listed = f"{len(clips)} clips ({captions.rows} caption rows read{bad})"
     chunks = plan_shards(clips, cfg.shard_size)
 
     rank, world = _world()
@@ -226,9 +245,11 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         if not labels and (mine or rank == 0):
             text = TextEncoder.from_folder(cfg.text_encoder, cfg.tokenizer, device, compute)
         vae = LatentVAE.from_folder(cfg.vae, device, compute) if mine else None
+        images = ImageConditioner.load(image, vae) if image is not None and mine else None
         start = time.perf_counter()
         if mine:
-            _encode_shards(cfg, chunks, mine, vae, text, latent_shape, (frames, height, width), settings, rank, world)
+            _encode_shards(cfg, chunks, mine, vae, text, images, latent_shape, (frames, height, width), settings,
+                           rank, world)
         if world > 1:
             dist.barrier()
         if rank != 0:
@@ -256,16 +277,18 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
             lock.release()
 
 
-def _cond_tensors(cfg: PrepConfig, text: Optional[TextEncoder], clips: List[Clip]) -> dict:
+def _cond_tensors(cfg: PrepConfig, text: Optional[TextEncoder], clips: List[Clip],
+                  image: Optional[torch.Tensor]) -> dict:
     """The condition tensors of a shard's written clips: labels int64 [n] (class folders), or the caption
-    embeddings cond [n, L, D] and text_len int64 [n]."""
+    embeddings cond [n, L, D] (with `image`, the clips' image parts [n, k]: cond [n, L * D + k]) and text_len int64
+    [n]."""
     if cfg.labels_from_folders:
         return {"labels": torch.tensor([c.label for c in clips], dtype=torch.long)}
     cond, text_len = _encode_texts(text, [c.caption for c in clips], cfg)
-    return {"cond": cond, "text_len": text_len}
+    return {"cond": cond if image is None else flat_condition(cond, image), "text_len": text_len}
 
 
-def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, rank, world) -> None:
+def _encode_shards(cfg, chunks, mine, vae, text, images, latent_shape, size, settings, rank, world) -> None:
     items = [item for k in mine for item in chunks[k]]
     crop = "adm" if cfg.labels_from_folders else "cover"
     loader = torch.utils.data.DataLoader(_ClipReader(items, cfg.media, size, cfg.fps, crop), batch_size=None,
@@ -276,13 +299,15 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
         pos += len(chunks[k])
         ends[pos - 1] = k
     video = vae.video
-    latents, written, kept, skipped, batch = [], [], [], [], []
+    latents, extras, written, kept, skipped, batch = [], [], [], [], [], []
 
     def flush():
         if batch:
             pixels = torch.stack([b[1] for b in batch])
             noise = _noise([b[0] for b in batch], latent_shape, cfg.seed) if cfg.sample_posterior else None
             latents.append(vae.encode(pixels, noise).to("cpu", DTYPES[cfg.dtype]))
+            if images is not None:  # the image parts of the batch's first frames (uint8 [B, H, W, 3])
+                extras.append(images.encode(torch.stack([b[2] for b in batch]), size[0]).to(DTYPES[cfg.dtype]))
             batch.clear()
 
     bar = tqdm(total=len(items), unit="clip", disable=rank != 0, desc=f"rank 0/{world}", dynamic_ncols=True)
@@ -292,7 +317,7 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
             if frames is None:
                 skipped.append((clip.path, reason))
             else:
-                batch.append((index, to_pixels(frames.to(vae.device), video)))  # uint8 over the bus
+                batch.append((index, to_pixels(frames.to(vae.device), video), frames[0]))  # uint8 over the bus
                 written.append(clip.path)
                 kept.append(clip)
                 if len(batch) == cfg.batch_size:
@@ -301,9 +326,11 @@ def _encode_shards(cfg, chunks, mine, vae, text, latent_shape, size, settings, r
                 flush()
                 k = ends[i]
                 lat = torch.cat(latents) if latents else torch.zeros(0, *latent_shape, dtype=DTYPES[cfg.dtype])
-                write_shard(cfg.out, k, {"latents": lat, **_cond_tensors(cfg, text, kept)}, settings, chunks[k],
-                            written, skipped)
-                latents, written, kept, skipped = [], [], [], []
+                image = None if images is None else torch.cat(extras) if extras else \
+                    torch.zeros(0, images.spec.numel(latent_shape), dtype=DTYPES[cfg.dtype])
+                write_shard(cfg.out, k, {"latents": lat, **_cond_tensors(cfg, text, kept, image)}, settings,
+                            chunks[k], written, skipped)
+                latents, extras, written, kept, skipped = [], [], [], [], []
                 bar.set_postfix_str(f"shard {k}")
             bar.update(1)
 
@@ -326,13 +353,19 @@ def read_prompt_lines(path: str) -> List[str]:
 
 def prepare_prompts(cfg: PrepConfig) -> Optional[List[str]]:
     """`--prompts-only`: one prompt per non-blank line of cfg.prompts -> write_prompts(cfg.out, ...) with the
-    negative prompt. Rank 0 only. Returns the prompts."""
+    negative prompt (with --images: `prepare_image_prompts`). Rank 0 only. Returns the prompts."""
     cfg.check()
+    if cfg.images:
+        return prepare_image_prompts(cfg)
     if not cfg.prompts or not os.path.isfile(cfg.prompts):
         raise DataError(f"--prompts {cfg.prompts}: no such file (one prompt per line)")
     if not cfg.out or os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out}: with --prompts-only, the safetensors file to write")
     resolve_folders(cfg.text_encoder, cfg.tokenizer)
+    image = resolve_image(cfg.pipeline, cfg.image_condition, cfg.image_encoder, cfg.image_processor, None)
+    if image is not None:
+        raise ConfigError(f"--prompts {cfg.prompts}: the model reads an image with each prompt ({image.describe()}); "
+                          f"give --images FILE (a CSV / JSONL of image 'path' and 'caption' per eval condition)")
     texts = read_prompt_lines(cfg.prompts)
     if not texts:
         raise DataError(f"--prompts {cfg.prompts}: no prompts (one per non-blank line)")
@@ -345,4 +378,45 @@ def prepare_prompts(cfg: PrepConfig) -> Optional[List[str]]:
     write_prompts(cfg.out, cond, texts, negative)
     print(f"prepare_data: {len(texts)} prompts -> {cfg.out} (cond {list(cond.shape)}, {cfg.dtype}, with the "
           f"negative prompt)", flush=True)
+    return texts
+
+
+def prepare_image_prompts(cfg: PrepConfig) -> Optional[List[str]]:
+    """`--prompts-only --images FILE`: each row's image and prompt -> the flat image-to-video condition [P, N]
+    (image.py; the image read at --height x --width, its latent for --frames), the text-only negative [L, D], the
+    parts and image paths in the metadata: write_prompts(cfg.out, ...). Rank 0 only. Returns the prompts."""
+    if cfg.prompts:
+        raise ConfigError(f"--prompts {cfg.prompts} with --images {cfg.images}: give one (--images rows carry their "
+                          f"prompts)")
+    if not cfg.out or os.path.isdir(cfg.out):
+        raise ConfigError(f"--out {cfg.out}: with --prompts-only, the safetensors file to write")
+    rows = read_image_prompts(cfg.images, cfg.media)
+    if not cfg.vae:
+        raise ConfigError("--vae is required with --images (or --pipeline DIR): the image latent")
+    spec = VAESpec.from_folder(cfg.vae)
+    frames, height, width = _size(cfg, spec.kind)
+    latent_shape = spec.latent_shape(frames, height, width)
+    text_config = resolve_folders(cfg.text_encoder, cfg.tokenizer)[2]
+    image = resolve_image(cfg.pipeline, cfg.image_condition, cfg.image_encoder, cfg.image_processor, spec)
+    if image is None:
+        raise ConfigError(f"--images {cfg.images}: goes with an image-to-video pipeline (--pipeline DIR of a "
+                          f"WanImageToVideoPipeline) or --image-condition {{concat,first-frame}}")
+    parts = image.parts((cfg.max_text_len, text_config["d_model"]), latent_shape)
+    if _world()[0] != 0:
+        return None
+    first = load_first_frames(rows, height, width, f"--images {cfg.images}")
+    device, compute = _device_and_dtype(cfg)
+    text = TextEncoder.from_folder(cfg.text_encoder, cfg.tokenizer, device, compute)
+    conditioner = ImageConditioner.load(image, LatentVAE.from_folder(cfg.vae, device, compute))
+    texts = [r.caption for r in rows]
+    cond, _ = _encode_texts(text, texts, cfg)
+    extra = torch.cat([conditioner.encode(first[i:i + cfg.batch_size], frames)
+                       for i in range(0, len(rows), cfg.batch_size)])
+    cond = flat_condition(cond, extra.to(DTYPES[cfg.dtype]))
+    negative = _encode_texts(text, [cfg.negative_prompt], cfg)[0][0]
+    write_prompts(cfg.out, cond, texts, negative, cond_parts=parts, images=[r.path for r in rows])
+    print(f"prepare_data: {len(texts)} image prompts -> {cfg.out} (cond {list(cond.shape)} = "
+          f"{' + '.join(f'{n} {list(p)}' for n, p in parts)}, {cfg.dtype}, images {height} x {width} for "
+          f"{frames} frames, with the text-only negative prompt {list(negative.shape)}); {image.describe()}",
+          flush=True)
     return texts
