@@ -11,7 +11,9 @@ a "student" is that checkpoint with a shifted 3-step grid and the I2V data it wa
   * the pipeline's final latents for the student's 3 steps (its stochastic re-noising drawn from torch's global
     RNG, replayed here) equal our sampler's last-step x0 (`sampling.few_step_sample`, then `pin_given`) on the
     condition made from the pipeline's own encode_prompt, encode_image and prepare_latents, to 1e-5 of max |x|;
-    the first-frame form keeps the given image's latent as its first frame, as the pipeline returns it.
+    the first-frame form keeps the given image's latent as its first frame, as the pipeline returns it;
+  * prepare_data.py --prompts-only --images on the pipeline folder, then launch/sample.py --prompts on the student:
+    a decoded sample per (image, prompt) row, which depends on the image (the first-frame form starts with it).
 """
 import json
 import os
@@ -21,12 +23,15 @@ import numpy as np
 import pytest
 import torch
 
+from dmd2_mega.data.prompts import read_prompts
 from dmd2_mega.flow import student_sigmas
 from dmd2_mega.models import get_spec
 from dmd2_mega.sampling import few_step_sample, load_sampling_model
 from dmd2_mega.train.checkpoint import iter_dir, rank_file, save_offline
 from tests.test_export_atomic import LATENT, _run_snippet, convert
-from tests.utils import tiny_clip_parts, tiny_wan_pipeline_parts, tiny_wan_transformer, world_of_one
+from launch import prepare_data
+from tests.utils import (SAMPLE, python, tiny_clip_parts, tiny_wan_pipeline_parts, tiny_wan_transformer,
+                         world_of_one)
 
 pytestmark = pytest.mark.timeout(300)
 SIGMAS = student_sigmas(3, shift=3.0).tolist()
@@ -74,10 +79,10 @@ def made(world, tmp_path_factory, request):
     return {"base": str(d / "base"), "student": str(d / "student"), "info": info, "name": name, "payload": payload}
 
 
-def _first_frame(path) -> "PIL.Image.Image":
+def _first_frame(path, seed: int = 0) -> "PIL.Image.Image":
     from PIL import Image
     _, _, h, w = LATENT
-    pixels = np.random.default_rng(0).integers(0, 256, (8 * h, 8 * w, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(seed).integers(0, 256, (8 * h, 8 * w, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(path)
     return Image.open(path).convert("RGB")
 
@@ -124,3 +129,33 @@ def test_pipeline_runs_the_exported_student_and_equals_our_sampler(made, tmp_pat
     assert scale > 0.1 and float((ours - theirs).abs().max()) <= 1e-5 * scale
     if FORMS[made["name"]][2]:  # the first-frame form returns the given image's latent as its first frame
         assert torch.equal(ours[:, :, :1], latent.to(ours.dtype))
+
+
+@pytest.mark.integration
+def test_sample_py_on_eval_images_prepared_from_the_pipeline(made, tmp_path):
+    """prepare_data.py --prompts-only --images on the pipeline folder, then launch/sample.py --prompts on the student:
+    one sample per (image, prompt) row, decoded by the pipeline's VAE; another image gives another sample; the
+    first-frame form's sample starts with the given image's latent."""
+    c, t, h, w = LATENT
+    rows = ["path,caption"]
+    for i in range(2):
+        _first_frame(tmp_path / f"{i}.png", seed=i)
+        rows.append(f"{i}.png,a cat")
+    (tmp_path / "images.csv").write_text("\n".join(rows) + "\n")
+    prompts = tmp_path / "eval.safetensors"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert prepare_data.run([str(a) for a in [
+            "--prompts-only", "--pipeline", made["base"], "--images", tmp_path / "images.csv", "--out", prompts,
+            "--frames", (t - 1) * 4 + 1, "--height", 8 * h, "--width", 8 * w, "--max-text-len", TEXT[0],
+            "--dtype", "fp32"]]) == 0
+    python(SAMPLE, ["--load", made["student"], "--prompts", prompts, "--out", tmp_path / "s", "--vae",
+                    os.path.join(made["base"], "vae")]).check("sample.py --prompts")
+    got = np.load(tmp_path / "s" / "samples.npz")
+    assert got["images"].shape == (2, c, t, h, w) and list(got["prompts"]) == ["a cat"] * 2
+    assert np.abs(got["images"][0] - got["images"][1]).max() > 1e-3  # the image is read
+    assert len(os.listdir(tmp_path / "s" / "media")) >= 2
+    if FORMS[made["name"]][2]:  # the given frame's latent, as read back from the prompts file
+        cond = read_prompts(str(prompts)).cond
+        image = cond[:, -c * h * w:].reshape(2, c, 1, h, w).clamp(-1, 1).numpy()
+        np.testing.assert_array_equal(got["images"][:, :, :1], image)
