@@ -13,7 +13,8 @@ a "student" is that checkpoint with a shifted 3-step grid and the I2V data it wa
     condition made from the pipeline's own encode_prompt, encode_image and prepare_latents, to 1e-5 of max |x|;
     the first-frame form keeps the given image's latent as its first frame, as the pipeline returns it;
   * prepare_data.py --prompts-only --images on the pipeline folder, then launch/sample.py --prompts on the student:
-    a decoded sample per (image, prompt) row, which depends on the image (the first-frame form starts with it).
+    a decoded sample per (image, prompt) row, which depends on the image (the first-frame form starts with it);
+    sample.py --image --prompt --pipeline makes the same condition itself.
 """
 import json
 import os
@@ -155,7 +156,13 @@ def test_sample_py_on_eval_images_prepared_from_the_pipeline(made, tmp_path):
     assert got["images"].shape == (2, c, t, h, w) and list(got["prompts"]) == ["a cat"] * 2
     assert np.abs(got["images"][0] - got["images"][1]).max() > 1e-3  # the image is read
     assert len(os.listdir(tmp_path / "s" / "media")) >= 2
+    # --image --prompt --pipeline: the same condition as row 0, made in sample.py
+    python(SAMPLE, ["--load", made["student"], "--image", tmp_path / "0.png", "--prompt", "a cat", "--pipeline",
+                    made["base"], "--out", tmp_path / "one"]).check("sample.py --image")
+    one = np.load(tmp_path / "one" / "samples.npz")["images"]
+    assert one.shape == (1, c, t, h, w) and os.listdir(tmp_path / "one" / "media")
+    cond = read_prompts(str(prompts)).cond
+    assert torch.equal(read_prompts(str(tmp_path / "one" / "conditions.safetensors")).cond, cond[:1])
     if FORMS[made["name"]][2]:  # the given frame's latent, as read back from the prompts file
-        cond = read_prompts(str(prompts)).cond
         image = cond[:, -c * h * w:].reshape(2, c, 1, h, w).clamp(-1, 1).numpy()
         np.testing.assert_array_equal(got["images"][:, :, :1], image)
