@@ -16,7 +16,10 @@ given (then the N-point grid, shifted), and with the EMA weights saved beside it
 unless --no-ema; --guidance applies to teachers only.
 --prompts FILE (an eval-prompts file, `dmd2_mega.data.prompts`): the conditions are its P prompt embeddings
 (sample i gets prompt i % P; --num-samples defaults to P), its negative (when stored) is CFG's negative branch,
-`labels` is the prompt index and `prompts` the prompt text of each sample.
+`labels` is the prompt index and `prompts` the prompt text of each sample. An image-to-video model reads a file
+written with `prepare_data.py --prompts-only --images` (an image with each prompt), whose parts must be the
+checkpoint's. --image FILE --prompt TEXT --pipeline DIR makes that file for one image and prompt
+(<out>/conditions.safetensors, at the checkpoint's size; the pipeline's VAE decodes the media unless --vae).
 --data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
 `digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores.
 Media (`dmd2_mega.eval.media`) in <out>/media/ for the first --num-media samples (default: one per prompt of
@@ -36,6 +39,7 @@ A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file,
 --prompts or --data that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
+import csv
 import json
 import os
 import sys
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from dmd2_mega.files.atomic import atomic_write  # noqa: E402
 from dmd2_mega.train.builders import data_info  # noqa: E402
@@ -85,6 +90,13 @@ def parse(argv=None):
                    help="eval-prompts file (prepare_data.py --prompts-only): the conditions, instead of --data's")
     p.add_argument("--vae", metavar="DIR", default=None,
                    help="diffusers VAE folder: decode the latents and write MP4 + GIF (video) / PNG (image) media")
+    p.add_argument("--image", metavar="FILE", default=None,
+                   help="image-to-video: the first frame to start from, with --prompt and --pipeline (the condition "
+                        "made as prepare_data.py --prompts-only --images makes it, into <out>/conditions.safetensors)")
+    p.add_argument("--prompt", metavar="TEXT", default=None, help="with --image: the prompt")
+    p.add_argument("--pipeline", metavar="DIR", default=None,
+                   help="with --image: the diffusers I2V pipeline folder whose text encoder, VAE and image encoder "
+                        "make the condition (its VAE also decodes the media unless --vae)")
     p.add_argument("--stream", action="store_true",
                    help="a causal checkpoint (--causal): generate chunk by chunk with its KV cache, print the time to "
                         "the first chunk and the chunks per second; with media, each chunk's frames are written as "
@@ -114,6 +126,15 @@ def parse(argv=None):
         raise ConfigError(f"--num-media must be >= 0, got {a.num_media}")
     if a.num_frames is not None and a.num_frames < 1:
         raise ConfigError(f"--num-frames {a.num_frames}: must be >= 1")
+    if a.image or a.prompt or a.pipeline:
+        given = [f for f, v in (("--image FILE", a.image), ("--prompt TEXT", a.prompt), ("--pipeline DIR", a.pipeline))
+                 if not v]
+        if given or a.prompts or a.data:
+            raise ConfigError(f"--image, --prompt and --pipeline go together (missing: {' '.join(given) or 'none'}) "
+                              f"and replace --prompts / --data")
+        if not os.path.isfile(a.image):
+            raise ConfigError(f"--image {a.image}: no such file (an image, or a video whose first frame is used)")
+        a.vae = a.vae or os.path.join(a.pipeline, "vae")
     return a
 
 
@@ -128,6 +149,8 @@ def sample(a: argparse.Namespace) -> None:
     ps = init_distributed(ParallelConfig(a.tensor_model_parallel_size), seed=a.seed)
     payload = load_payload(a.load, ps, a.iteration)
     args, info = payload["args"], payload["data_info"]
+    if a.image:
+        a.prompts = image_prompt(a, info, ps)
     data = a.data or (args.get("train") or {}).get("data")
     dataset = None
     text = info is None or info["num_classes"] is None
@@ -144,7 +167,7 @@ def sample(a: argparse.Namespace) -> None:
         if info["num_classes"] is not None:
             raise ConfigError(f"--prompts {a.prompts}: --load {a.load} is class-conditional ({info['num_classes']} "
                               f"classes); prompt embeddings need a text-conditioned model")
-        prompts = read_prompts(a.prompts, info["cond_shape"], flag="--prompts")
+        prompts = read_prompts(a.prompts, info["cond_shape"], flag="--prompts", cond_parts=info.get("cond_parts"))
     a.num_samples = a.num_samples or (len(prompts.texts) if prompts is not None else 100)
     shape = DataShape.from_info(info).sample_shape
     if a.num_frames is not None:
@@ -327,6 +350,34 @@ def check_conditions(dataset, info: dict, data: str, load: str) -> None:
     if got != want:
         raise DataError(f"--data {data} holds text embeddings {list(got)} (width {got[-1]}), but --load {load} takes "
                         f"{list(want)} (width {want[-1]}); give the data encoded with the model's text encoder")
+
+
+def image_prompt(a: argparse.Namespace, info: dict, ps) -> str:
+    """--image --prompt --pipeline: the one condition, written by prepare_data's --prompts-only --images (on the main
+    rank; the others wait) to <out>/conditions.safetensors at the checkpoint's size and text length."""
+    from dmd2_mega.prep.run import PrepConfig, prepare_image_prompts
+    if info is None:
+        raise ConfigError(f"--image {a.image}: --load {a.load} was converted from diffusers and records no data size; "
+                          f"write the condition at the size you want with prepare_data.py --prompts-only --images and "
+                          f"give --prompts FILE --data DIR")
+    parts = dict(info.get("cond_parts") or ())
+    if "image" not in parts:
+        raise ConfigError(f"--image {a.image}: --load {a.load} is not an image-to-video model (its data has no image "
+                          f"part); give --prompts FILE or --data")
+    out, rows = os.path.join(a.out, "conditions.safetensors"), os.path.join(a.out, "conditions.csv")
+    if ps.is_main:
+        os.makedirs(a.out, exist_ok=True)
+        spec = VAESpec.from_folder(os.path.join(a.pipeline, "vae"), "--pipeline")
+        c, t, h, w = info["latent_shape"]
+        with open(rows, "w", newline="") as f:
+            csv.writer(f).writerows([["path", "caption"], [os.path.abspath(a.image), a.prompt]])
+        prepare_image_prompts(PrepConfig(
+            text_encoder=os.path.join(a.pipeline, "text_encoder"), vae=spec.path, pipeline=a.pipeline, images=rows,
+            out=out, frames=(t - 1) * spec.temporal_factor + 1, height=h * spec.spatial_factor,
+            width=w * spec.spatial_factor, max_text_len=parts["text"][0], dtype="fp32", batch_size=1))
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
 
 def media_labels(digits: np.ndarray, directions: np.ndarray) -> list:
