@@ -140,7 +140,8 @@ class FlowTrainer(RunStateTrainer):
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
             last = k == len(batches) - 1
             with contextlib.nullcontext() if last else self.grads.no_sync():
-                loss = flow_loss_micro(self.model, x0, cond, self.dataset.null_cond(x0.shape[0]).to(ps.device), gen,
+                # the dropped condition: CFG's negative of each sample (an I2V sample keeps its image)
+                loss = flow_loss_micro(self.model, x0, cond, self.model.negative_for(cond), gen,
                                        t.timestep_shift, t.cond_dropout)
                 (loss / len(batches)).backward()
             total += loss.detach() / len(batches)

@@ -9,11 +9,16 @@
 # Env: RUN_DIR (default runs/quickstart_video), NPROC (torchrun ranks, default 1), TEACHER_ITERS, DMD2_ITERS_4STEP,
 # DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
 # default 400 = 10 per (digit, direction) prompt), LORA_RANK (the LoRA 4-step student: student and critic as rank-r
-# adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it), LORA_LR (its lr).
+# adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it), LORA_LR (its lr),
+# I2V (1: also the image-to-video rows, 0 skips them), I2V_TEACHER_ITERS, I2V_DMD2_ITERS.
+# Image-to-video (last): the same clips with each clip's first frame in the condition (--data moving-digits-i2v), a
+# wan-digits-i2v teacher trained from scratch, a 4-step DMD2 student on it, and a second table with the first-frame
+# error (mean |generated frame 0 - given frame 0|); `I2V=0 bash launch/quickstart_video.sh` skips it.
 # Measured 2026-12-03 from a fresh clone on 2 CPU cores (no GPU), after the digits quickstart had made .venv: 12m15s
 # (teacher 283 s for 1,500 steps, 4-step student 97 s, 1-step 79 s, LoRA 4-step 122 s: 80 cycles each; samples
-# 129 s). The table is in docs/usage.md ("Video quickstart"); the settings' reasons in benchmarks/RESULTS.md ("Video
-# quickstart", "LoRA students in the quickstarts").
+# 129 s), before the image-to-video rows, which add 373 s (I2V teacher 192 s; on cores shared with other jobs). The
+# tables are in docs/usage.md ("Video quickstart"); the settings' reasons in benchmarks/RESULTS.md ("Video
+# quickstart", "LoRA students in the quickstarts") and docs/usage.md ("Image-to-video rows").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
@@ -28,6 +33,9 @@ GUIDANCE="${GUIDANCE:-2}"
 NUM_SAMPLES="${NUM_SAMPLES:-400}"
 LORA_RANK="${LORA_RANK:-4}"
 LORA_LR="${LORA_LR:-2e-2}"
+I2V="${I2V:-1}"
+I2V_TEACHER_ITERS="${I2V_TEACHER_ITERS:-1000}"
+I2V_DMD2_ITERS="${I2V_DMD2_ITERS:-60}"
 SHIFT=3  # timestep shift: more training at high noise, where the direction is decided (docs/data_format.md)
 mkdir -p "$RUN_DIR"
 if [ "$NPROC" -gt 1 ]; then
@@ -106,4 +114,35 @@ python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics.json" --gif "$RUN
     | tee "$RUN_DIR/metrics.md"
 echo "== measured memory of the distillation runs (this process's roles; <save>/memory.json)"
 python -m dmd2_mega.eval.memory_table "${MEMORY[@]}" | tee -a "$RUN_DIR/metrics.md"
-echo "GIF grid: $RUN_DIR/grid.gif; clips: $S/*/media/; metrics: $RUN_DIR/metrics.json; total ${SECONDS}s"
+echo "GIF grid: $RUN_DIR/grid.gif; clips: $S/*/media/; metrics: $RUN_DIR/metrics.json"
+
+if [ "$I2V" != 0 ]; then
+    i2v_start=$SECONDS
+    echo "== image-to-video: each clip conditioned on its prompt and its first frame (--data moving-digits-i2v)"
+    "${LAUNCH[@]}" launch/pretrain_flow.py --model-size wan-digits-i2v --data moving-digits-i2v \
+        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$I2V_TEACHER_ITERS" \
+        --lr 3e-3 --min-lr 1e-5 --lr-warmup-iters 50 --clip-grad 1.0 --cond-dropout 0.1 --timestep-shift "$SHIFT" \
+        --save "$RUN_DIR/i2v_teacher" --load "$RUN_DIR/i2v_teacher" --save-interval 500 --log-interval 100 \
+        --tensorboard-dir "$RUN_DIR/tensorboard/i2v_teacher"
+    echo "   I2V teacher ready after $((SECONDS - i2v_start))s; DMD2: 4-step I2V student (K=5, CFG keeps the image)"
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits-i2v --data moving-digits-i2v \
+        --teacher-load "$RUN_DIR/i2v_teacher" --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
+        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$I2V_DMD2_ITERS" \
+        --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/i2v_student_4step" --load "$RUN_DIR/i2v_student_4step" --save-interval 40 \
+        --log-interval 20 --tensorboard-dir "$RUN_DIR/tensorboard/i2v_student_4step"
+    echo "   samples ($NUM_SAMPLES each: every prompt with the first frame of a held-out clip of its pair)"
+    for steps in 50 4; do
+        "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
+            --guidance "$GUIDANCE" --out "$S/i2v_teacher_${steps}step"
+    done
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_student_4step" --num-samples "$NUM_SAMPLES" \
+        --out "$S/i2v_student_4step"
+    python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics_i2v.json" --gif "$RUN_DIR/grid_i2v.gif" \
+        "I2V teacher, 50 Euler steps, CFG $GUIDANCE=$S/i2v_teacher_50step/samples.npz" \
+        "I2V teacher, 4 Euler steps, CFG $GUIDANCE=$S/i2v_teacher_4step/samples.npz" \
+        "I2V DMD2 student, 4 steps=$S/i2v_student_4step/samples.npz" | tee "$RUN_DIR/metrics_i2v.md"
+    echo "   image-to-video part took $((SECONDS - i2v_start))s; GIF grid: $RUN_DIR/grid_i2v.gif"
+fi
+echo "total ${SECONDS}s"

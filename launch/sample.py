@@ -21,7 +21,9 @@ written with `prepare_data.py --prompts-only --images` (an image with each promp
 checkpoint's. --image FILE --prompt TEXT --pipeline DIR makes that file for one image and prompt
 (<out>/conditions.safetensors, at the checkpoint's size; the pipeline's VAE decodes the media unless --vae).
 --data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
-`digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores.
+`digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores; --data moving-digits-i2v
+(image-to-video) gives each prompt a held-out clip's first frame and adds `first_frames` float32 [N, 1, H, W], the
+given frames (report_video's first-frame error).
 Media (`dmd2_mega.eval.media`) in <out>/media/ for the first --num-media samples (default: one per prompt of
 --prompts, else 40 videos or the grid's images), named by prompt (`<i>_<slug>`), by moving-digits prompt (`007_7_right`) or by index (`000`):
 --vae DIR (a diffusers VAE folder, `dmd2_mega.prep.vae.LatentVAE`) decodes the latents on the main rank: a video
@@ -195,12 +197,12 @@ def sample(a: argparse.Namespace) -> None:
             return torch.arange(lo, hi) % info["num_classes"]
         return eval_conditions(dataset, hi - lo, lo)
 
-    scored = prompts is None and hasattr(dataset, "condition_labels")  # moving digits: `digits`, `directions` [N]
+    scored = prompts is None and hasattr(dataset, "condition_labels")  # moving digits: `digits`, `directions`, ...
     arrays = {"images": ((n, *shape), np.float32), "labels": ((n,), np.int64)}
     if prompts is not None:
         arrays["prompts"] = ((n,), f"<U{max(1, *(len(t) for t in prompts.texts[:n]))}")
     if scored:
-        arrays.update((key, ((n,), np.int64)) for key in dataset.condition_labels(cond_of(0, 1)))
+        arrays.update((key, ((n, *v.shape[1:]), v.dtype)) for key, v in dataset.condition_labels(cond_of(0, 1)).items())
     batches = sample_batches(model, sampler, n, cond_of, shape=shape, seed=a.seed, batch_size=a.batch_size,
                              device=ps.device, dp_rank=ps.dp_rank, dp_size=ps.dp_size, dp_group=ps.dp_group)
     kept, clock_of = [], SampleTimer(clock)
@@ -380,7 +382,7 @@ def image_prompt(a: argparse.Namespace, info: dict, ps) -> str:
     return out
 
 
-def media_labels(digits: np.ndarray, directions: np.ndarray) -> list:
+def media_labels(digits: np.ndarray, directions: np.ndarray, **_) -> list:
     """Moving digits: a media name per sample, `<i>_<digit>_<direction>` (e.g. `007_7_right`)."""
     return [f"{i:03d}_{d}_{DIRECTIONS[r]}" for i, (d, r) in enumerate(zip(digits.tolist(), directions.tolist()))]
 

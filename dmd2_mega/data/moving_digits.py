@@ -42,6 +42,10 @@ CLIPS_PER_IMAGE = 4 clips, one per direction (so (digit, direction) is as balanc
 digits), with the speed from `numpy.random.RandomState(GEOMETRY_SEED + split_id)`:
 train 5,752 clips, held-out 1,436 (for every T: the speeds do not depend on T). All clips are rendered at
 once with tensor ops (`render`): memory 1 KiB per frame and clip (T = 24: 141 MB for the train split).
+
+`--data moving-digits-i2v[:T]` (`moving_digits_i2v.py`) is the same clips for image-to-video, each condition the
+prompt embedding followed by the clip's first frame (flat, `cond_parts`); `decode_conditions` reads the text part
+of such a condition (`text_part`), so the labels and the metric are the same for both sets.
 """
 import re
 from functools import lru_cache
@@ -60,6 +64,9 @@ FRAMES, HEIGHT, WIDTH = 4, 16, 16
 MIN_FRAMES = 2
 """The shortest `--data moving-digits:T`: a clip shows its direction (the prompt names it) from 2 frames on."""
 SPEC = "moving-digits"
+I2V_SPEC = "moving-digits-i2v"
+"""The image-to-video variant (`moving_digits_i2v.py`): the same clips, each conditioned on its prompt and first
+frame."""
 GLYPH = 8
 """The side of a scikit-learn digit."""
 DIRECTIONS = ("right", "left", "down", "up")
@@ -106,23 +113,31 @@ def trajectories(directions: torch.Tensor, rng: np.random.RandomState,
     return speeds, corners % torch.tensor([HEIGHT, WIDTH])
 
 
-def frames_of_spec(spec: Optional[str]) -> Optional[int]:
-    """A --data value -> the clip length it names: 'moving-digits' -> FRAMES, 'moving-digits:T' -> T, anything
-    else (digits, a shard directory) -> None. DataError naming --data unless T is an integer >= MIN_FRAMES."""
-    if spec == SPEC:
-        return FRAMES
-    if not isinstance(spec, str) or not spec.startswith(SPEC + ":"):
+def parse_spec(spec: Optional[str]) -> Optional[Tuple[str, int]]:
+    """A --data value -> (its set, SPEC or I2V_SPEC, and the clip length it names): 'moving-digits[-i2v]' ->
+    FRAMES, 'moving-digits[-i2v]:T' -> T; anything else (digits, a shard directory) -> None. DataError naming
+    --data unless T is an integer >= MIN_FRAMES."""
+    if spec in (SPEC, I2V_SPEC):
+        return spec, FRAMES
+    base = next((b for b in (SPEC, I2V_SPEC) if isinstance(spec, str) and spec.startswith(b + ":")), None)
+    if base is None:
         return None
-    count = spec[len(SPEC) + 1:]
+    count = spec[len(base) + 1:]
     if not re.fullmatch(r"[0-9]+", count) or int(count) < MIN_FRAMES:
-        raise DataError(f"--data {spec}: the frame count T of moving-digits:T must be an integer >= {MIN_FRAMES}, "
+        raise DataError(f"--data {spec}: the frame count T of {base}:T must be an integer >= {MIN_FRAMES}, "
                         f"got {count!r}")
-    return int(count)
+    return base, int(count)
 
 
-def spec_of_frames(frames: int) -> str:
-    """The --data value of clips of `frames` frames: 'moving-digits' for FRAMES, else 'moving-digits:T'."""
-    return SPEC if frames == FRAMES else f"{SPEC}:{frames}"
+def frames_of_spec(spec: Optional[str]) -> Optional[int]:
+    """A --data value -> the clip length it names (`parse_spec`: moving-digits[-i2v][:T]), else None."""
+    parsed = parse_spec(spec)
+    return parsed[1] if parsed is not None else None
+
+
+def spec_of_frames(frames: int, base: str = SPEC) -> str:
+    """The --data value of `base`'s clips of `frames` frames: `base` for FRAMES, else '<base>:T'."""
+    return base if frames == FRAMES else f"{base}:{frames}"
 
 
 def check_frames(frames) -> int:
@@ -178,13 +193,26 @@ def _all_prompts() -> torch.Tensor:
     return prompt_embedding(k % NUM_CLASSES, k // NUM_CLASSES).flatten(1)
 
 
-def decode_conditions(cond) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cond float [N, L, D] -> (digit int64 [N], direction int64 [N]): the exact inverse of `prompt_embedding`.
-    DataError if a row is not one of the 40 prompts (to float32 rounding)."""
+def text_part(cond) -> torch.Tensor:
+    """The prompt embeddings float32 [N, L, D] (on the CPU) of cond [N, L, D] (`--data moving-digits`) or of a flat
+    image-to-video condition [N, L D + T H W] (`--data moving-digits-i2v`: the text part first, then the image part
+    [1, T, H, W], T >= MIN_FRAMES); DataError for any other shape."""
     c = torch.as_tensor(cond).detach().to("cpu", torch.float32)
+    text = PROMPT_LEN * EMBED_DIM
+    image = c.shape[1] - text if c.dim() == 2 else 0  # the image part's values, T H W
+    if image >= MIN_FRAMES * HEIGHT * WIDTH and image % (HEIGHT * WIDTH) == 0:
+        return c[:, :text].reshape(len(c), PROMPT_LEN, EMBED_DIM)
     if c.dim() != 3 or tuple(c.shape[1:]) != (PROMPT_LEN, EMBED_DIM):
-        raise DataError(f"moving-digits conditions must be embeddings [N, {PROMPT_LEN}, {EMBED_DIM}], "
-                        f"got shape {tuple(c.shape)}")
+        raise DataError(f"moving-digits conditions must be embeddings [N, {PROMPT_LEN}, {EMBED_DIM}] (moving-digits-"
+                        f"i2v: [N, {text} + T x {HEIGHT * WIDTH}], the text part first), got shape {tuple(c.shape)}")
+    return c
+
+
+def decode_conditions(cond) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cond float [N, L, D] (or an image-to-video condition, of which the text part is read: `text_part`) ->
+    (digit int64 [N], direction int64 [N]): the exact inverse of `prompt_embedding`. DataError if a row is not one
+    of the 40 prompts (to float32 rounding)."""
+    c = text_part(cond)
     table = _all_prompts()
     dist = torch.cdist(c.flatten(1).double(), table.double())  # [N, 40]
     best, idx = dist.min(dim=1)
@@ -231,10 +259,14 @@ class MovingDigitsDataset(ImageDataset):
     [N, 4, 16] (the prompt embedding of (digit, direction)), negative = the empty prompt; see the module
     docstring."""
 
+    spec = SPEC
+    """The --data name of the set (a subclass's: moving-digits-i2v)."""
+
     def __init__(self, split: str = "train", frames: int = FRAMES):
         clips, digit, direction, speed, corners, index = make_clips(split, frames)
+        source = f"{spec_of_frames(int(frames), self.spec)}[{split}]"
         super().__init__(clips, prompt_embedding(digit, direction), num_classes=None,
-                         cond_shape=(PROMPT_LEN, EMBED_DIM), source=f"{spec_of_frames(int(frames))}[{split}]")
+                         cond_shape=(PROMPT_LEN, EMBED_DIM), source=source)
         self.set_negative(empty_prompt(), f"{self.source} (the empty prompt)")
         self.split = split
         self.frames = int(frames)

@@ -30,6 +30,11 @@ reads a frame as a picture on the torus, so a digit split by an edge scores as a
                         mean |roll(x_t, (dy, dx)) - x_{t+1}|: the frame-to-frame change left after motion
                         compensation, 0 for real clips (exact circular translations of a digit), large for flicker
                         or for a shape that changes
+Image-to-video samples (`--data moving-digits-i2v`: each clip was given its first frame g_n [1, H, W]) also score
+    first_frame_error = mean over n of mean |x_n[:, 0] - g_n| over the frame's pixels (in [-1, 1]; 0 when the clip
+                        starts with the given frame, 2 at most)
+    first_frame_match = mean over n of [p_0(x_n) == p(g_n)]: the classifier reads the given frame's digit in the
+                        generated first frame
 Real held-out clips score digit accuracy = the classifier's held-out frame accuracy (~98%), direction
 accuracy 1, consistency ~0.99, warp_error 0, for every T; a clip repeating its first frame has mean_speed 0 and
 direction accuracy 0; a clip played backwards has direction accuracy 0; uniform noise has no position (speed 0).
@@ -40,8 +45,9 @@ Memory: O(N T H W) for the samples; cached per T: the held-out reference (featur
 the floor.
 
 CLI: `python -m dmd2_mega.eval.moving_digits samples.npz` with keys `images` float [N, 1, T, H, W] in
-[-1, 1], `digits` and `directions` int [N] (launch/sample.py writes them for --data moving-digits[:T]);
-prints the dict as JSON on stdout. `report_video` prints several as one table.
+[-1, 1], `digits` and `directions` int [N] (launch/sample.py writes them for --data moving-digits[:T]) and, when
+present, `first_frames` float [N, 1, H, W] (--data moving-digits-i2v[:T]); prints the dict as JSON on stdout.
+`report_video` prints several as one table.
 """
 from __future__ import annotations
 
@@ -150,6 +156,12 @@ def warp_error(clips: torch.Tensor) -> torch.Tensor:
     return best.mean(1)
 
 
+def first_frame_error(clips: torch.Tensor, first_frames: torch.Tensor) -> torch.Tensor:
+    """Per clip [N]: mean |clips[n, :, 0] - first_frames[n]| over the frame's pixels (clips [N, 1, T, H, W], given
+    first frames [N, 1, H, W])."""
+    return (clips[:, :, 0].float() - first_frames.float()).abs().flatten(1).mean(1)
+
+
 def _features_and_predictions(clf, clips: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """clips [N, 1, T, H, W] -> (features of the unwrapped frames float32 [N, T, 64], predicted digit int64
     [N, T])."""
@@ -197,9 +209,11 @@ def check_clips(images, frames: int | None = None) -> torch.Tensor:
     return check_pixels(images, (1, t, HEIGHT, WIDTH), "clips")
 
 
-def evaluate_moving_digits(images, digits, directions, cache: str | None = None, frames: int | None = None) -> dict:
+def evaluate_moving_digits(images, digits, directions, cache: str | None = None, frames: int | None = None,
+                           first_frames=None) -> dict:
     """Metrics (module docstring) of clips [N, 1, T, H, W] in [-1, 1] conditioned on digits, directions int [N];
-    `frames`: the T the clips must have (None: any T >= 2)."""
+    `frames`: the T the clips must have (None: any T >= 2); `first_frames` [N, 1, H, W] in [-1, 1]: the frames an
+    image-to-video model was given (adds first_frame_error and first_frame_match)."""
     x = check_clips(images, frames)
     k = check_ids(digits, len(x), "digits", NUM_CLASSES)
     d = check_ids(directions, len(x), "directions", len(DIRECTIONS))
@@ -209,6 +223,14 @@ def evaluate_moving_digits(images, digits, directions, cache: str | None = None,
     fd = _per_frame_fd(feats, held_feats)
     floor = _floor(cache, t, len(x))
     velocity = fit_velocity(centroid_tracks(x))
+    given = {}
+    if first_frames is not None:
+        g = check_pixels(first_frames, (1, HEIGHT, WIDTH), "first_frames")
+        if len(g) != len(x):
+            raise EvalInputError(f"first_frames has {len(g)} frames for {len(x)} clips")
+        given = {"first_frame_error": first_frame_error(x, g).mean().item(),
+                 "first_frame_match": (pred[:, 0] == _features_and_predictions(clf, g[:, :, None])[1][:, 0])
+                 .double().mean().item()}
     return {
         "frechet_distance": fd,
         "frechet_floor": floor,
@@ -221,6 +243,7 @@ def evaluate_moving_digits(images, digits, directions, cache: str | None = None,
         "num_samples": int(len(x)),
         "num_frames": int(t),
         "classifier_heldout_accuracy": held_acc,
+        **given,
     }
 
 
@@ -230,12 +253,19 @@ def load_samples(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                     "sample a --data moving-digits[:T] model with launch/sample.py")
 
 
+def load_first_frames(path: str) -> np.ndarray | None:
+    """The `first_frames` [N, 1, H, W] of an image-to-video samples.npz, None when it has none."""
+    with np.load(path) as npz:
+        return npz["first_frames"] if "first_frames" in npz.files else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dmd2_mega.eval.moving_digits", description=__doc__.split("\n")[0])
-    p.add_argument("samples", help=".npz with images [N, 1, T, H, W] in [-1, 1], digits and directions int [N]")
+    p.add_argument("samples", help=".npz with images [N, 1, T, H, W] in [-1, 1], digits and directions int [N] "
+                                   "(image-to-video: first_frames [N, 1, H, W])")
     args = p.parse_args(argv)
     try:
-        result = evaluate_moving_digits(*load_samples(args.samples))
+        result = evaluate_moving_digits(*load_samples(args.samples), first_frames=load_first_frames(args.samples))
     except EvalInputError as e:
         print(f"error: {args.samples}: {e}" if args.samples not in str(e) else f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@ wan-digits is the teacher of the embedded `--data moving-digits` clips [1, 4, 16
 (1, 2, 2) (256 tokens) took 0.24-0.8 s per step and after 1,500 steps still drew noise (10% digit accuracy);
 hidden 64 at patch (1, 2, 2) cost 2-8x more per step; at patch (1, 4, 4) hidden 64 x 4 layers costs 0.25 s
 per step and reaches 88% digit accuracy in 1,800 steps.
+wan-digits-i2v is wan-digits in the concat image-to-video form (`models/wan/image.py`) for `--data
+moving-digits-i2v`: in_channels 2 x 1 + 4 = 6 (the clip, the 4-channel first-frame mask, the given first frame
+followed by zero frames), out_channels 1, no CLIP embedding (image_dim None).
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ MODEL_SIZES: dict[str, ModelSize] = dict([
     _wan("wan-debug", num_heads=2, head_dim=12, num_layers=2, ffn_dim=48, in_channels=4, out_channels=4,
          text_dim=16, freq_dim=16),
     _wan("wan-digits", num_heads=4, head_dim=16, num_layers=4, ffn_dim=256, in_channels=1, out_channels=1,
+         text_dim=16, freq_dim=32, patch_size=(1, 4, 4)),
+    _wan("wan-digits-i2v", num_heads=4, head_dim=16, num_layers=4, ffn_dim=256, in_channels=6, out_channels=1,
          text_dim=16, freq_dim=32, patch_size=(1, 4, 4)),
     _wan("wan2.1-1.3b", num_heads=12, head_dim=128, num_layers=30, ffn_dim=8960),
     _wan("wan2.1-14b", num_heads=40, head_dim=128, num_layers=40, ffn_dim=13824),
