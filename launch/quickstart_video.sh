@@ -16,7 +16,7 @@
 # error (mean |generated frame 0 - given frame 0|); `I2V=0 bash launch/quickstart_video.sh` skips it.
 # Measured 2026-12-03 from a fresh clone on 2 CPU cores (no GPU), after the digits quickstart had made .venv: 12m15s
 # (teacher 283 s for 1,500 steps, 4-step student 97 s, 1-step 79 s, LoRA 4-step 122 s: 80 cycles each; samples
-# 129 s), before the image-to-video rows, which add 373 s (I2V teacher 192 s; on cores shared with other jobs). The
+# 129 s), before the image-to-video rows; with them 16m38s (the I2V rows 323 s, the I2V teacher 176 s of it). The
 # tables are in docs/usage.md ("Video quickstart"); the settings' reasons in benchmarks/RESULTS.md ("Video
 # quickstart", "LoRA students in the quickstarts") and docs/usage.md ("Image-to-video rows").
 set -euo pipefail
