@@ -128,17 +128,17 @@ def readme(load: str, which: str, sigmas, experts: bool, latent: Optional[list],
                 f"height, width = {h} * pipe.vae_scale_factor_spatial, {w} * pipe.vae_scale_factor_spatial\n")
         at = ", num_frames=num_frames, height=height, width=width"
     else:
-        size = ("# the size it was trained at is not recorded (converted from a public checkpoint): give num_frames=,\n"
-                "# height= and width= to pipe(...) (WanPipeline's default is 81 x 480 x 832)\n")
+        size = (f"# the size it was trained at is not recorded (converted from a public checkpoint): give num_frames=,\n"
+                f"# height= and width= to pipe(...) ({pipeline}'s default is 81 x 480 x 832)\n")
         at = ""
     if sigmas:
-        run = (f"# the student's own sigmas: WanPipeline calls scheduler.set_timesteps(num_inference_steps), which gives\n"
+        run = (f"# the student's own sigmas: {pipeline} calls scheduler.set_timesteps(num_inference_steps), which gives\n"
                f"# diffusers' {len(sigmas)}-step grid, not these; without this line it samples at the wrong noise levels\n"
                f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
                f"sigmas={[float(x) for x in sigmas]})\n{size}"
                f"# {len(sigmas)} steps, no CFG (the student was distilled with the teacher's guidance). Each step predicts x0\n"
                f"# and re-noises it to the next sigma with fresh noise (stochastic_sampling, the student's sampler), which\n"
-               f"# WanPipeline draws from torch's global RNG (it passes no generator to scheduler.step): torch.manual_seed,\n"
+               f"# {pipeline} draws from torch's global RNG (it passes no generator to scheduler.step): torch.manual_seed,\n"
                f"# not generator=, makes a video repeatable\n"
                f"torch.manual_seed(0)\n"
                f'video = pipe({image_arg}prompt="...", guidance_scale=1.0, num_inference_steps={len(sigmas)}{at})'
