@@ -55,7 +55,7 @@ class LatentDataset(ABC):
     @property
     def negative_shape(self) -> Optional[tuple]:
         """The negative prompt's shape: the text part of a condition of parts, else cond_shape."""
-        return dict(self.cond_parts)["text"] if self.cond_parts else self.cond_shape
+        return text_shape(self.cond_parts, self.cond_shape)
 
     def null_cond(self, n: int) -> torch.Tensor:
         """The null (unconditional) condition for n samples: class id num_classes, the negative-prompt
@@ -105,6 +105,17 @@ def check_parts(parts: Sequence, cond_shape: Optional[tuple], source: str) -> tu
         raise DataError(f"{source}: 'cond_parts' must be [[name, [sizes...]], ...], found {parts!r}") from None
     size = sum(math.prod(shape) for _, shape in out)
     if "text" not in dict(out) or cond_shape is None or tuple(cond_shape) != (size,):
-        raise DataError(f"{source}: 'cond_parts' {[[n, list(s)] for n, s in out]} (a 'text' part and others, "
+        raise DataError(f"{source}: 'cond_parts' {parts_record(out)} (a 'text' part and others, "
                         f"{size} values flat) do not describe cond_shape {list(cond_shape or [])}")
     return out
+
+
+def parts_record(parts: Sequence) -> list:
+    """((name, shape), ...) as stored: [[name, [sizes...]], ...] (index.json's, data_info's and an eval-prompts
+    file's "cond_parts")."""
+    return [[name, list(shape)] for name, shape in parts]
+
+
+def text_shape(parts: Optional[Sequence], cond_shape) -> tuple:
+    """The shape of a negative prompt: the text part of a condition of parts, else the condition's own shape."""
+    return tuple(dict(parts)["text"] if parts else cond_shape)

@@ -23,7 +23,7 @@ from safetensors.torch import save
 
 from dmd2_mega.files.atomic import atomic_write
 from dmd2_mega.errors import DataError
-from .dataset import check_parts
+from .dataset import check_parts, parts_record, text_shape
 
 
 @dataclass
@@ -56,14 +56,14 @@ def write_prompts(path: str, cond: torch.Tensor, texts: Sequence[str], negative:
     parts = check_parts(cond_parts, tuple(cond.shape[1:]), f"write_prompts {path}") if cond_parts else None
     meta = {"prompts": json.dumps(list(texts))}
     if parts:
-        meta["cond_parts"] = json.dumps([[name, list(shape)] for name, shape in parts])
+        meta["cond_parts"] = json.dumps(parts_record(parts))
     if images is not None:
         if len(images) != len(texts) or not all(isinstance(i, str) for i in images):
             raise DataError(f"write_prompts {path}: images must be {len(texts)} paths, got {list(images)!r}")
         meta["images"] = json.dumps(list(images))
     tensors = {"cond": cond.contiguous()}
     if negative is not None:
-        want = dict(parts)["text"] if parts else tuple(cond.shape[1:])
+        want = text_shape(parts, cond.shape[1:])
         if tuple(negative.shape) != tuple(want):
             raise DataError(f"write_prompts {path}: negative must be {list(want)}, got {list(negative.shape)}")
         tensors["negative"] = negative.contiguous()
@@ -106,7 +106,7 @@ def read_prompts(path: str, cond_shape: Optional[Sequence[int]] = None, flag: st
         if have != takes:
             raise DataError(f"{flag} {path}: the conditions' parts are {have}, but the model takes {takes} (write "
                             f"it with prepare_data.py --prompts-only --images, the model's pipeline and sizes)")
-    want = dict(parts)["text"] if parts else tuple(cond.shape[1:])
+    want = text_shape(parts, cond.shape[1:])
     if negative is not None and tuple(negative.shape) != tuple(want):
         raise DataError(f"{flag} {path}: 'negative' is {list(negative.shape)}, expected {list(want)} (the "
                         f"{'text part' if parts else 'embedding'} of a condition)")

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from dmd2_mega.files.atomic import atomic_path, atomic_write
 from dmd2_mega.errors import DataError
-from .dataset import check_parts
+from .dataset import check_parts, parts_record, text_shape
 from .shard_index import INDEX, NEGATIVE
 
 
@@ -41,7 +41,7 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
     else:
         index.update(cond="embedding", cond_shape=list(cond.shape[1:]))
         if parts is not None:
-            index["cond_parts"] = [[name, list(shape)] for name, shape in parts]
+            index["cond_parts"] = parts_record(parts)
     os.makedirs(path, exist_ok=True)
     key = "labels" if labels is not None else "cond"
     for i, start in enumerate(range(0, n, shard_size)):
@@ -51,7 +51,7 @@ def write_shards(path: str, latents: torch.Tensor, labels: Optional[torch.Tensor
             save_file({"latents": latents[sl].contiguous(), key: c[sl].contiguous()}, tmp)
         index["shards"].append({"file": name, "num_samples": int(latents[sl].shape[0])})
     if negative is not None:
-        text = dict(parts)["text"] if parts else c.shape[1:]
+        text = text_shape(parts, c.shape[1:])
         if cond is None or tuple(negative.shape) != tuple(text):
             raise DataError(f"write_shards: negative must be one embedding {list(text)} of text data, got "
                             f"{list(negative.shape)}")

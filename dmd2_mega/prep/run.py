@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dmd2_mega.data.dataset import parts_record
 from dmd2_mega.data.prompts import write_prompts
 from dmd2_mega.files.dir_lock import DirLock
 from dmd2_mega.errors import ConfigError, DataError
@@ -216,7 +217,7 @@ def prepare(cfg: PrepConfig) -> Optional[dict]:
         cond = {"cond": "embedding", "cond_shape": cond_shape}
         cond_line = f"cond {cond_shape}"
         if image is not None:  # one flat condition per clip (image.py); settings name the form and parts
-            parts = [[name, list(shape)] for name, shape in image.parts(cond_shape, latent_shape)]
+            parts = parts_record(image.parts(cond_shape, latent_shape))
             cond = {"cond": "embedding", "cond_shape": [sum(math.prod(p) for _, p in parts)], "cond_parts": parts}
             settings.update(image_condition=image.form, cond_parts=parts)
             cond_line = f"cond {cond['cond_shape']} = {' + '.join(f'{n} {p}' for n, p in parts)}; {image.describe()}"

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dmd2_mega import flow
+from dmd2_mega.data.dataset import parts_record
 from dmd2_mega.errors import ConfigError, DataError
 from dmd2_mega.files.dir_lock import DirLock
 
@@ -106,7 +107,7 @@ def data_cond(dataset) -> dict:
         return {"cond": "labels", "num_classes": int(dataset.num_classes)}
     parts = getattr(dataset, "cond_parts", None)
     return {"cond": "embedding", "cond_shape": list(dataset.cond_shape),
-            **({"cond_parts": [[name, list(shape)] for name, shape in parts]} if parts else {})}
+            **({"cond_parts": parts_record(parts)} if parts else {})}
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from dmd2_mega.data.dataset import parts_record
 from dmd2_mega.config import ModelConfig, OptimConfig
 from dmd2_mega.train.dist_optim import DistributedOptimizer
 from dmd2_mega.train.grad_buffer import GradBuffer
@@ -38,7 +39,7 @@ def data_info(dataset) -> dict:
             "num_classes": dataset.num_classes,
             "cond_shape": tuple(dataset.cond_shape) if dataset.cond_shape is not None else None}
     if getattr(dataset, "cond_parts", None):  # a condition of parts (`models.DataShape.cond_parts`)
-        info["cond_parts"] = [[name, list(shape)] for name, shape in dataset.cond_parts]
+        info["cond_parts"] = parts_record(dataset.cond_parts)
     if len(dataset.spatial) == 2 and dataset.spatial[0] == dataset.spatial[1]:
         info["image_size"] = dataset.spatial[0]
     return info
