@@ -227,7 +227,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dmd2 GAN head and student EMA")
     _planned(g, "--dmd2-gan")
     _flag(g, "--dmd2-gan-feature-layer", GANConfig, "feature_layer", type=int,
-          help="critic block whose token-mean output feeds the head (default the middle block)")
+          help="critic block whose token-mean output feeds the head (default the last block of the first half)")
     _flag(g, "--dmd2-gan-noise", GANConfig, "noise", action=argparse.BooleanOptionalAction,
           help="noise real and fake to a sigma in the GAN range (default) or feed them clean")
     _flag(g, "--dmd2-gan-sigma-range", GANConfig, "sigma_range", type=float, nargs=2, metavar=("MIN", "MAX"),

@@ -424,7 +424,7 @@ class GANConfig:
     enabled: bool = False
     """--dmd2-gan: train a GAN head on the critic's features; its generator loss joins the actor's."""
     feature_layer: Optional[int] = None
-    """--dmd2-gan-feature-layer: critic block feeding the head (default the middle one)."""
+    """--dmd2-gan-feature-layer: critic block feeding the head (default the last one of the first half)."""
     noise: bool = True
     """--dmd2-gan-noise / --no-dmd2-gan-noise: noise the head's inputs to a sigma of the GAN range."""
     sigma_range: Optional[tuple] = None

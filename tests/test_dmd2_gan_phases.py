@@ -2,11 +2,14 @@
 
 Critic with a head: the package's GANCritic (layer 0) around TinyTrunk = TinyNet plus
 features(x, sigma, c, 0) = its hidden layer h = tanh(W1 x + table[c] + sigma w_s) [B, 5], in float64;
-forward(x, sigma, c, gan_inputs=(x', sigma', c')) returns (v, head(features(x'))).
-Critic step k, micro j (generator of j, after the flow-matching draws idx, eps):
-    idx' ~ randint(#score choices, 2B), eps' ~ randn(2B, ...):  x' = (1 - s') [x0hat; real] + s' eps'
-    (--no-dmd2-gan-noise: x' = [x0hat; real], s' = 0, nothing drawn)
-    L = mean_n fm_n + w_D (mean softplus(D(x'_fake)) + mean softplus(-D(x'_real)))
+forward(x, sigma, c, extra=(x', sigma', c')) returns (v, head(features(x)), head(features(x'))).
+Critic step k, micro j (generator of j): idx, eps of the flow-matching step, x_s at sigma, then
+    fakes: x_s itself, counted where sigma is a point of the GAN range (a range wider than the score range, so that
+        the first step's full-grid draws fall both in and out of it);
+    reals: rows [kB, kB + r) of the micro-batch's samples, idx' ~ randint(#GAN choices, r), eps' ~ randn(r, ...):
+        x' = (1 - s') real + s' eps'   (--no-dmd2-gan-noise: fakes x0hat and reals at s' = 0, nothing drawn)
+    L = mean_n fm_n + w_D (mean over counted fakes of softplus(D(fake)) + mean softplus(-D(x'_real)))
+    (the unweighted head's maths on the counted rows: a step with none counted has the real term only)
 The recorded gradients of step k equal autograd of (1/M) sum_j L at the recorded parameters.
 Actor, micro j (actor generator of j): x0hat = x - sigma v_S(x);  x' = (1 - s') x0hat + s' eps'
 (idx' then eps' drawn); L = DMD + w_G mean softplus(-D(x')); the student's gradients equal the
@@ -43,6 +46,9 @@ class TinyTrunk(TinyNet):
         assert layer == 0
         return torch.tanh(x.reshape(x.shape[0], -1) @ self.w1 + self.table(cond) + sigma.to(F64)[:, None] * self.ws)
 
+    def forward_features(self, x, sigma, cond, layer):
+        return self(x, sigma, cond), self.features(x, sigma, cond, layer)
+
 
 def tiny_gan(seed: int) -> GANCritic:
     model = GANCritic(TinyTrunk(seed), layer=0, seed=seed).double()
@@ -65,9 +71,13 @@ def reals_for(k_steps: int) -> list:
     return [torch.randn(k_steps * B, *SHAPE, generator=g, dtype=F64).clamp(-1, 1) for _ in range(M)]
 
 
-def settings(noise: bool) -> GANSettings:
-    grid, in_range = critic_grid(G, SHIFT, RANGE)
-    return GANSettings(W_D, W_G, noise, grid[in_range])
+GAN_RANGE = (0.2, 0.75)  # wider than the score range RANGE: the first step's draws fall in and out of it
+R = 2  # real samples per critic step, fewer than B
+
+
+def settings(noise: bool, sigma_range: tuple = RANGE) -> GANSettings:
+    grid, in_range = critic_grid(G, SHIFT, sigma_range)
+    return GANSettings(W_D, W_G, noise, grid[in_range], real_rows=R)
 
 
 @pytest.mark.parametrize("noise", [True, False], ids=["noised", "clean"])
@@ -76,12 +86,14 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
     critic = tiny_gan(seed=1)
     opt = RecordingOptimizer(critic, OptimConfig(lr=0.05, clip_grad=1.0, weight_decay=0.01))
     rollouts, reals = make_rollouts(k_steps), reals_for(k_steps)
+    gan = settings(noise, GAN_RANGE)
     _, metrics = critic_phase(FakeRole(critic, opt), FakeRole(FakeTeacher()), rollouts,
-                              micro_batches(rollouts, reals=reals), cycle_settings(k_steps, gan=settings(noise)))
+                              micro_batches(rollouts, reals=reals), cycle_settings(k_steps, gan=gan))
     full, mask = ref_grid()
     score = full[mask]
+    gan_choices = critic_grid(G, SHIFT, GAN_RANGE)[0][critic_grid(G, SHIFT, GAN_RANGE)[1]]
     rgens = [torch.Generator().manual_seed(gen_seed(j)) for j in range(M)]
-    d_losses = []
+    d_losses, counted = [], []
     assert len(opt.records) == k_steps
     for k, (params, grads) in enumerate(opt.records):
         model = model_at(critic, params)
@@ -95,16 +107,21 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
             s = sigma.to(F64).reshape(-1, 1, 1, 1)
             x_s = (1 - s) * x0hat + s * eps
             fm = ref_fm_loss(model(x_s, sigma, cond), x0hat, eps, sigma, x_s, "velocity").mean()
-            both = torch.cat([x0hat, reals[j][rows]])
-            if noise:
-                idx = torch.randint(0, score.numel(), (2 * B,), generator=rgens[j])
-                sg = score[idx]
-                eg = torch.randn(both.shape, generator=rgens[j], dtype=F64)
-                xg = (1 - sg.to(F64).reshape(-1, 1, 1, 1)) * both + sg.to(F64).reshape(-1, 1, 1, 1) * eg
+            real = reals[j][k * B:k * B + R]
+            if noise:  # the fakes: the step's own inputs, those at a GAN-range sigma
+                keep = torch.tensor([float(v) in gan_choices.tolist() for v in sigma])
+                fake = ref_logits(model, x_s, sigma, cond)[keep]
+                idx = torch.randint(0, gan_choices.numel(), (R,), generator=rgens[j])
+                sg = gan_choices[idx]
+                eg = torch.randn(real.shape, generator=rgens[j], dtype=F64)
+                xr = (1 - sg.to(F64).reshape(-1, 1, 1, 1)) * real + sg.to(F64).reshape(-1, 1, 1, 1) * eg
             else:
-                xg, sg = both, torch.zeros(2 * B)
-            logits = ref_logits(model, xg, sg, torch.cat([cond, cond]))
-            ld = F.softplus(logits[:B]).mean() + F.softplus(-logits[B:]).mean()
+                keep = torch.ones(B, dtype=torch.bool)
+                fake = ref_logits(model, x0hat, torch.zeros(B), cond)
+                xr, sg = real, torch.zeros(R)
+            counted.append(int(keep.sum()))
+            fake_term = F.softplus(fake).mean() if keep.any() else torch.zeros((), dtype=F64)
+            ld = fake_term + F.softplus(-ref_logits(model, xr, sg, cond[:R])).mean()
             d_losses.append(float(ld.detach()))
             total = total + (fm + W_D * ld) / M
         total.backward()
@@ -114,6 +131,33 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
             assert err < 1e-6, f"step {k}: gradient of {n} differs from the replay (rel {err:.2e})"
         assert model.head.mlp[2].weight.grad.abs().max() > 1e-4  # the head really trains
     assert float(metrics["gan-disc-loss"]) == pytest.approx(sum(d_losses) / len(d_losses), rel=1e-6)
+    assert float(metrics["gan-fake-share"]) == pytest.approx(sum(counted) / (len(counted) * B), rel=1e-6)
+    if noise:  # the masking is exercised: the first step counted some rows and left out others
+        assert 0 < sum(counted[:M]) < M * B, counted
+
+
+def test_critic_step_with_gan_reads_one_forward_per_fake_row():
+    """Riding on the critic's forward: each critic step runs the trunk's forward_features on the B fakes and a
+    features-only forward on the R reals, nothing else (the clean form adds a forward on the B fakes)."""
+    calls = []
+
+    class Counting(TinyTrunk):
+        def forward_features(self, x, sigma, cond, layer):
+            calls.append(("both", x.shape[0]))
+            return self(x, sigma, cond), TinyTrunk.features(self, x, sigma, cond, layer)
+
+        def features(self, x, sigma, cond, layer):
+            calls.append(("features", x.shape[0]))
+            return super().features(x, sigma, cond, layer)
+
+    for noise, want in ((True, [("both", B), ("features", R)]), (False, [("both", B), ("features", B + R)])):
+        critic = GANCritic(Counting(1), layer=0, seed=1).double()
+        opt = RecordingOptimizer(critic, OptimConfig(lr=0.05, clip_grad=1.0))
+        rollouts = make_rollouts(1)
+        calls.clear()
+        critic_phase(FakeRole(critic, opt), FakeRole(FakeTeacher()), rollouts,
+                     micro_batches(rollouts, reals=reals_for(1)), cycle_settings(1, gan=settings(noise)))
+        assert calls == want * M, (noise, calls)
 
 
 def test_actor_generator_loss_reaches_student_only():

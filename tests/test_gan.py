@@ -4,7 +4,9 @@ import math
 import pytest
 import torch
 
-from dmd2_mega.methods.dmd2.gan import GANCritic, GANHead, discriminator_loss, generator_loss, holds_head
+from dmd2_mega.errors import ConfigError
+from dmd2_mega.methods.dmd2.gan import (GANCritic, GANHead, discriminator_loss, generator_loss, holds_head,
+                                         resolve_layer)
 from dmd2_mega.models import DataShape, build_model
 from tests.utils import world_of_one
 
@@ -23,6 +25,16 @@ def test_losses_and_gradients_match_closed_form():
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731  d softplus / dz
     assert fake.grad.tolist() == pytest.approx([sig(z) / 3 for z in fake.tolist()], rel=1e-12)
     assert real.grad.tolist() == pytest.approx([-sig(-z) / 2 for z in real.tolist()], rel=1e-12)
+    # with weights: the fake mean is over the counted rows only (the critic forward's rows in the GAN range)
+    fake.grad = real.grad = None
+    w = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    ld = discriminator_loss(fake, real, w)
+    ref = (_softplus(0.3) + _softplus(2.0)) / 2 + sum(_softplus(-z) for z in real.tolist()) / 2
+    assert ld.item() == pytest.approx(ref, rel=1e-12)
+    ld.backward()
+    assert fake.grad.tolist() == pytest.approx([sig(0.3) / 2, 0.0, sig(2.0) / 2], rel=1e-12)
+    none = discriminator_loss(fake, real, torch.zeros(3, dtype=torch.float64))  # no counted fake: the real term
+    assert none.item() == pytest.approx(sum(_softplus(-z) for z in real.tolist()) / 2, rel=1e-12)
     g = fake.detach().clone().requires_grad_(True)
     lg = generator_loss(g)
     assert lg.item() == pytest.approx(sum(_softplus(-z) for z in g.tolist()) / 3, rel=1e-12)
@@ -71,8 +83,10 @@ def test_gan_critic_velocity_logits_and_state_keys(world):
     v_trunk = trunk(x, s, y)
     v = critic(x, s, y)
     torch.testing.assert_close(v, v_trunk, rtol=0, atol=0)  # the critic's velocity is the trunk's
-    v2, logits = critic(x, s, y, gan_inputs=(xg, sg, yg))
-    torch.testing.assert_close(v2, v_trunk, rtol=0, atol=0)  # the GAN inputs do not change the velocity
+    v2, fake, logits = critic(x, s, y, extra=(xg, sg, yg))
+    torch.testing.assert_close(v2, v_trunk, rtol=0, atol=0)  # the features and extra inputs leave the velocity as is
+    # the logits on x itself come from the same forward's block-1 features: those of the truncated forward
+    torch.testing.assert_close(fake, critic.head(trunk.features(x, s, y, 1)), rtol=0, atol=0)
     assert logits.shape == (4,) and logits.dtype == torch.float32
     want = critic.head(trunk.features(xg, sg, yg, 1))  # the head on block 1's token-mean features
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
@@ -87,3 +101,58 @@ def test_gan_critic_velocity_logits_and_state_keys(world):
     same, other = GANCritic(trunk, 1, 5).head.state_dict(), GANCritic(trunk, 1, 6).head.state_dict()
     assert all(torch.equal(w, same[k]) for k, w in critic.head.state_dict().items())
     assert not all(torch.equal(w, other[k]) for k, w in critic.head.state_dict().items())
+
+
+def _wan(boundary=None, causal=None):
+    from dataclasses import replace
+
+    from dmd2_mega.models.causal import CausalLayout
+    from dmd2_mega.models.family import BuildOptions
+    from dmd2_mega.models.wan.family import WanFamily
+    from tests.test_causal_wan import SPEC
+    torch.manual_seed(4)
+    spec = replace(SPEC, boundary_ratio=boundary)
+    options = BuildOptions(causal=CausalLayout(2) if causal else None)
+    m = WanFamily().build(spec, DataShape(4, (4, 4, 6), cond_shape=(3, 16)), options=options)
+    with torch.no_grad():
+        for p in m.parameters():  # nothing zero-initialised stays zero
+            p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+@pytest.mark.parametrize("kind", ["dit", "wan", "wan-experts", "causal-wan"])
+def test_forward_features_is_forward_and_features_of_one_pass(world, kind):
+    """The GAN head's tap on the critic's own forward: the velocity equals forward's and the features equal the
+    truncated features', exactly (the same arithmetic), for every family's model; and it is one pass."""
+    g = torch.Generator().manual_seed(9)
+    if kind == "dit":
+        model = _perturbed_debug_dit()
+        x, s, c = torch.randn(4, 1, 8, 8, generator=g), torch.rand(4, generator=g), torch.tensor([1, 2, 10, 3])
+    else:
+        model = _wan(boundary=0.5 if kind == "wan-experts" else None, causal=kind == "causal-wan")
+        x, c = torch.randn(4, 4, 4, 4, 6, generator=g), torch.randn(4, 3, 16, generator=g)
+        s = torch.tensor([0.9, 0.2, 0.7, 0.3])  # both experts' sides of boundary 0.5 in one batch
+    with torch.no_grad():
+        for layer in range(model.num_feature_layers):
+            v, f = model.forward_features(x, s, c, layer)
+            assert torch.equal(v, model(x, s, c)), f"{kind}: forward_features' velocity differs, layer {layer}"
+            assert torch.equal(f, model.features(x, s, c, layer)), f"{kind}: its features differ, layer {layer}"
+            assert f.shape == (4, model.feature_dim)
+    blocks = [m for n, m in model.named_modules() if n.endswith("blocks.0")]
+    calls = []
+    for blk in blocks:
+        blk.register_forward_pre_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        model.forward_features(x, s, c, 1)
+    assert len(calls) == len(blocks), "forward_features ran block 0 more than once per expert"
+    with pytest.raises(IndexError, match="feature layer"):
+        model.forward_features(x, s, c, model.num_feature_layers)
+
+
+def test_default_feature_layer_is_the_last_of_the_first_half():
+    """The head's default block: the last of the first half, so the real samples' and the actor's forwards run half
+    the critic (the bottleneck of DMD2's UNet classifier); an odd count's middle block."""
+    assert [resolve_layer(None, n) for n in (1, 2, 4, 5, 28, 30, 40)] == [0, 0, 1, 2, 13, 14, 19]
+    assert resolve_layer(3, 4) == 3
+    with pytest.raises(ConfigError, match=r"--dmd2-gan-feature-layer must be in \[0, 3\]"):
+        resolve_layer(4, 4)

@@ -291,5 +291,5 @@ def test_family_interface_is_enforced():
         def forward(self, x, sigma, cond):
             return x
 
-    with pytest.raises(TypeError, match="features, null_cond"):
+    with pytest.raises(TypeError, match="features, forward_features, null_cond"):
         VelocityOnly()

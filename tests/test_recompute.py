@@ -42,8 +42,8 @@ def models(recompute: bool):
 def run(student, critic):
     g = torch.Generator().manual_seed(2)
     x, s, y = torch.randn(4, 1, 8, 8, generator=g, dtype=F64), torch.rand(4, generator=g), torch.arange(4)
-    v, logits = critic(x, s, y, gan_inputs=(x.flip(0), s.flip(0), y))  # the critic step's one forward
-    (v.square().mean() + logits.square().mean()).backward()
+    v, fake, real = critic(x, s, y, extra=(x.flip(0), s.flip(0), y))  # the critic step's one forward
+    (v.square().mean() + fake.square().mean() + real.square().mean()).backward()
     critic_grads = {n: p.grad.clone() for n, p in critic.named_parameters()}
     critic.zero_grad()
     x0hat = x - s.to(F64).view(-1, 1, 1, 1) * student(x, s, y)  # the actor: through the frozen critic

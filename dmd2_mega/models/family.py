@@ -18,6 +18,9 @@ Every model is a `FamilyModel`:
     features(x, sigma, cond, layer) -> [B, feature_dim]
         token mean of block `layer`'s output (0 <= layer < num_feature_layers; the blocks after it
         are not run): what DMD2's GAN head reads.
+    forward_features(x, sigma, cond, layer) -> (v, features)
+        both from one forward: the velocity and the token mean of block `layer`'s output on the way (equal to
+        `forward` and `features`): the GAN head reads the critic's own flow-matching forward at no extra cost.
     null_cond(n, device) -> [n, ...]
         the negative / null condition of classifier-free guidance: the learned null class, or for text the
         negative-prompt embedding given by `set_negative` (the data's; zeros until then).
@@ -144,6 +147,11 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         """Token mean of block `layer`'s output [B, feature_dim]."""
+
+    @abc.abstractmethod
+    def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
+                         layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v [B, *shape], token mean of block `layer`'s output [B, feature_dim]) from one forward."""
 
     @abc.abstractmethod
     def null_cond(self, n: int, device) -> torch.Tensor:

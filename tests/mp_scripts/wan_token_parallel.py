@@ -51,6 +51,9 @@ def run(ps, name: str, cp: int, sp: bool, recompute: bool, out_dir: str) -> None
     x, sigma, cond, target = inputs()
     out = model(x, sigma, cond)
     feats = model.features(x, sigma, cond, 0)
+    with torch.no_grad():  # the GAN head's tap: velocity and features of one forward, equal to the two calls
+        both = model.forward_features(x, sigma, cond, 0)
+    assert torch.equal(both[0], out) and torch.equal(both[1], feats), f"{name}, rank {ps.rank}: forward_features"
     loss = ((out - target) ** 2).mean() + (feats ** 2).mean()
     loss.backward()
     grads.finish()

@@ -1,23 +1,32 @@
-"""DMD2's GAN head on the critic's intermediate features (tianweiy/DMD2's diffusion GAN).
+"""DMD2's GAN head on the critic's intermediate features (tianweiy/DMD2's diffusion GAN), riding on the critic's
+own flow-matching forward.
 
 `GANCritic` is the critic role's model when `--dmd2-gan` is on: it owns the critic's trunk (any
 family model, `models.family`) and the head, so the critic's optimizer, DDP, Sleeper and checkpoint
 see both (state-dict keys `trunk.*` and `head.*`).
-    features f = trunk.features(x, sigma, cond, l): mean over tokens of block l's output [B, hidden]
-        (l = `--dmd2-gan-feature-layer`, default the middle block; the blocks after l are not run);
+    features f = mean over tokens of block l's output [B, hidden] (l = `--dmd2-gan-feature-layer`, default the
+        last block of the first half): `trunk.forward_features` gives them from the forward that also gives the velocity,
+        `trunk.features` alone (the blocks after l are not run);
     head: a replicated MLP hidden -> hidden -> 1, initialised from a generator keyed by --seed, so every
         TP and DP rank starts identical (TP ranks hold identical features, hence identical head grads).
-`GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `gan_inputs=(x', sigma', cond')` it
-also returns the head's logits on x' from the same call, so that DDP sees the flow-matching and GAN
-terms of a critic step together. `logits(x, sigma, cond)` is the head alone (the actor's frozen critic).
-Inputs, noised to a sigma drawn from the critic grid's GAN range (`--dmd2-gan-noise`, default;
-`--no-dmd2-gan-noise` feeds clean samples at sigma 0):
-    x = (1 - sigma) x0 + sigma eps,  eps ~ N(0, I)
-Non-saturating losses on the logits D(.):
-    discriminator (critic phase, every critic step, real = dataset images, fake = x0hat detached):
-        L_D = mean(softplus(D(fake))) + mean(softplus(-D(real)))     critic loss += disc_weight * L_D
-    generator (actor phase, on the student's x0hat WITH grad, critic frozen: only the student's
-    parameters receive gradients):
+`GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `extra=(x', sigma', cond')` it returns
+(v, the head's logits on x from the same forward's features, the head's logits on x'), so that DDP sees the
+flow-matching and GAN terms of a critic step in one call. `logits(x, sigma, cond)` is the head alone (the real
+samples, the actor's frozen critic).
+Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score range; its grid points `choices`):
+    fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
+        step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
+        x0hat noised to sigma ~ U{choices}, as a separately drawn input would be, and costs no forward of its own.
+    real: r = ceil(B / K) dataset samples per critic step (rows [kB, kB + r) of the micro-batch's), noised to
+        sigma ~ U{choices} with eps ~ N(0, I) from the critic generator after the flow-matching draws: one forward
+        up to block l on B real samples per cycle in all.
+    `--no-dmd2-gan-noise`: fakes x0hat and reals at sigma 0 (clean), the fakes through a forward of their own.
+Non-saturating losses on the logits D(.), w the fake rows' weights:
+    discriminator (critic phase, every critic step, the critic's grad flows into trunk and head):
+        L_D = sum_n w_n softplus(D(fake_n)) / max(sum_n w_n, 1) + mean(softplus(-D(real)))
+        critic loss += disc_weight * L_D
+    generator (actor phase, on the student's x0hat WITH grad, noised to sigma ~ U{choices} from the actor
+    generator, critic frozen: only the student's parameters receive gradients):
         L_G = mean(softplus(-D(fake)))                                actor loss += gen_weight * L_G
 d softplus(z) / dz = sigmoid(z).
 """
@@ -69,16 +78,22 @@ class GANCritic(FamilyModel):
         # whole gradient, not a part of it as for the trunk (models/token_parallel.py)
         mark_whole_over_cp(self.head.parameters(), getattr(getattr(trunk, "options", None), "context_parallel", 1) > 1)
 
-    def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, gan_inputs: Optional[tuple] = None):
-        """v [B, *shape]; with gan_inputs = (x', sigma', cond'): (v, logits [B'] on x')."""
-        v = self.trunk(x, sigma, cond)
-        return v if gan_inputs is None else (v, self.logits(*gan_inputs))
+    def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, extra: Optional[tuple] = None):
+        """v [B, *shape]; with extra = (x', sigma', cond'): (v, logits [B] on x from this forward's features,
+        logits [B'] on x')."""
+        if extra is None:
+            return self.trunk(x, sigma, cond)
+        v, feats = self.trunk.forward_features(x, sigma, cond, self.layer)
+        return v, self.head(feats), self.logits(*extra)
 
     def logits(self, x: Tensor, sigma: Tensor, cond: Tensor) -> Tensor:
         return self.head(self.trunk.features(x, sigma, cond, self.layer))
 
     def features(self, x: Tensor, sigma: Tensor, cond: Tensor, layer: int) -> Tensor:
         return self.trunk.features(x, sigma, cond, layer)
+
+    def forward_features(self, x: Tensor, sigma: Tensor, cond: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        return self.trunk.forward_features(x, sigma, cond, layer)
 
     def null_cond(self, n: int, device) -> Tensor:
         return self.trunk.null_cond(n, device)
@@ -92,8 +107,12 @@ def holds_head(state: dict) -> bool:
     return any(k.startswith("head.") for k in state)
 
 
-def discriminator_loss(logits_fake: Tensor, logits_real: Tensor) -> Tensor:
-    return F.softplus(logits_fake).mean() + F.softplus(-logits_real).mean()
+def discriminator_loss(logits_fake: Tensor, logits_real: Tensor, fake_weight: Optional[Tensor] = None) -> Tensor:
+    """mean softplus(D(fake)) + mean softplus(-D(real)); with `fake_weight` [B] (1: a fake row that counts, 0: one
+    that does not) the fake mean is over the counted rows (0 when none counts)."""
+    fake = F.softplus(logits_fake)
+    fake = fake.mean() if fake_weight is None else (fake * fake_weight).sum() / fake_weight.sum().clamp(min=1)
+    return fake + F.softplus(-logits_real).mean()
 
 
 def generator_loss(logits_fake: Tensor) -> Tensor:
@@ -149,9 +168,10 @@ class GANSettings:
     gen_weight: float
     noise: bool
     choices: Tensor
-    feature_layer: Optional[int] = None  # --dmd2-gan-feature-layer (None: the middle block)
+    feature_layer: Optional[int] = None  # --dmd2-gan-feature-layer (None: the last block of the first half)
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
+    real_rows: int = 0                   # r: real samples per critic step, ceil(B / K) (0: B, every row's)
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
     phase_needs: ClassVar[dict] = {"actor": {"critic": "weights"}}
@@ -159,16 +179,26 @@ class GANSettings:
     frozen_critic: ClassVar[bool] = True  # the actor's backward must give the critic's parameters no gradient
 
     def critic_forward(self, model, x_s: Tensor, sigma: Tensor, b, mb, k: int, size: int):
-        """The critic's velocity at (x_s, sigma) and, from the same call, its logits on (x0hat, real) rows
-        [kB, (k+1)B) noised with draws from the critic generator after the flow-matching ones:
-        (v, disc_weight * L_D, {gan-disc-loss, gan-logit-gap})."""
-        real = mb.real[k * size:(k + 1) * size]
-        x_g, sigma_g = gan_inputs(torch.cat([b.x0hat, real.to(b.x0hat.dtype)]), mb.critic_gen, self)
-        v, logits = model(x_s, sigma, b.cond, gan_inputs=(x_g, sigma_g, torch.cat([b.cond, b.cond])))
-        n = b.x0hat.shape[0]
-        d_loss = discriminator_loss(logits[:n], logits[n:])
+        """The critic's velocity at (x_s, sigma) and, from the same call, the discriminator term (module
+        docstring): the fakes are this forward's own rows in the GAN range (with --no-dmd2-gan-noise, x0hat clean
+        through a forward of their own), the reals rows [kB, kB + r) of the micro-batch's samples, noised with draws
+        from the critic generator after the flow-matching ones:
+        (v, disc_weight * L_D, {gan-disc-loss, gan-logit-gap, gan-fake-share})."""
+        n, r = b.x0hat.shape[0], min(self.real_rows or size, size)
+        real = mb.real[k * size:k * size + r].to(b.x0hat.dtype)
+        if self.noise:
+            x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
+            v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
+            weight = torch.isin(sigma, self.choices).float()  # the rows the flow-matching draw put in the GAN range
+        else:
+            clean = (torch.cat([b.x0hat, real]), torch.zeros(n + r, device=x_s.device), torch.cat([b.cond, b.cond[:r]]))
+            v, _, logits = model(x_s, sigma, b.cond, extra=clean)
+            fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
+        d_loss = discriminator_loss(fake, real_logits, weight)
+        fake_mean = (fake * weight).sum() / weight.sum().clamp(min=1)
         stats = {"gan-disc-loss": d_loss.detach(),
-                 "gan-logit-gap": (logits[n:].mean() - logits[:n].mean()).detach()}  # mean D(real) - mean D(fake)
+                 "gan-logit-gap": (real_logits.mean() - fake_mean).detach(),  # mean D(real) - mean D(counted fake)
+                 "gan-fake-share": weight.mean()}  # the share of this step's rows in the GAN range
         return v.to(x_s.dtype), self.disc_weight * d_loss, stats
 
     def actor_term(self, critic, x0hat: Tensor, gen, cond: Tensor):
@@ -195,9 +225,10 @@ class GANSettings:
         return _no_head_hint(name, state, True)
 
     def describe(self, roles: dict) -> str:
-        noise = f"noise {list(self.sigma_range)}" if self.noise else "clean"
-        return (f"GAN head on block {roles['critic'].model.layer} (disc {self.disc_weight}, gen {self.gen_weight}, "
-                f"{noise})")
+        fakes = (f"fakes: the critic forward's rows in {list(self.sigma_range)}" if self.noise else
+                 "fakes clean, a forward of their own")
+        return (f"GAN head on block {roles['critic'].model.layer} (disc {self.disc_weight}, gen {self.gen_weight}; "
+                f"{fakes}; {self.real_rows} real per critic step)")
 
 
 def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
@@ -207,13 +238,15 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
     if not g.enabled:
         return None
     gan_range = flow.critic_grid(d.critic_grid_size, t.timestep_shift, cfg.gan_sigma_range())[1]
+    real_rows = -(-t.micro_batch_size // d.critic_steps_per_rollout)  # ceil(B / K): B real samples per cycle
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
-                       t.seed, tuple(cfg.gan_sigma_range()))
+                       t.seed, tuple(cfg.gan_sigma_range()), real_rows)
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:
-    """--dmd2-gan-feature-layer (default the middle block, num_layers // 2), checked against the model."""
-    layer = num_layers // 2 if layer is None else layer
+    """--dmd2-gan-feature-layer (default (num_layers - 1) // 2, the last block of the first half: the head's real
+    samples and the actor's generator term run half the critic), checked against the model."""
+    layer = (num_layers - 1) // 2 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise ConfigError(f"--dmd2-gan-feature-layer must be in [0, {num_layers - 1}] (the critic has "
                           f"{num_layers} blocks), got {layer}")

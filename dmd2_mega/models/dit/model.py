@@ -189,14 +189,28 @@ class DiT(FamilyModel):
         """Our velocity v [B, C, H, W] at (x_sigma, sigma): the network seen through its parameterisation adapter."""
         return self.adapter.velocity(x, sigma, self.network(*self.adapter.inputs(x, sigma), cond))
 
+    def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
+        """(v, token mean of block `layer`'s output) from one forward."""
+        if not 0 <= layer < len(self.blocks):
+            raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
+        out, feats = self._network(*self.adapter.inputs(x, sigma), cond, layer)
+        return self.adapter.velocity(x, sigma, out), feats
+
     def network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """The network's own prediction [B, C, H, W] at its own input and timestep (for an imported checkpoint what
         the official code returns: SiT's velocity, DiT's epsilon; ours: v at timestep 1000 sigma)."""
+        return self._network(x, timestep, cond)[0]
+
+    def _network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, tap: Optional[int] = None):
+        """(the network's prediction, the token mean of block `tap`'s output or None)."""
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
         h, c = self._embed(x, timestep, cond)
+        feats = None
         for i in range(len(self.blocks)):
             h = self._block(i, h, c)
+            if i == tap:
+                feats = h.mean(dim=1)
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
-        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww)
+        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww), feats

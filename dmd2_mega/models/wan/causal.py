@@ -165,6 +165,9 @@ class CausalWan(Wan):
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         return self._features(x, sigma, cond, layer, self._mixer(x))
 
+    def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
+        return self._run(x, sigma, cond, self._mixer(x), tap=layer)
+
     def stream(self, noise: torch.Tensor, cond: torch.Tensor, denoise: Callable, context_noise: float = 0.0):
         """Generate a clip chunk by chunk; yields each chunk's x0 [B, C, f, H, W] as it is done.
 

@@ -45,22 +45,27 @@ class WanExperts(NegativePrompt, FamilyModel):
         for expert in self.expert_modules():
             expert.set_negative(emb)
 
-    def _route(self, fn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """fn(expert, x, sigma, cond) per expert on its samples, reassembled in sample order."""
+    def _route(self, fn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor):
+        """fn(expert, x, sigma, cond) per expert on its samples (a tensor or a tuple of tensors, each [B, ...]),
+        reassembled in sample order."""
         high = sigma.float() * 1000.0 >= self.boundary_t  # WanPipeline's rule: t >= boundary_ratio * 1000
         n_high = int(high.sum())  # the one host sync of a call
         if n_high in (0, x.shape[0]):
             return fn(self.high if n_high else self.low, x, sigma, cond)
         parts = []
         for expert, idx in ((self.high, high.nonzero().squeeze(1)), (self.low, (~high).nonzero().squeeze(1))):
-            parts.append((idx, fn(expert, x.index_select(0, idx), sigma.index_select(0, idx), cond.index_select(0, idx))))
-        out = parts[0][1].new_zeros((x.shape[0], *parts[0][1].shape[1:]))
-        for idx, v in parts:
-            out = out.index_copy(0, idx, v)
-        return out
+            out = fn(expert, x.index_select(0, idx), sigma.index_select(0, idx), cond.index_select(0, idx))
+            parts.append((idx, out if isinstance(out, tuple) else (out,)))
+        outs = [part.new_zeros((x.shape[0], *part.shape[1:])) for part in parts[0][1]]
+        for idx, part in parts:
+            outs = [o.index_copy(0, idx, p) for o, p in zip(outs, part)]
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         return self._route(lambda m, *a: m(*a), x, sigma, cond)
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         return self._route(lambda m, *a: m.features(*a, layer), x, sigma, cond)
+
+    def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
+        return self._route(lambda m, *a: m.forward_features(*a, layer), x, sigma, cond)

@@ -473,18 +473,31 @@ class Wan(NegativePrompt, FamilyModel):
         return split.token_mean(h)
 
     def _forward(self, x, sigma, cond, mixer=None, first_frame: int = 0) -> torch.Tensor:
+        return self._run(x, sigma, cond, mixer, first_frame)[0]
+
+    def _run(self, x, sigma, cond, mixer=None, first_frame: int = 0, tap: Optional[int] = None):
+        """(v, the token mean of block `tap`'s output or None) of one forward."""
+        if tap is not None and not 0 <= tap < len(self.blocks):
+            raise IndexError(f"feature layer {tap} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
         b, c = x.shape[:2]
         (f, hh, ww), (pt, ph, pw) = self._grid(x), self.spec.patch_size
         h, ctx, temb, mod, rope, split = self._embed(x, sigma, cond, first_frame)
+        feats = None
         for i in range(len(self.blocks)):
             h = self._block(i, h, ctx, mod, rope, split, mixer)
+            if i == tap:
+                feats = split.token_mean(h)
         shift, scale = (self.scale_shift_table + temb.float().unsqueeze(-2)).unbind(-2)
         out = split.gather(self.proj_out(modulate(h, shift, scale, self.spec.eps)))
         out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return out.reshape(b, c, f * pt, hh * ph, ww * pw)
+        return out.reshape(b, c, f * pt, hh * ph, ww * pw), feats
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         return self._features(x, sigma, cond, layer)
+
+    def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
+        """(v, token mean of block `layer`'s output) from one forward."""
+        return self._run(x, sigma, cond, tap=layer)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W]."""
