@@ -91,7 +91,8 @@ def synthetic_shards(a, root: str, n: int) -> str:
 
 
 class Harness:
-    def __init__(self, a, tmp: str):
+    def __init__(self, a, tmp: str, extra: tuple = ()):
+        """`extra`: further pretrain_dmd2.py flags of the DMD2 trainer (benchmarks/bench_gan_cycle.py: the GAN head)."""
         self.a = a
         self.k, self.b = a.dmd2_critic_steps_per_rollout, a.micro_batch_size
         data = synthetic_shards(a, tmp, 1024 + self.k * self.b) if a.data == "synthetic" else a.data
@@ -109,7 +110,7 @@ class Harness:
         self.tr = DMD2Trainer(parse_dmd2_args(common + [
             "--teacher-load", teacher, "--no-offload-inactive", "--dmd2-denoising-steps", str(a.dmd2_denoising_steps),
             "--dmd2-critic-steps-per-rollout", str(self.k),
-            "--dmd2-teacher-guidance-scale", str(a.dmd2_teacher_guidance_scale)]))
+            "--dmd2-teacher-guidance-scale", str(a.dmd2_teacher_guidance_scale), *extra]))
         self.ps, self.dev = self.tr.ps, self.tr.ps.device
         self.cuda = self.dev.type == "cuda"
         self.shape = self.tr.shape
