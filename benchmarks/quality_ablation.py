@@ -1,8 +1,8 @@
 """Quality ablation on digits: what DMD2's GAN head and the student EMA buy, at a fixed wall clock.
 
     python benchmarks/quality_ablation.py --teacher-load runs/quickstart/teacher \
-        [--out runs/ablation] [--budget-4step 240] [--budget-1step 170] [--seeds 1 2] \
-        [--configs dmd gan gan_ema] [--results benchmarks/RESULTS.md]
+        [--out runs/ablation] [--budget-4step 240] [--budget-1step 170] [--seeds 1 2 3] \
+        [--configs dmd gan gan_ema] [--jobs 2 --threads 1] [--results benchmarks/RESULTS.md]
 
 Cells: the 4-step and the 1-step student x {DMD only, DMD + GAN, DMD + GAN + EMA} x seeds, each
 distilled from the same teacher by `launch/pretrain_dmd2.py` with the quickstart's settings (digits
@@ -14,7 +14,9 @@ slow (a busy machine) still stops at --guard (2) x its budget (--exit-duration-i
 then samples --num-samples (2000) class-balanced digits (`launch/sample.py`, seed 0, EMA weights when kept) scored
 by `dmd2_mega.eval.digits` (Frechet distance of classifier features to held-out digits, class
 accuracy, diversity relative to real), next to the teacher at 50/4/1 Euler steps (CFG 1.25).
-Prints a per-run table and a mean-per-cell table (Markdown); --results appends both to a file.
+Prints a per-run table and a mean-per-cell table (mean, sample standard deviation and each seed; Markdown);
+--results appends both to a file. --jobs J distils J cells at once, every run (calibrations included) on --threads
+threads, so that the calibrated cycle counts hold while J run side by side.
 Resumable: a finished cell (its samples.npz exists) is not run again. A script, not a unit test.
 """
 from __future__ import annotations
@@ -25,9 +27,11 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -53,10 +57,11 @@ def base_args(teacher: str, steps: int, seed: int) -> list:
             "--seed", str(seed)]
 
 
-def run(cmd: list, log: str) -> str:
-    """Run `cmd` (stdout + stderr into `log`); raise with the log's tail if it fails."""
+def run(cmd: list, log: str, threads: int = 0) -> str:
+    """Run `cmd` (stdout + stderr into `log`; `threads` > 0: OMP_NUM_THREADS); raise with the log's tail if it fails."""
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     text = open(log).read()
     if rc != 0:
         raise SystemExit(f"error: {' '.join(cmd[:3])} ... exited {rc}; see {log}:\n{text[-3000:]}")
@@ -66,7 +71,7 @@ def run(cmd: list, log: str) -> str:
 def seconds_per_cycle(a, out: str, steps: int, extra: list) -> float:
     log = os.path.join(out, f"calibrate_{steps}step_{'gan' if '--dmd2-gan' in extra else 'dmd'}.log")
     text = run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, 1), *extra,
-                "--train-iters", "6", "--log-interval", "1", "--loss-trace", log + ".jsonl"], log)
+                "--train-iters", "6", "--log-interval", "1", "--loss-trace", log + ".jsonl"], log, a.threads)
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
     if len(ms) < 6:
         raise SystemExit(f"error: calibration log {log} has {len(ms)} timed cycles, expected 6")
@@ -80,13 +85,34 @@ def score(npz: str) -> dict:
         return evaluate_digits(z["images"], z["labels"])
 
 
-def sample(load: str, out: str, extra: list, n: int) -> dict:
+def sample(load: str, out: str, extra: list, n: int, threads: int = 0) -> dict:
     npz = os.path.join(out, "samples.npz")
     if not os.path.exists(npz):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         run([sys.executable, "launch/sample.py", "--load", load, "--num-samples", str(n), "--seed", "0",
-             "--out", out, *extra], out + ".log")
+             "--out", out, *extra], out + ".log", threads)
     return score(npz)
+
+
+def cell(a, extra_all: list, steps: int, cfg: str, seed: int, iters: int, budget: float) -> dict:
+    """Distil one cell for `iters` cycles (resumable: its <save>.json marks it done), sample and score it."""
+    label, flags = CONFIGS[cfg]
+    name = f"{steps}step_{cfg}_seed{seed}"
+    save = os.path.join(a.out, name)
+    info_path = save + ".json"
+    if not os.path.exists(info_path):
+        t0 = time.time()
+        run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, seed), *flags,
+             *extra_all, "--train-iters", str(iters), "--save", save, "--save-interval", str(iters),
+             "--log-interval", "25", "--exit-duration-in-mins", str(a.guard * budget / 60)], save + ".log", a.threads)
+        done = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+        with open(info_path, "w") as f:
+            json.dump({"cycles": done, "planned": iters, "seconds": time.time() - t0}, f)
+    info = json.load(open(info_path))
+    r = sample(save, os.path.join(a.out, "samples", name), [], a.num_samples, a.threads)
+    print(f"> {name}: {info['cycles']} cycles in {info['seconds']:.0f} s, FD {r['frechet_distance']:.3f}, "
+          f"acc {100 * r['class_accuracy']:.1f}%, diversity {r['diversity']:.2f}", flush=True)
+    return {"steps": steps, "config": label, "seed": seed, **info, **r}
 
 
 def main(argv=None) -> int:
@@ -95,7 +121,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/ablation")
     p.add_argument("--budget-4step", type=float, default=240.0, help="seconds of distillation per 4-step cell")
     p.add_argument("--budget-1step", type=float, default=170.0, help="seconds of distillation per 1-step cell")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--jobs", type=int, default=1, help="cells distilled at once (each on --threads threads)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="OMP_NUM_THREADS of every run, calibration included (0: the environment's)")
     p.add_argument("--num-samples", type=int, default=2000,
                    help="samples per row (500 gives Frechet distances that vary by ~0.4 between sampling seeds)")
     p.add_argument("--guard", type=float, default=2.0,
@@ -118,7 +147,7 @@ def main(argv=None) -> int:
                    a.num_samples)
         rows.append({"model": f"teacher, {n} Euler steps, CFG 1.25", **r})
         print(f"> teacher {n} steps: FD {r['frechet_distance']:.3f}", flush=True)
-    cells = []
+    jobs = []  # (steps, config, seed, iters, budget): every cell, calibrated before any runs
     for steps in a.steps:
         budget = a.budget_4step if steps == 4 else a.budget_1step
         per_cycle = {}
@@ -129,25 +158,9 @@ def main(argv=None) -> int:
                 per_cycle[key] = seconds_per_cycle(a, a.out, steps, flags + extra_all)
                 print(f"> {steps}-step {'with' if key else 'without'} GAN: {per_cycle[key]:.3f} s per cycle",
                       flush=True)
-            iters = max(1, int(budget // per_cycle[key]))
-            for seed in a.seeds:
-                name = f"{steps}step_{cfg}_seed{seed}"
-                save = os.path.join(a.out, name)
-                info_path = save + ".json"
-                if not os.path.exists(info_path):
-                    t0 = time.time()
-                    run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, seed), *flags,
-                         *extra_all, "--train-iters", str(iters), "--save", save, "--save-interval", str(iters),
-                         "--log-interval", "25", "--exit-duration-in-mins", str(a.guard * budget / 60)],
-                        save + ".log")
-                    done = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
-                    with open(info_path, "w") as f:
-                        json.dump({"cycles": done, "planned": iters, "seconds": time.time() - t0}, f)
-                info = json.load(open(info_path))
-                r = sample(save, os.path.join(a.out, "samples", name), [], a.num_samples)
-                cells.append({"steps": steps, "config": label, "seed": seed, **info, **r})
-                print(f"> {name}: {info['cycles']} cycles in {info['seconds']:.0f} s, FD {r['frechet_distance']:.3f}, "
-                      f"acc {100 * r['class_accuracy']:.1f}%, diversity {r['diversity']:.2f}", flush=True)
+            jobs += [(steps, cfg, seed, max(1, int(budget // per_cycle[key])), budget) for seed in a.seeds]
+    with ThreadPoolExecutor(a.jobs) as pool:  # --jobs cells at once, each on --threads threads
+        cells = list(pool.map(lambda job: cell(a, extra_all, *job), jobs))
     text = report(rows, cells, a)
     print(text)
     with open(os.path.join(a.out, "ablation.json"), "w") as f:
@@ -168,7 +181,7 @@ def report(rows: list, cells: list, a) -> str:
                       f"{r['diversity']:.2f} |" for r in rows]
     per_run += [f"| {c['steps']}-step, {c['config']}, seed {c['seed']} | {c['cycles']} ({c['seconds']:.0f}) | "
                 f"{c['frechet_distance']:.3f} | {100 * c['class_accuracy']:.1f}% | {c['diversity']:.2f} |" for c in cells]
-    mean = ["| student | configuration | Frechet distance, mean (per seed) | class accuracy, mean | diversity, mean |",
+    mean = ["| student | configuration | Frechet distance, mean +- sd (per seed) | class accuracy, mean | diversity, mean |",
             "|---|---|---|---|---|"]
     for steps in a.steps:
         for cfg in a.configs:
@@ -177,7 +190,8 @@ def report(rows: list, cells: list, a) -> str:
                 continue
             m = lambda k: sum(c[k] for c in group) / len(group)  # noqa: E731
             seeds = ", ".join(f"{c['frechet_distance']:.3f}" for c in group)
-            mean.append(f"| {steps}-step | {CONFIGS[cfg][0]} | {m('frechet_distance'):.3f} ({seeds}) | "
+            sd = statistics.stdev(c["frechet_distance"] for c in group) if len(group) > 1 else 0.0
+            mean.append(f"| {steps}-step | {CONFIGS[cfg][0]} | {m('frechet_distance'):.3f} +- {sd:.3f} ({seeds}) | "
                         f"{100 * m('class_accuracy'):.1f}% | {m('diversity'):.2f} |")
     budgets = f"budgets: 4-step {a.budget_4step:.0f} s, 1-step {a.budget_1step:.0f} s per run"
     return "\n".join(per_run) + "\n\n" + budgets + "\n\n" + "\n".join(mean)

@@ -39,7 +39,8 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
     critic/teacher: roles (`.model`; the critic's `.optimizer`, `.accumulating`); rollouts[j] has
     K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With the GAN head (`settings.gan`) each
     critic forward also gives the head's discriminator term (`gan.GANSettings.critic_forward`: disc_weight * L_D on
-    (x0hat, batches[j].real) rows [kB, (k+1)B)), added to the step's objective.
+    the forward's own rows in the GAN range and ceil(B / K) of batches[j].real's rows from kB), added to the step's
+    objective.
     Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
     steps, size, head = settings.critic_steps, settings.micro_batch_size, settings.gan or NO_GAN
