@@ -234,6 +234,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="unshifted sigma range of the head's input noise (default: --dmd2-score-sigma-range)")
     _flag(g, "--dmd2-gan-disc-weight", GANConfig, "disc_weight", type=float)
     _flag(g, "--dmd2-gan-gen-weight", GANConfig, "gen_weight", type=float)
+    _flag(g, "--dmd2-gan-head-lr-mult", GANConfig, "head_lr_mult", type=float,
+          help="the head's learning rate as a multiple of the critic's (it starts from scratch)")
     _flag(g, "--ema-decay", EMAConfig, "decay", type=float, help="student EMA decay (0 = off)")
     _flag(g, "--ema-start-iter", EMAConfig, "start_iter", type=int, help="the EMA copies the student before this cycle")
     _flag(g, "--no-ema", EMAConfig, "no_ema", action="store_true", help="evaluate the raw student weights, not the EMA")

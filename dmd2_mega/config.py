@@ -433,10 +433,15 @@ class GANConfig:
     """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
     gen_weight: float = 3e-3
     """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
+    head_lr_mult: float = 1.0
+    """--dmd2-gan-head-lr-mult: the head's learning rate as a multiple of the critic's (the head starts from scratch,
+    the trunk from the teacher)."""
 
     def __post_init__(self):
         _check(self.disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.disc_weight}")
         _check(self.gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gen_weight}")
+        _check(self.head_lr_mult > 0, f"--dmd2-gan-head-lr-mult must be > 0, got {self.head_lr_mult}")
+        _check(self.enabled or self.head_lr_mult == 1.0, "--dmd2-gan-head-lr-mult needs --dmd2-gan")
         _check(self.enabled or self.feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
         if self.sigma_range is not None:
             self.sigma_range = tuple(self.sigma_range)

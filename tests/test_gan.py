@@ -156,3 +156,46 @@ def test_default_feature_layer_is_the_last_of_the_first_half():
     assert resolve_layer(3, 4) == 3
     with pytest.raises(ConfigError, match=r"--dmd2-gan-feature-layer must be in \[0, 3\]"):
         resolve_layer(4, 4)
+
+
+def test_head_lr_mult_scales_the_heads_learning_rate_only_and_survives_a_resume(world):
+    """--dmd2-gan-head-lr-mult: the head's parameters in groups of their own whose lr is m x the schedule's; the
+    first AdamW step (update lr * g / (|g| + eps) per element) moves the head m times as far as at m = 1, the trunk
+    as far; a resumed optimizer keeps this run's multiplier; a saved state without the head's group is refused
+    with the flag's name."""
+    from dmd2_mega.config import OptimConfig
+    from dmd2_mega.train.optim import LRSchedule, Optimizer
+
+    def step(mult):
+        critic = GANCritic(_perturbed_debug_dit(), layer=1, seed=5, head_lr_mult=mult)
+        cfg = OptimConfig(lr=1e-3, weight_decay=0.0)
+        opt = Optimizer(critic, cfg)
+        LRSchedule(cfg, 10).apply(opt, 0)
+        before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+        x, s, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
+        v, fake, real = critic(x, s, y, extra=(x.flip(0), s, y))
+        (v.square().mean() + fake.mean() - real.mean()).backward()
+        opt.step(torch.zeros(()))
+        moved = {n: (p.detach() - before[n]).abs().max() for n, p in critic.named_parameters()}
+        return critic, opt, moved
+
+    _, plain, base = step(1.0)
+    assert len(plain.param_groups) == 2  # no multiplier: the groups of before (old checkpoints load)
+    critic, opt, moved = step(10.0)
+    lrs = {round(g["lr"], 9) for g in opt.param_groups}
+    assert lrs == {1e-3, 1e-2}, lrs
+    head = {id(p) for p in critic.head.parameters()}
+    for g in opt.param_groups:
+        assert all((id(p) in head) == ("lr_mult" in g) for p in g["params"])
+    for n in moved:
+        want = base[n] * (10.0 if n.startswith("head.") else 1.0)
+        torch.testing.assert_close(moved[n], want, rtol=1e-4, atol=1e-9)
+    state = opt.state_dict()
+    for g in state["inner"]["param_groups"]:  # saved by a run with another multiplier: this run's stands
+        g.update({"lr_mult": 3.0} if "lr_mult" in g else {})
+    _, again, _ = step(10.0)
+    again.load_state_dict(state)
+    LRSchedule(OptimConfig(lr=1e-3), 10).apply(again, 0)
+    assert {round(g["lr"], 9) for g in again.param_groups} == {1e-3, 1e-2}
+    with pytest.raises(ValueError, match="--dmd2-gan-head-lr-mult"):
+        plain.load_state_dict(state)

@@ -44,13 +44,31 @@ from dmd2_mega.distributed.parallel import tp_partition_dim
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    """[decayed, not decayed (biases, norms, embedding tables)] and, for the parameters whose learning rate the
+    model scales (`model.lr_mults()` -> {name prefix: multiplier}, e.g. the GAN critic's fresh head), a group of
+    their own per (multiplier, decay) carrying `lr_mult`, which `LRSchedule.apply` reads."""
+    mults = model.lr_mults() if hasattr(model, "lr_mults") else {}
+    groups: dict = {(1.0, True): [], (1.0, False): []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_table = name.endswith("table.weight")
-        (no_decay if p.ndim < 2 or is_table else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = not (p.ndim < 2 or name.endswith("table.weight"))
+        mult = next((float(m) for prefix, m in mults.items() if name.startswith(prefix)), 1.0)
+        groups.setdefault((mult, decay), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, **({"lr_mult": m} if m != 1.0 else {})}
+            for (m, decay), params in groups.items()]
+
+
+def keep_lr_mults(groups: list, mults: list, saved_groups: list) -> None:
+    """After loading a saved optimizer state into `groups`: the run's own multipliers `mults` stand (the saved
+    state's are the old run's). A different group count is a multiplier set on one side only: a clear error."""
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"the optimizer state has {len(saved_groups)} parameter groups, this run {len(groups)}: a "
+                         f"learning-rate multiplier (--dmd2-gan-head-lr-mult) was set in one run only; give the "
+                         f"saved run's value or pass --no-load-optim")
+    for g, m in zip(groups, mults):
+        g.pop("lr_mult", None)
+        g.update({"lr_mult": m} if m is not None else {})
 
 
 def _inner_optimizer(groups: list, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
@@ -90,6 +108,7 @@ class Optimizer:
         if self.mixed and grads is not None:  # the masters' grads are the fp32 main_grads, for good
             for p, m in zip(self.model_params, self.master_params):
                 m.grad = p.main_grad
+        self.lr_mults = [g.get("lr_mult") for g in groups]
         self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
         self.device_skips = self.inner.__class__ is torch.optim.AdamW  # fused AdamW takes found_inf
         dev = self.model_params[0].device
@@ -197,7 +216,10 @@ class Optimizer:
         if bool(state.get("mixed")) != self.mixed:
             raise ValueError(f"optimizer state was saved {'with' if state.get('mixed') else 'without'} --bf16 "
                              f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
+        saved_groups = state["inner"]["param_groups"]
+        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)  # checks the count before loading
         self.inner.load_state_dict(state["inner"])
+        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)
         if self.mixed:
             with torch.no_grad():
                 for m, saved in zip(self.master_params, state["master"]):
@@ -232,7 +254,7 @@ class LRSchedule:
     def apply(self, optimizer: torch.optim.Optimizer, it: int) -> float:
         lr = self(it)
         for g in optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
         return lr
 
     def state_dict(self) -> dict:

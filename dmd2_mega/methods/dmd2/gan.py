@@ -66,11 +66,11 @@ class GANHead(nn.Module):
 class GANCritic(FamilyModel):
     """The critic's trunk and its GAN head as one module (see the module docstring)."""
 
-    def __init__(self, trunk: FamilyModel, layer: int, seed: int):
+    def __init__(self, trunk: FamilyModel, layer: int, seed: int, head_lr_mult: float = 1.0):
         super().__init__()
         if not 0 <= layer < trunk.num_feature_layers:
             raise IndexError(f"GAN feature layer {layer} is outside the trunk's [0, {trunk.num_feature_layers - 1}]")
-        self.trunk, self.layer = trunk, layer
+        self.trunk, self.layer, self.head_lr_mult = trunk, layer, head_lr_mult
         self.spec, self.num_feature_layers, self.feature_dim = trunk.spec, trunk.num_feature_layers, trunk.feature_dim
         gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
         self.head = GANHead(trunk.feature_dim, generator=gen).to(next(trunk.parameters()).device)
@@ -85,6 +85,11 @@ class GANCritic(FamilyModel):
             return self.trunk(x, sigma, cond)
         v, feats = self.trunk.forward_features(x, sigma, cond, self.layer)
         return v, self.head(feats), self.logits(*extra)
+
+    def lr_mults(self) -> dict:
+        """The head's learning-rate multiplier (--dmd2-gan-head-lr-mult; `train/optim.param_groups`): it starts from
+        scratch while the trunk starts from the teacher."""
+        return {"head.": self.head_lr_mult} if self.head_lr_mult != 1.0 else {}
 
     def logits(self, x: Tensor, sigma: Tensor, cond: Tensor) -> Tensor:
         return self.head(self.trunk.features(x, sigma, cond, self.layer))
@@ -172,6 +177,7 @@ class GANSettings:
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
     real_rows: int = 0                   # r: real samples per critic step, ceil(B / K) (0: B, every row's)
+    head_lr_mult: float = 1.0            # --dmd2-gan-head-lr-mult: the head's learning rate / the critic's
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
     phase_needs: ClassVar[dict] = {"actor": {"critic": "weights"}}
@@ -215,11 +221,11 @@ class GANSettings:
             return model
         layer = resolve_layer(self.feature_layer, model.num_feature_layers)
         if holds_head(state):  # a --critic-load saved with its head
-            model = GANCritic(model, layer, self.seed)
+            model = GANCritic(model, layer, self.seed, self.head_lr_mult)
             load(model, state)
             return model
         load(model, state)
-        return GANCritic(model, layer, self.seed)
+        return GANCritic(model, layer, self.seed, self.head_lr_mult)
 
     def load_hint(self, name: str, state: dict) -> str:
         return _no_head_hint(name, state, True)
@@ -227,8 +233,9 @@ class GANSettings:
     def describe(self, roles: dict) -> str:
         fakes = (f"fakes: the critic forward's rows in {list(self.sigma_range)}" if self.noise else
                  "fakes clean, a forward of their own")
+        lr = f"; head lr x{self.head_lr_mult:g}" if self.head_lr_mult != 1.0 else ""
         return (f"GAN head on block {roles['critic'].model.layer} (disc {self.disc_weight}, gen {self.gen_weight}; "
-                f"{fakes}; {self.real_rows} real per critic step)")
+                f"{fakes}; {self.real_rows} real per critic step{lr})")
 
 
 def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
@@ -240,7 +247,7 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
     gan_range = flow.critic_grid(d.critic_grid_size, t.timestep_shift, cfg.gan_sigma_range())[1]
     real_rows = -(-t.micro_batch_size // d.critic_steps_per_rollout)  # ceil(B / K): B real samples per cycle
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
-                       t.seed, tuple(cfg.gan_sigma_range()), real_rows)
+                       t.seed, tuple(cfg.gan_sigma_range()), real_rows, g.head_lr_mult)
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:
