@@ -39,8 +39,12 @@ sys.path.insert(0, REPO)
 # The GAN's input noise is drawn from unshifted sigma in [0.05, 0.3], not the whole score range: on
 # digits the head barely learned in 300 cycles with noise up to 0.98 (D loss 1.386 -> 1.381), and
 # with clean inputs it won outright (D loss 0.02; real digits have 17 grey levels, a give-away),
-# costing the 1-step student diversity (0.85 -> 0.77). Generator weight 1e-2 (3e-3 moved nothing).
-GAN = ["--dmd2-gan", "--dmd2-gan-sigma-range", "0.05", "0.3", "--dmd2-gan-gen-weight", "1e-2"]
+# costing the 1-step student diversity (0.85 -> 0.77). The head starts from scratch: at the critic's lr (1e-4) it
+# learned little in 300 cycles (logit gap 0.01); at 100x (1e-2) the gap reached ~0.05-0.1. Generator weight 3e-2
+# (1e-2 moved little, 1e-1 overpowered the DMD gradient: actor grad norm 6, FD 1.89 against 1.73; 4-step probes,
+# seed 1, 300 cycles, benchmarks/RESULTS.md).
+GAN = ["--dmd2-gan", "--dmd2-gan-sigma-range", "0.05", "0.3", "--dmd2-gan-gen-weight", "3e-2",
+       "--dmd2-gan-head-lr-mult", "100"]
 CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
     "dmd": ("DMD only", []),
     "gan": ("DMD + GAN", GAN),
