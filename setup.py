@@ -19,6 +19,7 @@ setup(
         "pillow",
         "tqdm",
         "tensorboard",
+        "matplotlib",  # the training curves' PNG (<save>/curves.png, launch/plot_curves.py), Agg only
         "imageio>=2.30",  # decoded media: GIF / PNG, and MP4 through imageio-ffmpeg's pip-installed ffmpeg
         "imageio-ffmpeg",
         # the ecosystem's formats: diffusers checkpoints in and out, VAEs and text encoders for prepare_data.py and

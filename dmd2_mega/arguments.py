@@ -169,6 +169,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
           help="save and exit 0 once this much wall-clock time has passed")
     _flag(g, "--max-nan-iterations", T, "max_nan_iterations", type=int,
           help="stop after this many consecutive non-finite (skipped) steps of one role; 0 = never")
+    _flag(g, "--curves-reference", T, "curves_reference", action="append", metavar="NAME=VALUE",
+          help="a reference line on the eval metric's panel of <save>/curves.png, e.g. \"teacher 50 steps=1.307\" "
+               "(repeatable; needs --save and --eval-interval)")
 
 
 def _common_parser(description: str) -> argparse.ArgumentParser:

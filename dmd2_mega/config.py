@@ -26,6 +26,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def name_value(text: str, flag: str) -> tuple[str, float]:
+    """NAME=VALUE, split at the last "=" (a reference line of the training curves: "teacher 50 steps=1.307") ->
+    (NAME, VALUE), or a ConfigError naming `flag` and the form expected."""
+    name, sep, value = text.rpartition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    _check(bool(sep and name.strip()) and math.isfinite(number),
+           f"{flag} {text!r}: expected NAME=VALUE with a finite number VALUE, e.g. {flag} \"teacher 50 steps=1.307\"")
+    return name.strip(), number
+
+
 @dataclass
 class ModelConfig:
     """The model: a `--model-size` of the registry (`models/registry.py`: family + spec) and how it runs."""
@@ -223,6 +236,9 @@ class TrainConfig:
     """--exit-duration-in-mins: save and exit 0 after the first iteration that ends past this wall time."""
     max_nan_iterations: int = 10
     """--max-nan-iterations: stop after this many consecutive skipped (non-finite) steps of one role; 0 = never."""
+    curves_reference: Optional[list] = None
+    """--curves-reference NAME=VALUE (repeatable): a horizontal line at VALUE, named NAME, on the eval metric's panel
+    of <save>/curves.png (`train/curves_plot.py`), e.g. the teacher's Frechet distance "teacher 50 steps=1.307"."""
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -247,10 +263,18 @@ class TrainConfig:
         _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}")
         _check(self.max_nan_iterations >= 0, f"--max-nan-iterations must be >= 0, got {self.max_nan_iterations}")
+        self.curve_references()  # ConfigError naming --curves-reference
+        _check(not self.curves_reference or bool(self.save and self.eval_interval),
+               "--curves-reference is drawn on the eval metric's panel of <save>/curves.png; give --save DIR and "
+               "--eval-interval N with it")
         _check(self.loss_trace is None or not os.path.isdir(self.loss_trace),
                f"--loss-trace {self.loss_trace!r} is an existing directory; expected a file path for the JSON lines")
         _check(self.tensorboard_dir is None or not os.path.isfile(self.tensorboard_dir),
                f"--tensorboard-dir {self.tensorboard_dir!r} is an existing file; expected a directory")
+
+    def curve_references(self) -> list[tuple[str, float]]:
+        """[(NAME, VALUE)] of --curves-reference."""
+        return [name_value(text, "--curves-reference") for text in self.curves_reference or ()]
 
     def check_paths_apart(self, outputs=(), inputs=()) -> None:
         """`path_guard`: --save, --tensorboard-dir, --loss-trace (and the trainer's `outputs`) never over --data,

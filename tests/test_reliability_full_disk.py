@@ -32,6 +32,8 @@ import torch
 from dmd2_mega.train import checkpoint
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args
 from dmd2_mega.train.checkpoint import TRACKER, latest_iteration, load_payload, save_offline
+from dmd2_mega.train.curves import CURVES_FILE
+from dmd2_mega.train.curves_plot import CURVES_PNG
 from dmd2_mega.methods.dmd2.method import DMD2Trainer
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.distributed.parallel import ParallelState
@@ -86,12 +88,13 @@ def leave_free(mount: str, free: int) -> str:
 
 
 def files(*roots: str) -> dict:
-    """{path: sha256} of every checkpoint file under `roots` (the run lock, which names its holder, aside)."""
+    """{path: sha256} of every checkpoint file under `roots` (the run lock, which names its holder, and the run's
+    curves, which record every run, aside)."""
     out = {}
     for root in roots:
         for d, _, names in os.walk(root):
             for n in names:
-                if n != ".dmd2_mega.lock":
+                if n not in (".dmd2_mega.lock", CURVES_FILE, CURVES_PNG):
                     p = os.path.join(d, n)
                     out[p] = hashlib.sha256(open(p, "rb").read()).hexdigest()
     return out
@@ -219,7 +222,7 @@ def test_two_ranks_dp2_first_save_on_a_full_disk(tmp_path):
         assert_one_line_on_every_rank(res, rf"^CheckpointError: saving iteration 2 to {re.escape(save)} failed: No "
                                            rf"space left on device \(writing {rank0} on rank 0\); the partial "
                                            rf"iter_0000002.tmp/ was removed and the latest checkpoint is none yet$")
-        assert sorted(os.listdir(save)) == [".dmd2_mega.lock"]
+        assert sorted(os.listdir(save)) == [".dmd2_mega.lock", CURVES_FILE]  # the lock and the curve: no checkpoint
 
 
 TP2 = ["--model-size", "debug", "--micro-batch-size", "8", "--lr", "3e-3", "--seed", "5", "--lr-decay-iters", "1000",

@@ -4,6 +4,8 @@ Log line:  iteration  100/ 1000 | consumed samples: 6400 | elapsed time per iter
            learning rate: 1.000E-03 | loss: 4.123E-01 | grad norm: 0.532 | samples per second: 752.1 |
            model TFLOP/s per GPU: 0.012
 (a DMD2 cycle also logs its phases' times, `rollout-ms`, `critic-ms`, `actor-ms`; `throughput.py`).
+With a curves file (<save>/curves.jsonl) the interval's proxies and every eval's numbers also go there
+(`train/curves.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import time
 from typing import Optional
 
 import numpy as np
+
+from dmd2_mega.train.curves import CurveRecord
 
 
 def print_rank0(msg: str, rank: int = 0) -> None:
@@ -28,18 +32,25 @@ def report_eval(logger: "TrainLogger", result: dict, iteration: int, unit: str, 
     print_rank0(f"> eval at {unit} {iteration}: " + ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), rank)
     logger.scalars(iteration, {f"eval/{k}": v for k, v in result.items() if isinstance(v, float)})
+    if logger.curves is not None:
+        logger.curves.eval(iteration, result)
     if result.get("media") is not None:
         logger.media(iteration, result["media"].shown)
 
 
 class TrainLogger:
     def __init__(self, rank: int, train_iters: int, tensorboard_dir: Optional[str] = None,
-                 loss_trace: Optional[str] = None, start_iteration: int = 0):
+                 loss_trace: Optional[str] = None, start_iteration: int = 0, curves: Optional[str] = None,
+                 unit: str = "iteration"):
+        """`curves`: the run's curves.jsonl (`train/curves.py`), opened at `start_iteration`; `unit` names an
+        iteration in it ("iteration", "cycle")."""
         self.rank, self.train_iters = rank, train_iters
-        self.writer = self.bar = self.trace = None
+        self.writer = self.bar = self.trace = self.curves = None
         self.last_time, self.last_iter = time.time(), start_iteration
         if rank != 0:
             return
+        if curves:
+            self.curves = CurveRecord(curves, unit, start_iteration)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(tensorboard_dir)
@@ -81,6 +92,8 @@ class TrainLogger:
             for rec in per_iter:
                 self.trace.write(json.dumps(rec) + "\n")
             self.trace.flush()
+        if self.curves is not None:
+            self.curves.train(iteration, metrics)
         if self.bar:
             self.bar.update(iteration - self.last_iter)
         self.last_time, self.last_iter = now, iteration
@@ -117,3 +130,5 @@ class TrainLogger:
             self.writer.close()
         if self.trace:
             self.trace.close()
+        if self.curves is not None:
+            self.curves.close()

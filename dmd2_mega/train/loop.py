@@ -1,6 +1,8 @@
 """The training loop both trainers (`teacher_trainer.FlowTrainer`, `methods.trainer.StudentTrainer`)
 run, written once: step, interval log, NaN accounting, interval save / eval, exit check, final save.
-What it needs of a trainer is the `Trainer` protocol below.
+What it needs of a trainer is the `Trainer` protocol below. With --save, rank 0 records the run's curves in
+<save>/curves.jsonl as it goes (`train/curves.py`) and draws them in <save>/curves.png at the end
+(`train/curves_plot.py`).
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 from typing import Callable, Optional, Protocol
 
 from dmd2_mega.train.checkpoint import RunState
+from dmd2_mega.train.curves import curves_path
 from dmd2_mega.train.logger import TrainLogger, print_rank0, report_eval
 from dmd2_mega.distributed.parallel import ParallelState
 from dmd2_mega.train.resilience import ExitController, account_skips, skip_counters
@@ -61,7 +64,8 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
     an exit flag or --max-nan-iterations is given, plus the log / eval / save intervals. `unit` names an
     iteration in messages ("iteration", "cycle"); `name` the run in the closing line."""
     t, ps = trainer.cfg.train, trainer.ps
-    logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, trainer.iteration)
+    logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, trainer.iteration,
+                         curves=t.save and curves_path(t.save), unit=unit)
     pending, result, start = [], {}, time.time()
     try:
         while trainer.iteration < t.train_iters:
@@ -113,8 +117,13 @@ def after_iteration(trainer: Trainer, logger: TrainLogger, unit: str, out_dir: O
 
 
 def finish_run(trainer: Trainer, logger: TrainLogger, pending: list) -> None:
-    """Log what the last interval left and save the final iteration unless it is saved already."""
+    """Log what the last interval left, save the final iteration unless it is saved already, and (rank 0) draw
+    <save>/curves.png."""
+    t = trainer.cfg.train
     if pending:
         trainer.log(logger, pending)
-    if trainer.cfg.train.save and trainer.saved_iteration != trainer.iteration:
+    if t.save and trainer.saved_iteration != trainer.iteration:
         trainer.save()
+    if t.save and trainer.ps.rank == 0:
+        from dmd2_mega.train.curves_plot import plot_run  # matplotlib is imported by the runs that draw only
+        print_rank0(plot_run(t.save, t.curve_references()))
