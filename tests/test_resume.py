@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from dmd2_mega.train.checkpoint import iter_dir, rank_file
+from dmd2_mega.train.curves import CURVES_FILE
+from dmd2_mega.train.curves_plot import CURVES_PNG
 from tests.utils import PRETRAIN, assert_traces_close, find_tmp, python, read_trace, run_parallel
 
 pytestmark = pytest.mark.timeout(240)
@@ -90,8 +92,9 @@ def test_checkpoint_contents(runs):
         assert p["tp_size"] == 1 and p["args"]["train"]["global_batch_size"] == 16
         assert {"model", "optimizer", "scheduler", "rng", "partition_dims"} <= p.keys()
     assert open(os.path.join(runs["straight"], "latest_checkpointed_iteration.txt")).read().strip() == "6"
-    assert sorted(os.listdir(runs["straight"])) == [".dmd2_mega.lock", "iter_0000003", "iter_0000006",
-                                                    "latest_checkpointed_iteration.txt"]  # the lock: run_lock.py
+    # the lock (run_lock.py) and the run's training curves (train/curves.py, curves_plot.py) beside the checkpoints
+    assert sorted(os.listdir(runs["straight"])) == [".dmd2_mega.lock", CURVES_FILE, CURVES_PNG, "iter_0000003",
+                                                    "iter_0000006", "latest_checkpointed_iteration.txt"]
 
 
 def test_no_tmp_left_after_save(runs):
