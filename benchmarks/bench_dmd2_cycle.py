@@ -69,11 +69,15 @@ LABELS = {"cycle": "cycle shared, offload off", "cycle_original": "cycle origina
           "F": "teacher fwd of B = F", "F_KB": "teacher fwd of K*B", "plain": "plain flow-matching step"}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`FLAGS` on `p` (benchmarks/bench_gan_cycle.py takes them too)."""
     [p.add_argument(f, **({"action": "store_true"} if t is bool else {"type": t, "default": d})
                     | ({"nargs": "+"} if f in LISTS else {})) for f, t, d in FLAGS]
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return add_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
 
 
 def synthetic_shards(a, root: str, n: int) -> str:

@@ -28,15 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from benchmarks.bench_dmd2_cycle import FLAGS, LISTS, Harness  # noqa: E402
+from benchmarks.bench_dmd2_cycle import Harness, add_flags  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f, t, d in FLAGS:
-        p.add_argument(f, **({"action": "store_true"} if t is bool else {"type": t, "default": d})
-                       | ({"nargs": "+"} if f in LISTS else {}))
+    p = add_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--gan-flags", default="", help="further pretrain_dmd2.py flags of the GAN trainer, one string")
     p.set_defaults(repeats=7)
     return p.parse_args(argv)
