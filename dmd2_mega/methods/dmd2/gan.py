@@ -116,8 +116,12 @@ def discriminator_loss(logits_fake: Tensor, logits_real: Tensor, fake_weight: Op
     """mean softplus(D(fake)) + mean softplus(-D(real)); with `fake_weight` [B] (1: a fake row that counts, 0: one
     that does not) the fake mean is over the counted rows (0 when none counts)."""
     fake = F.softplus(logits_fake)
-    fake = fake.mean() if fake_weight is None else (fake * fake_weight).sum() / fake_weight.sum().clamp(min=1)
-    return fake + F.softplus(-logits_real).mean()
+    return (fake.mean() if fake_weight is None else counted_mean(fake, fake_weight)) + F.softplus(-logits_real).mean()
+
+
+def counted_mean(values: Tensor, weight: Tensor) -> Tensor:
+    """The mean of `values` [B] over the rows of weight 1 (0 when none counts; no host sync)."""
+    return (values * weight).sum() / weight.sum().clamp(min=1)
 
 
 def generator_loss(logits_fake: Tensor) -> Tensor:
@@ -201,9 +205,8 @@ class GANSettings:
             v, _, logits = model(x_s, sigma, b.cond, extra=clean)
             fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
         d_loss = discriminator_loss(fake, real_logits, weight)
-        fake_mean = (fake * weight).sum() / weight.sum().clamp(min=1)
-        stats = {"gan-disc-loss": d_loss.detach(),
-                 "gan-logit-gap": (real_logits.mean() - fake_mean).detach(),  # mean D(real) - mean D(counted fake)
+        stats = {"gan-disc-loss": d_loss.detach(),  # mean D(real) - mean D(counted fake):
+                 "gan-logit-gap": (real_logits.mean() - counted_mean(fake, weight)).detach(),
                  "gan-fake-share": weight.mean()}  # the share of this step's rows in the GAN range
         return v.to(x_s.dtype), self.disc_weight * d_loss, stats
 
