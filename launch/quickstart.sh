@@ -18,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
+source launch/quickstart_report.sh
 export TORCH_COMPILE_DISABLE=1
 
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
@@ -104,18 +105,7 @@ ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
       "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz"
       "DMD2 student, 4 steps=$S/student_4step/samples.npz"
       "DMD2 student, 1 step=$S/student_1step/samples.npz")
-MEMORY=("DMD2 student, 4 steps (full weights)=$RUN_DIR/student_4step")
-if [ "$LORA_RANK" -gt 0 ]; then
-    ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
-    MEMORY+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$RUN_DIR/student_4step_lora")
-fi
+[ "$LORA_RANK" -gt 0 ] && ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
 python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" "${ROWS[@]}" | tee "$RUN_DIR/metrics.md"
-echo "== measured memory of the distillation runs (this process's roles; <save>/memory.json)"
-python -m dmd2_mega.eval.memory_table "${MEMORY[@]}" | tee -a "$RUN_DIR/metrics.md"
-echo "== training curves of the students (the 50-step teacher's Frechet distance as the reference)"
-CURVES=(--run "4-step=$RUN_DIR/student_4step" --run "1-step=$RUN_DIR/student_1step")
-[ "$LORA_RANK" -gt 0 ] && CURVES+=(--run "4-step LoRA rank $LORA_RANK=$RUN_DIR/student_4step_lora")
-python launch/plot_curves.py --out "$RUN_DIR/curves.png" "${CURVES[@]}" \
-    --reference-json "$RUN_DIR/metrics.json:teacher, 50 Euler steps, CFG $GUIDANCE" \
-    || echo "   curves not drawn (above: why; students trained before the curves were recorded have none)"
+report_memory_and_curves
 echo "grids: $S/*/grid.png; metrics: $RUN_DIR/metrics.json; curves: $RUN_DIR/curves.png; total ${SECONDS}s"
