@@ -25,7 +25,10 @@ setup(
         # the ecosystem's formats: diffusers checkpoints in and out, VAEs and text encoders for prepare_data.py and
         # decoded media; accelerate is what diffusers' from_pretrained needs to load a folder
         "diffusers>=0.35",
-        "transformers",
+        # < 5.25: transformers 5.25 requires Hugging Face's `kernels` package and imports it whenever it is installed,
+        # and this repository's top-level `kernels/` (our Triton kernels) shadows that import name: every diffusers
+        # model import then fails with "cannot import name 'CUDAProperties' from 'kernels'"
+        "transformers<5.25",
         "accelerate",
         "ftfy",  # diffusers' WanImageToVideoPipeline cleans prompts with it unconditionally (WanPipeline if present)
     ],
