@@ -10,6 +10,10 @@ Ops (one file each; maths and shapes in each module's docstring):
 Every op takes ``impl=None | "triton" | "torch"``: None dispatches CUDA tensors to Triton and CPU
 tensors to torch, unless ``DMD2_KERNELS=triton|torch`` forces one (see _utils.py). The ``*_ref``
 functions are the eager multi-op baselines (autograd through plain torch ops).
+
+The import name `kernels` is also Hugging Face's kernel-hub package, which transformers >= 5.25 requires and imports;
+this package shadows it (setup.py asks for transformers < 5.25). A name of that package asked of this one is one
+ImportError saying so (`__getattr__`), instead of Python's bare "cannot import name".
 """
 from ._utils import KernelError, resolve_impl
 from .adaln import adaln_modulate, adaln_modulate_ref
@@ -24,3 +28,18 @@ __all__ = [
     "KernelError", "resolve_impl", "x0_from_velocity_ref", "cfg_x0_ref", "flow_matching_loss_ref",
     "dmd_loss_ref", "adaln_modulate_ref", "qk_norm_rope_ref",
 ]
+
+HUB_NAMES = frozenset({
+    "CUDAProperties", "Device", "KernelizeFallback", "LayerRepository", "LocalLayerRepository", "Mode",
+    "ROCMProperties", "register_kernel_mapping", "replace_kernel_forward_from_hub", "use_kernel_forward_from_hub",
+    "use_kernel_mapping", "get_kernel", "kernelize", "use_kernelized_func",
+})
+"""What transformers imports from Hugging Face's `kernels` package (its integrations.hub_kernels)."""
+
+
+def __getattr__(name: str):
+    if name in HUB_NAMES:
+        raise ImportError(f"cannot import name {name!r} from 'kernels': this is dmd2-mega's kernels/ (fused Triton "
+                          f"kernels), which shadows Hugging Face's `kernels` package that transformers >= 5.25 "
+                          f"imports; install transformers<5.25 (pip install 'transformers<5.25'; setup.py asks for it)")
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -196,3 +196,14 @@ def test_cuda_auto_dispatch_matches_torch_path_at_sdxl_size(monkeypatch):
         outs[impl] = (fm, loss, stats.norm, stats.grad_rms, *torch.autograd.grad(total, v))
     for got, want in zip(outs["triton"], outs["torch"]):
         assert_close(got, want, dt, tol=(1e-2 * want.abs().max().item() + 1e-6, 1e-2))
+
+
+def test_a_hub_kernels_name_is_one_clear_error():
+    """transformers >= 5.25 imports Hugging Face's `kernels` package, which ours shadows: the names it asks for
+    raise one ImportError naming the pin; any other missing name stays an AttributeError."""
+    with pytest.raises(ImportError, match=r"cannot import name 'CUDAProperties' from 'kernels': this is dmd2-mega's "
+                                          r"kernels/.*install transformers<5.25"):
+        exec("from kernels import CUDAProperties", {})
+    with pytest.raises(AttributeError, match="module 'kernels' has no attribute 'no_such_op'"):
+        getattr(kernels, "no_such_op")
+    assert kernels.dmd_loss is not None
