@@ -79,10 +79,7 @@ class CurveRecord:
     def _stop(self, e: OSError) -> None:
         print(f"> WARNING: cannot write the curves record {self.path} ({e.strerror or e}); it stops here, the run "
               f"goes on", flush=True)
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.close()
-        self.file = None
+        self.close()
 
     def train(self, iteration: int, metrics: dict) -> None:
         self.append("train", iteration, {k: float(metrics[k]) for k in PROXIES if k in metrics})

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.train.grad_buffer import GradBuffer
-from dmd2_mega.train.optim import Optimizer, keep_lr_mults, param_groups
+from dmd2_mega.train.optim import Optimizer, check_group_count, keep_lr_mults, param_groups
 from dmd2_mega.distributed.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -228,14 +228,14 @@ class DistributedOptimizer(Optimizer):
                              f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
         inner = state["inner"]
         saved_groups = inner["param_groups"]
-        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)  # the group count first
+        check_group_count(saved_groups, self.inner.param_groups)
         if [len(g["params"]) for g in saved_groups] != self._group_sizes:
             raise ValueError(f"optimizer state has parameter groups of {[len(g['params']) for g in saved_groups]} "
                              f"parameters; this model has {self._group_sizes}")
         order = [j for g in saved_groups for j in g["params"]]  # saved index of model parameter j (position)
         for g, saved in zip(self.inner.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)
+        keep_lr_mults(self.inner.param_groups, self.lr_mults)
         self.inner.state.clear()
         self.sync_masters()
         for f, m in zip(self.fragments, self.master_params):

@@ -59,13 +59,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             for (m, decay), params in groups.items()]
 
 
-def keep_lr_mults(groups: list, mults: list, saved_groups: list) -> None:
-    """After loading a saved optimizer state into `groups`: the run's own multipliers `mults` stand (the saved
-    state's are the old run's). A different group count is a multiplier set on one side only: a clear error."""
+def check_group_count(saved_groups: list, groups: list) -> None:
+    """Before loading a saved optimizer state: a group count other than this run's is a learning-rate multiplier set
+    on one side only (`param_groups`), a clear error."""
     if len(saved_groups) != len(groups):
         raise ValueError(f"the optimizer state has {len(saved_groups)} parameter groups, this run {len(groups)}: a "
                          f"learning-rate multiplier (--dmd2-gan-head-lr-mult) was set in one run only; give the "
                          f"saved run's value or pass --no-load-optim")
+
+
+def keep_lr_mults(groups: list, mults: list) -> None:
+    """After loading a saved optimizer state into `groups`: the run's own multipliers `mults` stand (the saved
+    state's are the old run's)."""
     for g, m in zip(groups, mults):
         g.pop("lr_mult", None)
         g.update({"lr_mult": m} if m is not None else {})
@@ -216,10 +221,9 @@ class Optimizer:
         if bool(state.get("mixed")) != self.mixed:
             raise ValueError(f"optimizer state was saved {'with' if state.get('mixed') else 'without'} --bf16 "
                              f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
-        saved_groups = state["inner"]["param_groups"]
-        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)  # checks the count before loading
+        check_group_count(state["inner"]["param_groups"], self.inner.param_groups)
         self.inner.load_state_dict(state["inner"])
-        keep_lr_mults(self.inner.param_groups, self.lr_mults, saved_groups)
+        keep_lr_mults(self.inner.param_groups, self.lr_mults)
         if self.mixed:
             with torch.no_grad():
                 for m, saved in zip(self.master_params, state["master"]):
