@@ -28,6 +28,7 @@ from dmd2_mega.methods.dmd2.actor import actor_phase
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import GANCritic, GANSettings
 from dmd2_mega.flow import critic_grid
+from dmd2_mega.models import FamilyModel
 from tests.test_dmd2_actor import make_scores, reference as dmd_reference
 from tests.test_dmd2_critic import (B, F64, G, M, RANGE, SHAPE, SHIFT, FakeRole, FakeTeacher, RecordingOptimizer,
                                     TinyNet, cycle_settings, gen_seed, make_rollouts, micro_batches, model_at,
@@ -48,6 +49,8 @@ class TinyTrunk(TinyNet):
 
     def forward_features(self, x, sigma, cond, layer):
         return self(x, sigma, cond), self.features(x, sigma, cond, layer)
+
+    forward_features_and = FamilyModel.forward_features_and  # the contract's default: forward_features, features
 
 
 def tiny_gan(seed: int) -> GANCritic:

@@ -21,6 +21,10 @@ Every model is a `FamilyModel`:
     forward_features(x, sigma, cond, layer) -> (v, features)
         both from one forward: the velocity and the token mean of block `layer`'s output on the way (equal to
         `forward` and `features`): the GAN head reads the critic's own flow-matching forward at no extra cost.
+    forward_features_and(x, sigma, cond, layer, extra=(x', sigma', cond')) -> (v, features, features of x')
+        the same with rows that need only the features (the head's real samples): by default `forward_features`
+        and `features`; the DiT and the Wan run x' in x's batch up to block `layer` and drop it there (one pass,
+        larger matmuls; equal up to their rounding).
     null_cond(n, device) -> [n, ...]
         the negative / null condition of classifier-free guidance: the learned null class, or for text the
         negative-prompt embedding given by `set_negative` (the data's; zeros until then).
@@ -152,6 +156,13 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
                          layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(v [B, *shape], token mean of block `layer`'s output [B, feature_dim]) from one forward."""
+
+    def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int,
+                             extra: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(v, features of x, features [B', feature_dim] of extra = (x', sigma', cond'), rows that need only
+        the features): here two passes; a family whose blocks take rows of any batch runs one (module docstring)."""
+        v, feats = self.forward_features(x, sigma, cond, layer)
+        return v, feats, self.features(*extra, layer)
 
     @abc.abstractmethod
     def null_cond(self, n: int, device) -> torch.Tensor:

@@ -11,15 +11,16 @@ see both (state-dict keys `trunk.*` and `head.*`).
         TP and DP rank starts identical (TP ranks hold identical features, hence identical head grads).
 `GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `extra=(x', sigma', cond')` it returns
 (v, the head's logits on x from the same forward's features, the head's logits on x'), so that DDP sees the
-flow-matching and GAN terms of a critic step in one call. `logits(x, sigma, cond)` is the head alone (the real
+flow-matching and GAN terms of a critic step in one call; the trunk runs x' in x's batch up to block l
+(`FamilyModel.forward_features_and`: one pass of B + r rows, not a second small one). `logits(x, sigma, cond)` is the head alone (the real
 samples, the actor's frozen critic).
 Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score range; its grid points `choices`):
     fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
         step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
         x0hat noised to sigma ~ U{choices}, as a separately drawn input would be, and costs no forward of its own.
     real: r = ceil(B / K) dataset samples per critic step (rows [kB, kB + r) of the micro-batch's), noised to
-        sigma ~ U{choices} with eps ~ N(0, I) from the critic generator after the flow-matching draws: one forward
-        up to block l on B real samples per cycle in all.
+        sigma ~ U{choices} with eps ~ N(0, I) from the critic generator after the flow-matching draws: B real
+        samples up to block l per cycle in all, inside the critic's forwards.
     `--no-dmd2-gan-noise`: fakes x0hat and reals at sigma 0 (clean), the fakes through a forward of their own.
 Non-saturating losses on the logits D(.), w the fake rows' weights:
     discriminator (critic phase, every critic step, the critic's grad flows into trunk and head):
@@ -83,8 +84,9 @@ class GANCritic(FamilyModel):
         logits [B'] on x')."""
         if extra is None:
             return self.trunk(x, sigma, cond)
-        v, feats = self.trunk.forward_features(x, sigma, cond, self.layer)
-        return v, self.head(feats), self.logits(*extra)
+        v, feats, extra_feats = self.trunk.forward_features_and(x, sigma, cond, self.layer, extra)
+        logits = self.head(torch.cat([feats, extra_feats]))
+        return v, logits[:x.shape[0]], logits[x.shape[0]:]
 
     def lr_mults(self) -> dict:
         """The head's learning-rate multiplier (--dmd2-gan-head-lr-mult; `train/optim.param_groups`): it starts from

@@ -196,13 +196,25 @@ class DiT(FamilyModel):
         out, feats = self._network(*self.adapter.inputs(x, sigma), cond, layer)
         return self.adapter.velocity(x, sigma, out), feats
 
+    def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int, extra):
+        """`FamilyModel.forward_features_and` in one pass: x and the extra rows are one batch up to block `layer`,
+        then x's rows alone."""
+        if not 0 <= layer < len(self.blocks):
+            raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
+        n = x.shape[0]
+        xs, sigmas, conds = (torch.cat(pair) for pair in zip((x, sigma, cond), extra))
+        out, feats = self._network(*self.adapter.inputs(xs, sigmas), conds, layer, keep=n)
+        return self.adapter.velocity(x, sigma, out), feats[:n], feats[n:]
+
     def network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """The network's own prediction [B, C, H, W] at its own input and timestep (for an imported checkpoint what
         the official code returns: SiT's velocity, DiT's epsilon; ours: v at timestep 1000 sigma)."""
         return self._network(x, timestep, cond)[0]
 
-    def _network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, tap: Optional[int] = None):
-        """(the network's prediction, the token mean of block `tap`'s output or None)."""
+    def _network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, tap: Optional[int] = None,
+                 keep: Optional[int] = None):
+        """(the network's prediction, the token mean of block `tap`'s output or None); with `keep`, only the first
+        `keep` rows go on after block `tap` (the prediction is theirs, the features every row's)."""
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
         h, c = self._embed(x, timestep, cond)
@@ -211,6 +223,8 @@ class DiT(FamilyModel):
             h = self._block(i, h, c)
             if i == tap:
                 feats = h.mean(dim=1)
+                if keep is not None:
+                    b, h, c = keep, h[:keep], c[:keep]
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
         return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww), feats

@@ -168,6 +168,9 @@ class CausalWan(Wan):
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
         return self._run(x, sigma, cond, self._mixer(x), tap=layer)
 
+    def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int, extra):
+        return self._joined(x, sigma, cond, layer, extra, self._mixer(x))
+
     def stream(self, noise: torch.Tensor, cond: torch.Tensor, denoise: Callable, context_noise: float = 0.0):
         """Generate a clip chunk by chunk; yields each chunk's x0 [B, C, f, H, W] as it is done.
 

@@ -475,8 +475,10 @@ class Wan(NegativePrompt, FamilyModel):
     def _forward(self, x, sigma, cond, mixer=None, first_frame: int = 0) -> torch.Tensor:
         return self._run(x, sigma, cond, mixer, first_frame)[0]
 
-    def _run(self, x, sigma, cond, mixer=None, first_frame: int = 0, tap: Optional[int] = None):
-        """(v, the token mean of block `tap`'s output or None) of one forward."""
+    def _run(self, x, sigma, cond, mixer=None, first_frame: int = 0, tap: Optional[int] = None,
+             keep: Optional[int] = None):
+        """(v, the token mean of block `tap`'s output or None) of one forward; with `keep`, only the first `keep`
+        rows go on after block `tap` (v is theirs, the features every row's)."""
         if tap is not None and not 0 <= tap < len(self.blocks):
             raise IndexError(f"feature layer {tap} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
         b, c = x.shape[:2]
@@ -487,6 +489,9 @@ class Wan(NegativePrompt, FamilyModel):
             h = self._block(i, h, ctx, mod, rope, split, mixer)
             if i == tap:
                 feats = split.token_mean(h)
+                if keep is not None:  # every per-row input is batch-first
+                    b, h, temb, mod = keep, h[:keep], temb[:keep], mod[:keep]
+                    ctx = tuple(t if t is None else t[:keep] for t in ctx)
         shift, scale = (self.scale_shift_table + temb.float().unsqueeze(-2)).unbind(-2)
         out = split.gather(self.proj_out(modulate(h, shift, scale, self.spec.eps)))
         out = out.reshape(b, f, hh, ww, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
@@ -498,6 +503,18 @@ class Wan(NegativePrompt, FamilyModel):
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
         """(v, token mean of block `layer`'s output) from one forward."""
         return self._run(x, sigma, cond, tap=layer)
+
+    def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int, extra):
+        """`FamilyModel.forward_features_and` in one pass (x and the extra rows one batch up to block `layer`)."""
+        return self._joined(x, sigma, cond, layer, extra, None)
+
+    def _joined(self, x, sigma, cond, layer: int, extra, mixer):
+        if sigma.shape[1:] != extra[1].shape[1:]:  # per-chunk levels beside per-sample ones: two passes
+            return super().forward_features_and(x, sigma, cond, layer, extra)
+        n = x.shape[0]
+        xs, sigmas, conds = (torch.cat(pair) for pair in zip((x, sigma, cond), extra))
+        v, feats = self._run(xs, sigmas, conds, mixer, tap=layer, keep=n)
+        return v, feats[:n], feats[n:]
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W]."""
