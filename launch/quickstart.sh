@@ -11,7 +11,9 @@
 # e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
 # model moved between 2.24 and 2.65 across sampling seeds), LORA_RANK (the LoRA 4-step student: student and
 # critic as rank-r adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it),
-# LORA_LR (its learning rate).
+# LORA_LR (its learning rate), SEEDS (the students' --seed, default 1234; several, e.g. SEEDS="1 2 3": each student
+# trained once per seed into student_<N>step_seed<S>, one table row per seed and a second table of each student's
+# mean and spread over the seeds; the LoRA student at the first seed only).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
 # GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.1-1.3x per cycle and did not pay for itself there.
@@ -34,6 +36,9 @@ DMD2_FLAGS_1STEP="${DMD2_FLAGS_1STEP-}"
 NUM_SAMPLES="${NUM_SAMPLES:-2000}"
 LORA_RANK="${LORA_RANK:-8}"
 LORA_LR="${LORA_LR:-3e-3}"
+read -ra SEED_LIST <<< "${SEEDS:-1234}"
+# one seed: the students' folders as they always were (a re-run resumes them); several: one folder per seed
+if [ "${#SEED_LIST[@]}" -gt 1 ]; then SUFFIXES=("${SEED_LIST[@]/#/_seed}"); else SUFFIXES=(""); fi
 # the students' training curves (<save>/curves.jsonl, $RUN_DIR/curves.png): an eval of 500 samples every 40 cycles
 # (1.3 cycles' time each) costs 3.5% of a 4-step student's time on 2 CPU cores
 EVAL_FLAGS=(--eval-interval 40 --eval-num-samples 500)
@@ -55,20 +60,24 @@ echo "== 1/4 teacher: flow-matching DiT (--model-size digits) on the digits data
     --tensorboard-dir "$RUN_DIR/tensorboard/teacher"
 echo "   teacher ready after ${SECONDS}s"
 
-for steps in 4 1; do
+for i in "${!SEED_LIST[@]}"; do
+  seed="${SEED_LIST[$i]}" suffix="${SUFFIXES[$i]}"
+  for steps in 4 1; do
     iters_var="DMD2_ITERS_${steps}STEP"
     guidance_var="DMD2_GUIDANCE_${steps}STEP"
     flags_var="DMD2_FLAGS_${steps}STEP"
-    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
+    name="student_${steps}step${suffix}"
+    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout), seed $seed"
     start=$SECONDS
     "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "${!guidance_var}" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
-        --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 120 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step" "${EVAL_FLAGS[@]}" ${!flags_var}
+        --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 --seed "$seed" \
+        --save "$RUN_DIR/$name" --load "$RUN_DIR/$name" --save-interval 120 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/$name" "${EVAL_FLAGS[@]}" ${!flags_var}
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
+  done
 done
 
 if [ "$LORA_RANK" -gt 0 ]; then
@@ -79,7 +88,7 @@ if [ "$LORA_RANK" -gt 0 ]; then
         --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$DMD2_GUIDANCE_4STEP" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$DMD2_ITERS_4STEP" \
-        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 \
+        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 --seed "${SEED_LIST[0]}" \
         --save "$RUN_DIR/student_4step_lora" --load "$RUN_DIR/student_4step_lora" --save-interval 120 \
         --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_4step_lora" "${EVAL_FLAGS[@]}" \
         $DMD2_FLAGS_4STEP
@@ -91,7 +100,8 @@ for steps in 50 4 1; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
         --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
-STUDENTS=(4step 1step)
+STUDENTS=()
+for suffix in "${SUFFIXES[@]}"; do STUDENTS+=("4step$suffix" "1step$suffix"); done
 [ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
 for student in "${STUDENTS[@]}"; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${student}" --num-samples "$NUM_SAMPLES" \
@@ -102,10 +112,13 @@ echo "== 4/4 quality: Frechet distance of classifier features vs held-out digits
 S="$RUN_DIR/samples"
 ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
       "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
-      "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz"
-      "DMD2 student, 4 steps=$S/student_4step/samples.npz"
-      "DMD2 student, 1 step=$S/student_1step/samples.npz")
+      "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz")
+for i in "${!SEED_LIST[@]}"; do  # "@ seed S" rows: eval.report adds their mean and spread
+    at=""; [ "${#SEED_LIST[@]}" -gt 1 ] && at=" @ seed ${SEED_LIST[$i]}"
+    ROWS+=("DMD2 student, 4 steps$at=$S/student_4step${SUFFIXES[$i]}/samples.npz"
+           "DMD2 student, 1 step$at=$S/student_1step${SUFFIXES[$i]}/samples.npz")
+done
 [ "$LORA_RANK" -gt 0 ] && ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
 python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" "${ROWS[@]}" | tee "$RUN_DIR/metrics.md"
-report_memory_and_curves
+report_memory_and_curves "${SUFFIXES[@]}"
 echo "grids: $S/*/grid.png; metrics: $RUN_DIR/metrics.json; curves: $RUN_DIR/curves.png; total ${SECONDS}s"

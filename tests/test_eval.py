@@ -170,6 +170,19 @@ def test_report_table_json_and_one_line_errors(cache, heldout, tmp_path, capsys)
     assert table[0].startswith("| model | Frechet distance (floor ") and table[2].startswith("| real, held out | ")
     got = json.loads(js.read_text())["real, held out"]
     assert got["frechet_distance"] == pytest.approx(evaluate_digits(x[:100], y[:100])["frechet_distance"], rel=1e-9)
+    # one model at several seeds ("LABEL @ seed S"): a second table of the mean, sd and per-seed distances
+    halves = [tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "c.npz"]
+    for k, path in enumerate(halves):
+        np.savez(path, images=x[100 * k:100 * k + 100].numpy(), labels=y[100 * k:100 * k + 100].numpy())
+    assert report.main([f"s @ seed {k + 1}={path}" for k, path in enumerate(halves)] + ["t @ seed 1=" + str(halves[0]),
+                                                                                          "--json", str(js)]) == 0
+    table = capsys.readouterr().out.split("\n\n")
+    fds = [evaluate_digits(x[100 * k:100 * k + 100], y[100 * k:100 * k + 100])["frechet_distance"] for k in range(3)]
+    assert len(table) == 2 and len(table[1].splitlines()) == 3, table  # one label with two seeds or more: "s"
+    mean_row = table[1].splitlines()[2]
+    want = f"| s | 3 | {np.mean(fds):.3f} +- {np.std(fds, ddof=1):.3f} (1: {fds[0]:.3f}, 2: {fds[1]:.3f}, 3: {fds[2]:.3f})"
+    assert mean_row.startswith(want), (mean_row, want)
+    assert set(json.loads(js.read_text())) == {"s @ seed 1", "s @ seed 2", "s @ seed 3", "t @ seed 1"}
     np.savez(tmp_path / "nolabels.npz", images=x[:100].numpy())
     np.savez(tmp_path / "null.npz", images=x[:100].numpy(), labels=np.full(100, 10))
     for pair, needle in (("no-equals-sign", "expected NAME=PATH, got 'no-equals-sign'"),

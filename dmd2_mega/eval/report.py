@@ -2,7 +2,9 @@
 
     python -m dmd2_mega.eval.report "teacher, 50 steps=runs/q/teacher_50/samples.npz" "student, 4 steps=..."
 prints a Markdown table: Frechet distance (and its ratio to the real-vs-real floor), class accuracy
-and diversity (per-class pixel std relative to real held-out digits), one row per NAME=PATH.
+and diversity (per-class pixel std relative to real held-out digits), one row per NAME=PATH. Rows named
+"LABEL @ seed S" (the quickstart's SEEDS: one model trained at several seeds) are also summarised per LABEL seen at
+two seeds or more, in a second table: the mean, the sample standard deviation and each seed's Frechet distance.
 
 `report_main` is the command line of this report and of `report_video` (moving digits): each NAME=PATH is loaded,
 evaluated and one row of the table; --json FILE writes every metric; a report with a showcase also takes --gif FILE.
@@ -33,6 +35,9 @@ def parse_pairs(pairs: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+SEED_MARK = " @ seed "  # a row's name "LABEL @ seed S": one of LABEL's seeds
+
+
 def markdown(results: list[tuple[str, dict]]) -> str:
     floor = results[0][1]["frechet_floor"] if results else float("nan")
     lines = [f"| model | Frechet distance (floor {floor:.3f}) | FD / floor | class accuracy | diversity |",
@@ -40,7 +45,28 @@ def markdown(results: list[tuple[str, dict]]) -> str:
     for name, r in results:
         lines.append(f"| {name} | {r['frechet_distance']:.3f} | {r['fd_ratio']:.2f} | "
                      f"{100 * r['class_accuracy']:.1f}% | {r['diversity']:.2f} |")
-    return "\n".join(lines)
+    means = seed_means(results)
+    return "\n".join(lines) + ("\n\n" + means if means else "")
+
+
+def seed_means(results: list[tuple[str, dict]]) -> str:
+    """The second table (module docstring), or "" when no label has two seeds."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for name, r in results:
+        if SEED_MARK in name:
+            label, seed = name.rsplit(SEED_MARK, 1)
+            groups.setdefault(label, []).append((seed, r))
+    lines = ["| model | seeds | Frechet distance, mean +- sd (per seed) | class accuracy, mean | diversity, mean |",
+             "|---|---|---|---|---|"]
+    for label, rows in groups.items():
+        if len(rows) < 2:
+            continue
+        fd = np.array([r["frechet_distance"] for _, r in rows])
+        per_seed = ", ".join(f"{seed}: {v:.3f}" for (seed, _), v in zip(rows, fd))
+        lines.append(f"| {label} | {len(rows)} | {fd.mean():.3f} +- {fd.std(ddof=1):.3f} ({per_seed}) | "
+                     f"{100 * np.mean([r['class_accuracy'] for _, r in rows]):.1f}% | "
+                     f"{np.mean([r['diversity'] for _, r in rows]):.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def report_main(argv: Optional[list[str]], prog: str, doc: str, pair_help: str, load: Callable[[str], tuple],
