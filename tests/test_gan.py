@@ -94,6 +94,9 @@ def test_gan_critic_velocity_logits_and_state_keys(world):
     want = critic.head(trunk.features(xg, sg, yg, 1))  # the head on block 1's token-mean features
     torch.testing.assert_close(logits, want, **tol)
     torch.testing.assert_close(critic.logits(xg, sg, yg), want, rtol=0, atol=0)
+    # the contract's one-pass form, passed through to the trunk: the same features the forward's logits read
+    _, feats, extra_feats = critic.forward_features_and(x, s, y, 1, (xg, sg, yg))
+    torch.testing.assert_close(critic.head(torch.cat([feats, extra_feats])), torch.cat([fake, logits]), rtol=0, atol=0)
     assert logits.abs().max() > 0
     # state dict: the trunk's keys under trunk.*, the head's under head.*
     sd = critic.state_dict()

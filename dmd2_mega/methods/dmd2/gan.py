@@ -102,6 +102,9 @@ class GANCritic(FamilyModel):
     def forward_features(self, x: Tensor, sigma: Tensor, cond: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         return self.trunk.forward_features(x, sigma, cond, layer)
 
+    def forward_features_and(self, x: Tensor, sigma: Tensor, cond: Tensor, layer: int, extra: tuple):
+        return self.trunk.forward_features_and(x, sigma, cond, layer, extra)
+
     def null_cond(self, n: int, device) -> Tensor:
         return self.trunk.null_cond(n, device)
 
