@@ -16,7 +16,7 @@
 # mean and spread over the seeds; the LoRA student at the first seed only).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
-# GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.1-1.3x per cycle and did not pay for itself there.
+# GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.03-1.3x per cycle and did not pay for itself there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh

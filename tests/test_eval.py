@@ -180,7 +180,8 @@ def test_report_table_json_and_one_line_errors(cache, heldout, tmp_path, capsys)
     fds = [evaluate_digits(x[100 * k:100 * k + 100], y[100 * k:100 * k + 100])["frechet_distance"] for k in range(3)]
     assert len(table) == 2 and len(table[1].splitlines()) == 3, table  # one label with two seeds or more: "s"
     mean_row = table[1].splitlines()[2]
-    want = f"| s | 3 | {np.mean(fds):.3f} +- {np.std(fds, ddof=1):.3f} (1: {fds[0]:.3f}, 2: {fds[1]:.3f}, 3: {fds[2]:.3f})"
+    want = (f"| s | 3 | {np.mean(fds):.3f} +- {np.std(fds, ddof=1):.3f} "
+            f"(1: {fds[0]:.3f}, 2: {fds[1]:.3f}, 3: {fds[2]:.3f})")
     assert mean_row.startswith(want), (mean_row, want)
     assert set(json.loads(js.read_text())) == {"s @ seed 1", "s @ seed 2", "s @ seed 3", "t @ seed 1"}
     np.savez(tmp_path / "nolabels.npz", images=x[:100].numpy())

@@ -169,7 +169,8 @@ def test_forward_features_and_is_forward_features_and_features(world, kind):
         model = _wan(boundary=0.5 if kind == "wan-experts" else None, causal=kind == "causal-wan")
         x, c = torch.randn(4, 4, 4, 4, 6, generator=g), torch.randn(4, 3, 16, generator=g)
         s = torch.tensor([0.9, 0.2, 0.7, 0.3])  # both experts' sides of boundary 0.5 in one batch
-        extra = (torch.randn(3, 4, 4, 4, 6, generator=g), torch.tensor([0.1, 0.8, 0.4]), torch.randn(3, 3, 16, generator=g))
+        extra = (torch.randn(3, 4, 4, 4, 6, generator=g), torch.tensor([0.1, 0.8, 0.4]),
+                 torch.randn(3, 3, 16, generator=g))
     weights = [torch.randn(x.shape, generator=g), torch.randn(3, model.feature_dim, generator=g)]
 
     def run(joined: bool):

@@ -12,8 +12,8 @@ see both (state-dict keys `trunk.*` and `head.*`).
 `GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `extra=(x', sigma', cond')` it returns
 (v, the head's logits on x from the same forward's features, the head's logits on x'), so that DDP sees the
 flow-matching and GAN terms of a critic step in one call; the trunk runs x' in x's batch up to block l
-(`FamilyModel.forward_features_and`: one pass of B + r rows, not a second small one). `logits(x, sigma, cond)` is the head alone (the real
-samples, the actor's frozen critic).
+(`FamilyModel.forward_features_and`: one pass of B + r rows, not a second small one). `logits(x, sigma, cond)` is
+the head alone (the actor's frozen critic).
 Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score range; its grid points `choices`):
     fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
         step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
