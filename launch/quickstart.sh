@@ -114,9 +114,9 @@ ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
       "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
       "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz")
 for i in "${!SEED_LIST[@]}"; do  # "@ seed S" rows: eval.report adds their mean and spread
-    at=""; [ "${#SEED_LIST[@]}" -gt 1 ] && at=" @ seed ${SEED_LIST[$i]}"
-    ROWS+=("DMD2 student, 4 steps$at=$S/student_4step${SUFFIXES[$i]}/samples.npz"
-           "DMD2 student, 1 step$at=$S/student_1step${SUFFIXES[$i]}/samples.npz")
+    suffix="${SUFFIXES[$i]}" at="${SUFFIXES[$i]/_seed/ @ seed }"
+    ROWS+=("DMD2 student, 4 steps$at=$S/student_4step$suffix/samples.npz"
+           "DMD2 student, 1 step$at=$S/student_1step$suffix/samples.npz")
 done
 [ "$LORA_RANK" -gt 0 ] && ROWS+=("DMD2 LoRA student rank $LORA_RANK, 4 steps=$S/student_4step_lora/samples.npz")
 python -m dmd2_mega.eval.report --json "$RUN_DIR/metrics.json" "${ROWS[@]}" | tee "$RUN_DIR/metrics.md"

@@ -134,6 +134,12 @@ class BuildOptions:
     flags); None: every token sees every token. Only a family with frames builds one."""
 
 
+def joined_rows(inputs: tuple, extra: tuple) -> tuple:
+    """(x, sigma, cond) and the rows extra = (x', sigma', cond') as one batch each, x's rows first: the one pass of
+    a family's `FamilyModel.forward_features_and`."""
+    return tuple(torch.cat(pair) for pair in zip(inputs, extra))
+
+
 class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     """Abstract base of every family's model (see the module docstring): a family that leaves out one of
     the abstract methods cannot be instantiated."""

@@ -33,7 +33,7 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, dit_sincos_2d, sincos_2d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build, joined_rows
 from dmd2_mega.models.dit.parameterization import build_adapter
 
 
@@ -176,10 +176,13 @@ class DiT(FamilyModel):
             return torch.utils.checkpoint.checkpoint(blk, h, c, use_reentrant=False)
         return blk(h, c)
 
-    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
-        """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
+    def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < len(self.blocks):
             raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
+
+    def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
+        """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
+        self._check_layer(layer)
         h, c = self._embed(*self.adapter.inputs(x, sigma), cond)
         for i in range(layer + 1):
             h = self._block(i, h, c)
@@ -191,18 +194,14 @@ class DiT(FamilyModel):
 
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
         """(v, token mean of block `layer`'s output) from one forward."""
-        if not 0 <= layer < len(self.blocks):
-            raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
         out, feats = self._network(*self.adapter.inputs(x, sigma), cond, layer)
         return self.adapter.velocity(x, sigma, out), feats
 
     def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int, extra):
         """`FamilyModel.forward_features_and` in one pass: x and the extra rows are one batch up to block `layer`,
         then x's rows alone."""
-        if not 0 <= layer < len(self.blocks):
-            raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
         n = x.shape[0]
-        xs, sigmas, conds = (torch.cat(pair) for pair in zip((x, sigma, cond), extra))
+        xs, sigmas, conds = joined_rows((x, sigma, cond), extra)
         out, feats = self._network(*self.adapter.inputs(xs, sigmas), conds, layer, keep=n)
         return self.adapter.velocity(x, sigma, out), feats[:n], feats[n:]
 
@@ -215,6 +214,8 @@ class DiT(FamilyModel):
                  keep: Optional[int] = None):
         """(the network's prediction, the token mean of block `tap`'s output or None); with `keep`, only the first
         `keep` rows go on after block `tap` (the prediction is theirs, the features every row's)."""
+        if tap is not None:
+            self._check_layer(tap)
         b, ch, hh, ww = x.shape
         p, g = self.patch, hh // self.patch
         h, c = self._embed(x, timestep, cond)

@@ -50,7 +50,7 @@ from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.config_keys import Key, count, positive, read_keys
 from dmd2_mega.models.embeddings import sincos_1d
-from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build
+from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build, joined_rows
 from dmd2_mega.models.rope import rope_tables
 from dmd2_mega.models.token_parallel import TokenSplit
 from dmd2_mega.models.wan.image import (CLIP_LEN, MASK_CHANNELS, CondParts, ImageEmbedder, chunk_frames, concat_mask,
@@ -512,7 +512,7 @@ class Wan(NegativePrompt, FamilyModel):
         if sigma.shape[1:] != extra[1].shape[1:]:  # per-chunk levels beside per-sample ones: two passes
             return super().forward_features_and(x, sigma, cond, layer, extra)
         n = x.shape[0]
-        xs, sigmas, conds = (torch.cat(pair) for pair in zip((x, sigma, cond), extra))
+        xs, sigmas, conds = joined_rows((x, sigma, cond), extra)
         v, feats = self._run(xs, sigmas, conds, mixer, tap=layer, keep=n)
         return v, feats[:n], feats[n:]
 
