@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from dmd2_mega.eval.report import SEED_MARK, seed_means  # noqa: E402
 
 # The GAN's input noise is drawn from unshifted sigma in [0.05, 0.3], not the whole score range: on
 # digits the head barely learned in 300 cycles with noise up to 0.98 (D loss 1.386 -> 1.381), and
@@ -183,22 +183,13 @@ def report(rows: list, cells: list, a) -> str:
             "|---|---|---|---|---|"]
     per_run = head + [f"| {r['model']} | - | {r['frechet_distance']:.3f} | {100 * r['class_accuracy']:.1f}% | "
                       f"{r['diversity']:.2f} |" for r in rows]
-    per_run += [f"| {c['steps']}-step, {c['config']}, seed {c['seed']} | {c['cycles']} ({c['seconds']:.0f}) | "
-                f"{c['frechet_distance']:.3f} | {100 * c['class_accuracy']:.1f}% | {c['diversity']:.2f} |" for c in cells]
-    mean = ["| student | configuration | Frechet distance, mean +- sd (per seed) | class accuracy, mean | diversity, mean |",
-            "|---|---|---|---|---|"]
-    for steps in a.steps:
-        for cfg in a.configs:
-            group = [c for c in cells if c["steps"] == steps and c["config"] == CONFIGS[cfg][0]]
-            if not group:
-                continue
-            m = lambda k: sum(c[k] for c in group) / len(group)  # noqa: E731
-            seeds = ", ".join(f"{c['frechet_distance']:.3f}" for c in group)
-            sd = statistics.stdev(c["frechet_distance"] for c in group) if len(group) > 1 else 0.0
-            mean.append(f"| {steps}-step | {CONFIGS[cfg][0]} | {m('frechet_distance'):.3f} +- {sd:.3f} ({seeds}) | "
-                        f"{100 * m('class_accuracy'):.1f}% | {m('diversity'):.2f} |")
+    # named "LABEL @ seed S", so that the mean-per-cell table is eval.report's of the quickstart's SEEDS
+    named = [(f"{c['steps']}-step, {c['config']}{SEED_MARK}{c['seed']}", c) for c in cells]
+    per_run += [f"| {name} | {c['cycles']} ({c['seconds']:.0f}) | {c['frechet_distance']:.3f} | "
+                f"{100 * c['class_accuracy']:.1f}% | {c['diversity']:.2f} |" for name, c in named]
+    means = seed_means(named)
     budgets = f"budgets: 4-step {a.budget_4step:.0f} s, 1-step {a.budget_1step:.0f} s per run"
-    return "\n".join(per_run) + "\n\n" + budgets + "\n\n" + "\n".join(mean)
+    return "\n".join(per_run) + "\n\n" + budgets + ("\n\n" + means if means else "")
 
 
 if __name__ == "__main__":
