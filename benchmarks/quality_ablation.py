@@ -2,13 +2,15 @@
 
     python benchmarks/quality_ablation.py --teacher-load runs/quickstart/teacher \
         [--out runs/ablation] [--budget-4step 240] [--budget-1step 170] [--seeds 1 2 3] \
-        [--configs dmd gan gan_ema] [--jobs 2 --threads 1] [--results benchmarks/RESULTS.md]
+        [--configs dmd gan gan_ema] [--add-config NAME:LABEL:FLAGS] [--jobs 2 --threads 1] \
+        [--results benchmarks/RESULTS.md]
 
 Cells: the 4-step and the 1-step student x {DMD only, DMD + GAN, DMD + GAN + EMA} x seeds, each
 distilled from the same teacher by `launch/pretrain_dmd2.py` with the quickstart's settings (digits
 DiT, B = 64, K = 5, lr 1e-4 -> 1e-5 cosine, teacher CFG 1.375 for 4 steps and 1.25 for 1 step)
-plus the cell's flags (`CONFIGS`). Fixed wall clock: a 6-cycle calibration run of each (steps,
-GAN) pair measures the seconds per cycle (the mean of cycles 3-6), and the cell runs
+plus the cell's flags (`CONFIGS`, and any --add-config: a named cell of further flags, later ones winning, e.g.
+`--add-config "k2:DMD only, K = 2:--dmd2-critic-steps-per-rollout 2"`). Fixed wall clock: a 6-cycle calibration
+run of each (steps, flags) pair measures the seconds per cycle (the mean of cycles 3-6), and the cell runs
 floor(budget / that) cycles, so that its LR schedule ends where its time does; a cell that runs
 slow (a busy machine) still stops at --guard (2) x its budget (--exit-duration-in-mins, saved). Each student
 then samples --num-samples (2000) class-balanced digits (`launch/sample.py`, seed 0, EMA weights when kept) scored
@@ -53,6 +55,15 @@ CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
 GUIDANCE = {4: 1.375, 1: 1.25}  # the teacher's CFG in DMD2's real score (the quickstart's)
 
 
+def added_config(text: str) -> tuple:
+    """--add-config NAME:LABEL:FLAGS -> (NAME, (LABEL, [flag, ...]))."""
+    parts = text.split(":", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1] or not parts[2].split():
+        raise argparse.ArgumentTypeError(f"expected NAME:LABEL:FLAGS (e.g. \"k2:K = 2:--dmd2-critic-steps-per-rollout "
+                                         f"2\"), got {text!r}")
+    return parts[0], (parts[1], parts[2].split())
+
+
 def base_args(teacher: str, steps: int, seed: int) -> list:
     return ["--model-size", "digits", "--data", "digits", "--teacher-load", teacher,
             "--dmd2-denoising-steps", str(steps), "--dmd2-critic-steps-per-rollout", "5",
@@ -72,8 +83,8 @@ def run(cmd: list, log: str, threads: int = 0) -> str:
     return text
 
 
-def seconds_per_cycle(a, out: str, steps: int, extra: list) -> float:
-    log = os.path.join(out, f"calibrate_{steps}step_{'gan' if '--dmd2-gan' in extra else 'dmd'}.log")
+def seconds_per_cycle(a, out: str, steps: int, cfg: str, extra: list) -> float:
+    log = os.path.join(out, f"calibrate_{steps}step_{cfg}.log")
     text = run([sys.executable, "launch/pretrain_dmd2.py", *base_args(a.teacher_load, steps, 1), *extra,
                 "--train-iters", "6", "--log-interval", "1", "--loss-trace", log + ".jsonl"], log, a.threads)
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
@@ -100,7 +111,7 @@ def sample(load: str, out: str, extra: list, n: int, threads: int = 0) -> dict:
 
 def cell(a, extra_all: list, steps: int, cfg: str, seed: int, iters: int, budget: float) -> dict:
     """Distil one cell for `iters` cycles (resumable: its <save>.json marks it done), sample and score it."""
-    label, flags = CONFIGS[cfg]
+    label, flags = a.cells[cfg]
     name = f"{steps}step_{cfg}_seed{seed}"
     save = os.path.join(a.out, name)
     info_path = save + ".json"
@@ -134,10 +145,18 @@ def main(argv=None) -> int:
     p.add_argument("--guard", type=float, default=2.0,
                    help="a cell that runs slower than calibrated stops at guard x its budget (saved)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=None,
+                   help=f"cells to run (default {' '.join(CONFIGS)} and every --add-config)")
+    p.add_argument("--add-config", type=added_config, action="append", default=[], metavar="NAME:LABEL:FLAGS",
+                   help="one more cell: its name, its table label and its pretrain_dmd2.py flags, in one string")
     p.add_argument("--extra", default="", help="further pretrain_dmd2.py flags for every cell (one string)")
     p.add_argument("--results", default=None, help="append the tables to this Markdown file")
     a = p.parse_args(argv)
+    a.cells = {**CONFIGS, **dict(a.add_config)}
+    a.configs = a.configs or list(a.cells)
+    unknown = [c for c in a.configs if c not in a.cells]
+    if unknown:
+        p.error(f"--configs {' '.join(unknown)}: no such cell (known: {', '.join(a.cells)}; --add-config adds one)")
     os.makedirs(a.out, exist_ok=True)
     if not os.path.exists(os.path.join(a.teacher_load, "latest_checkpointed_iteration.txt")):
         raise SystemExit(f"error: --teacher-load {a.teacher_load} holds no checkpoint (run launch/quickstart.sh "
@@ -154,14 +173,13 @@ def main(argv=None) -> int:
     jobs = []  # (steps, config, seed, iters, budget): every cell, calibrated before any runs
     for steps in a.steps:
         budget = a.budget_4step if steps == 4 else a.budget_1step
-        per_cycle = {}
+        per_cycle = {}  # cells of the same flags share one calibration
         for cfg in a.configs:
-            label, flags = CONFIGS[cfg]
-            key = "--dmd2-gan" in flags
+            label, flags = a.cells[cfg]
+            key = tuple(flags)
             if key not in per_cycle:
-                per_cycle[key] = seconds_per_cycle(a, a.out, steps, flags + extra_all)
-                print(f"> {steps}-step {'with' if key else 'without'} GAN: {per_cycle[key]:.3f} s per cycle",
-                      flush=True)
+                per_cycle[key] = seconds_per_cycle(a, a.out, steps, cfg, flags + extra_all)
+                print(f"> {steps}-step {label}: {per_cycle[key]:.3f} s per cycle", flush=True)
             jobs += [(steps, cfg, seed, max(1, int(budget // per_cycle[key])), budget) for seed in a.seeds]
     with ThreadPoolExecutor(a.jobs) as pool:  # --jobs cells at once, each on --threads threads
         cells = list(pool.map(lambda job: cell(a, extra_all, *job), jobs))
