@@ -5,9 +5,10 @@
 # Re-running resumes from the checkpoints.
 # Env: RUN_DIR (default runs/quickstart), NPROC (torchrun ranks, default 1), TEACHER_ITERS,
 # DMD2_ITERS_4STEP, DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling), DMD2_GUIDANCE_4STEP,
-# DMD2_GUIDANCE_1STEP (teacher CFG of DMD2's real score; 1.375 lifted the 4-step student's class
-# accuracy from 97.0% to 98.0%; 1.0 for the 1-step student raised diversity 0.85 -> 0.93 but cost
-# accuracy, 99.1% -> 96.1%), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (further pretrain_dmd2.py flags,
+# DMD2_GUIDANCE_1STEP (teacher CFG of DMD2's real score, default GUIDANCE's for both: a student distils the teacher
+# at that CFG, and the 50-step teacher's FD moves with it, 1.23 / 1.11 / 1.34 / 1.80 at CFG 1 / 1.125 / 1.25 / 1.375;
+# at 1.375 the 4-step student matched that target, 1.78 over 3 seeds; benchmarks/RESULTS.md; a CFG other than
+# GUIDANCE adds the 50-step teacher at it to the table), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (pretrain_dmd2.py flags,
 # e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
 # model moved between 2.24 and 2.65 across sampling seeds), LORA_RANK (the LoRA 4-step student: student and
 # critic as rank-r adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it),
@@ -29,8 +30,8 @@ TEACHER_ITERS="${TEACHER_ITERS:-2000}"
 DMD2_ITERS_4STEP="${DMD2_ITERS_4STEP:-360}"
 DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-360}"
 GUIDANCE="${GUIDANCE:-1.25}"
-DMD2_GUIDANCE_4STEP="${DMD2_GUIDANCE_4STEP:-1.375}"
-DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-1.25}"
+DMD2_GUIDANCE_4STEP="${DMD2_GUIDANCE_4STEP:-$GUIDANCE}"
+DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-$GUIDANCE}"
 DMD2_FLAGS_4STEP="${DMD2_FLAGS_4STEP-}"
 DMD2_FLAGS_1STEP="${DMD2_FLAGS_1STEP-}"
 NUM_SAMPLES="${NUM_SAMPLES:-2000}"
@@ -100,6 +101,14 @@ for steps in 50 4 1; do
     "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
         --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
+# the teacher at each student's real-score CFG too: the distribution DMD2 distils (its FD moves a lot with CFG)
+STUDENT_CFGS=()
+for g in $(printf '%s\n' "$DMD2_GUIDANCE_4STEP" "$DMD2_GUIDANCE_1STEP" | sort -u); do
+    [ "$g" = "$GUIDANCE" ] && continue
+    STUDENT_CFGS+=("$g")
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps 50 \
+        --guidance "$g" --out "$RUN_DIR/samples/teacher_50step_cfg$g"
+done
 STUDENTS=()
 for suffix in "${SUFFIXES[@]}"; do STUDENTS+=("4step$suffix" "1step$suffix"); done
 [ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
@@ -113,6 +122,9 @@ S="$RUN_DIR/samples"
 ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
       "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
       "teacher, 1 Euler step, CFG $GUIDANCE=$S/teacher_1step/samples.npz")
+for g in "${STUDENT_CFGS[@]}"; do
+    ROWS+=("teacher, 50 Euler steps, CFG $g (a student's real score)=$S/teacher_50step_cfg$g/samples.npz")
+done
 for i in "${!SEED_LIST[@]}"; do  # "@ seed S" rows: eval.report adds their mean and spread
     suffix="${SUFFIXES[$i]}" at="${SUFFIXES[$i]/_seed/ @ seed }"
     ROWS+=("DMD2 student, 4 steps$at=$S/student_4step$suffix/samples.npz"
