@@ -52,7 +52,7 @@ CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
     "gan": ("DMD + GAN", GAN),
     "gan_ema": ("DMD + GAN + EMA", GAN + ["--ema-decay", "0.95", "--ema-start-iter", "100"]),
 }
-GUIDANCE = {4: 1.25, 1: 1.25}  # the teacher's CFG in DMD2's real score (the quickstart's)
+GUIDANCE = 1.25  # the teacher's CFG in DMD2's real score, both students (the quickstart's)
 
 
 def added_config(text: str) -> tuple:
@@ -67,7 +67,7 @@ def added_config(text: str) -> tuple:
 def base_args(teacher: str, steps: int, seed: int) -> list:
     return ["--model-size", "digits", "--data", "digits", "--teacher-load", teacher,
             "--dmd2-denoising-steps", str(steps), "--dmd2-critic-steps-per-rollout", "5",
-            "--dmd2-teacher-guidance-scale", str(GUIDANCE[steps]), "--micro-batch-size", "64",
+            "--dmd2-teacher-guidance-scale", str(GUIDANCE), "--micro-batch-size", "64",
             "--global-batch-size", "64", "--lr", "1e-4", "--min-lr", "1e-5", "--clip-grad", "1.0",
             "--seed", str(seed)]
 
