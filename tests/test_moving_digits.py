@@ -367,7 +367,9 @@ def test_long_clip_metrics(cache, frames):
     r = evaluate_moving_digits(x, digit, direction, frames=frames)
     assert r["num_frames"] == frames and r["num_samples"] == N_LONG
     assert r["digit_accuracy"] > 0.95 and r["classifier_heldout_accuracy"] > 0.95 and r["consistency"] > 0.95
-    assert r["direction_accuracy"] == 1.0 and r["warp_error"] == 0.0 and r["fd_ratio"] < 2.5
+    # real clips score near the floor (noise: > 50, below). This subset is picked by direction, not digit, so it sits
+    # at 2.35-2.53x the floor, by the CPU whose arithmetic trained the frame classifier (avx2, default, avx512)
+    assert r["direction_accuracy"] == 1.0 and r["warp_error"] == 0.0 and r["fd_ratio"] < 3.0
     assert r["mean_speed"] == pytest.approx(speed.double().mean().item(), abs=1e-9)
     # the same clips scored against another clip's (digit, direction): chance level (10% / 25%)
     g = torch.Generator().manual_seed(frames)
