@@ -8,7 +8,9 @@
 # DMD2_GUIDANCE_1STEP (teacher CFG of DMD2's real score, default GUIDANCE's for both: a student distils the teacher
 # at that CFG, and the 50-step teacher's FD moves with it, 1.23 / 1.11 / 1.34 / 1.80 at CFG 1 / 1.125 / 1.25 / 1.375;
 # at 1.375 the 4-step student matched that target, 1.78 over 3 seeds; benchmarks/RESULTS.md; a CFG other than
-# GUIDANCE adds the 50-step teacher at it to the table), DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (pretrain_dmd2.py flags,
+# GUIDANCE adds the 50-step teacher at it to the table), DMD2_LR_4STEP, DMD2_LR_1STEP (peak learning rates, 1e-4
+# and 3e-4: at 3e-4 the 1-step student went from 1.83 to 1.69 over 3 seeds, the 4-step one was unstable),
+# DMD2_FLAGS_4STEP, DMD2_FLAGS_1STEP (pretrain_dmd2.py flags,
 # e.g. the GAN head), NUM_SAMPLES (per table row, default 2000: at 500 the Frechet distance of one
 # model moved between 2.24 and 2.65 across sampling seeds), LORA_RANK (the LoRA 4-step student: student and
 # critic as rank-r adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it),
@@ -32,6 +34,8 @@ DMD2_ITERS_1STEP="${DMD2_ITERS_1STEP:-360}"
 GUIDANCE="${GUIDANCE:-1.25}"
 DMD2_GUIDANCE_4STEP="${DMD2_GUIDANCE_4STEP:-$GUIDANCE}"
 DMD2_GUIDANCE_1STEP="${DMD2_GUIDANCE_1STEP:-$GUIDANCE}"
+DMD2_LR_4STEP="${DMD2_LR_4STEP:-1e-4}"
+DMD2_LR_1STEP="${DMD2_LR_1STEP:-3e-4}"
 DMD2_FLAGS_4STEP="${DMD2_FLAGS_4STEP-}"
 DMD2_FLAGS_1STEP="${DMD2_FLAGS_1STEP-}"
 NUM_SAMPLES="${NUM_SAMPLES:-2000}"
@@ -67,6 +71,7 @@ for i in "${!SEED_LIST[@]}"; do
     iters_var="DMD2_ITERS_${steps}STEP"
     guidance_var="DMD2_GUIDANCE_${steps}STEP"
     flags_var="DMD2_FLAGS_${steps}STEP"
+    lr_var="DMD2_LR_${steps}STEP"
     name="student_${steps}step${suffix}"
     echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout), seed $seed"
     start=$SECONDS
@@ -74,7 +79,7 @@ for i in "${!SEED_LIST[@]}"; do
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "${!guidance_var}" \
         --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
-        --lr 1e-4 --min-lr 1e-5 --clip-grad 1.0 --seed "$seed" \
+        --lr "${!lr_var}" --min-lr 1e-5 --clip-grad 1.0 --seed "$seed" \
         --save "$RUN_DIR/$name" --load "$RUN_DIR/$name" --save-interval 120 \
         --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/$name" "${EVAL_FLAGS[@]}" ${!flags_var}
     echo "   ${steps}-step student distilled in $((SECONDS - start))s"
