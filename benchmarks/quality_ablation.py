@@ -190,9 +190,9 @@ def main(argv=None) -> int:
         json.dump({"teacher": rows, "cells": cells}, f, indent=1)
     if a.results:
         with open(a.results, "a") as f:
+            command = "python benchmarks/quality_ablation.py " + " ".join(argv or sys.argv[1:])
             f.write(f"\n## Quality ablation ({datetime.date.today()}, {platform.processor() or platform.machine()}, "
-                    f"{os.cpu_count()} cores)\n\n`python benchmarks/quality_ablation.py {' '.join(argv or sys.argv[1:])}`"
-                    f"\n\n{text}\n")
+                    f"{os.cpu_count()} cores)\n\n`{command}`\n\n{text}\n")
     return 0
 
 
