@@ -16,7 +16,8 @@
 # critic as rank-r adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it),
 # LORA_LR (its learning rate), SEEDS (the students' --seed, default 1234; several, e.g. SEEDS="1 2 3": each student
 # trained once per seed into student_<N>step_seed<S>, one table row per seed and a second table of each student's
-# mean and spread over the seeds; the LoRA student at the first seed only).
+# mean and spread over the seeds; the LoRA student at the first seed only), JOBS (runs at once, launch/jobs.sh:
+# the students, then the samplers, side by side on a share of the cores each; default the cores, at most 4).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
 # GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.03-1.3x per cycle and did not pay for itself there.
@@ -24,6 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 source launch/quickstart_report.sh
+source launch/jobs.sh
 export TORCH_COMPILE_DISABLE=1
 
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
@@ -55,6 +57,7 @@ else
     LAUNCH=(python)
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 fi
+jobs_init
 SECONDS=0
 
 echo "== 1/4 teacher: flow-matching DiT (--model-size digits) on the digits data"
@@ -65,62 +68,56 @@ echo "== 1/4 teacher: flow-matching DiT (--model-size digits) on the digits data
     --tensorboard-dir "$RUN_DIR/tensorboard/teacher"
 echo "   teacher ready after ${SECONDS}s"
 
-for i in "${!SEED_LIST[@]}"; do
-  seed="${SEED_LIST[$i]}" suffix="${SUFFIXES[$i]}"
-  for steps in 4 1; do
-    iters_var="DMD2_ITERS_${steps}STEP"
-    guidance_var="DMD2_GUIDANCE_${steps}STEP"
-    flags_var="DMD2_FLAGS_${steps}STEP"
-    lr_var="DMD2_LR_${steps}STEP"
-    name="student_${steps}step${suffix}"
-    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout), seed $seed"
-    start=$SECONDS
+# distill NAME STEPS SEED LR GUIDANCE ITERS [flags...]: a DMD2 student of the teacher in $RUN_DIR/NAME, then its
+# samples in $RUN_DIR/samples/NAME
+distill() {
+    local name=$1 steps=$2 seed=$3 lr=$4 guidance=$5 iters=$6
+    shift 6
     "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" \
-        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "${!guidance_var}" \
-        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "${!iters_var}" \
-        --lr "${!lr_var}" --min-lr 1e-5 --clip-grad 1.0 --seed "$seed" \
+        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$guidance" \
+        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$iters" \
+        --lr "$lr" --min-lr 1e-5 --clip-grad 1.0 --seed "$seed" \
         --save "$RUN_DIR/$name" --load "$RUN_DIR/$name" --save-interval 120 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/$name" "${EVAL_FLAGS[@]}" ${!flags_var}
-    echo "   ${steps}-step student distilled in $((SECONDS - start))s"
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/$name" "${EVAL_FLAGS[@]}" "$@"
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/$name" --num-samples "$NUM_SAMPLES" --out "$RUN_DIR/samples/$name"
+}
+
+# the longest runs first, so that side by side (JOBS, launch/jobs.sh) the last to start ends soonest
+echo "== 2/4 DMD2 students from the teacher (K=5 critic steps per rollout), each then sampled"
+if [ "$LORA_RANK" -gt 0 ]; then
+    echo "   4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights), seed ${SEED_LIST[0]}"
+    # shellcheck disable=SC2086  # DMD2_FLAGS_4STEP: several flags
+    job student_4step_lora distill student_4step_lora 4 "${SEED_LIST[0]}" "$LORA_LR" "$DMD2_GUIDANCE_4STEP" \
+        "$DMD2_ITERS_4STEP" --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" $DMD2_FLAGS_4STEP
+fi
+for steps in 4 1; do
+  iters_var="DMD2_ITERS_${steps}STEP" guidance_var="DMD2_GUIDANCE_${steps}STEP"
+  flags_var="DMD2_FLAGS_${steps}STEP" lr_var="DMD2_LR_${steps}STEP"
+  for i in "${!SEED_LIST[@]}"; do
+    name="student_${steps}step${SUFFIXES[$i]}"
+    echo "   ${steps}-step student, seed ${SEED_LIST[$i]}: $name"
+    # shellcheck disable=SC2086
+    job "$name" distill "$name" "$steps" "${SEED_LIST[$i]}" "${!lr_var}" "${!guidance_var}" "${!iters_var}" \
+        ${!flags_var}
   done
 done
 
-if [ "$LORA_RANK" -gt 0 ]; then
-    echo "== 2/4 DMD2: 4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights)"
-    start=$SECONDS
-    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size digits --data digits \
-        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps 4 \
-        --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" \
-        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$DMD2_GUIDANCE_4STEP" \
-        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$DMD2_ITERS_4STEP" \
-        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 --seed "${SEED_LIST[0]}" \
-        --save "$RUN_DIR/student_4step_lora" --load "$RUN_DIR/student_4step_lora" --save-interval 120 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_4step_lora" "${EVAL_FLAGS[@]}" \
-        $DMD2_FLAGS_4STEP
-    echo "   LoRA student distilled in $((SECONDS - start))s"
-fi
-
-echo "== 3/4 samples ($NUM_SAMPLES each, class-balanced)"
+echo "== 3/4 the teacher's samples ($NUM_SAMPLES each, class-balanced, as the students')"
 for steps in 50 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
-        --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
+    job "teacher_${steps}step" "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --steps "$steps" \
+        --num-samples "$NUM_SAMPLES" --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
 # the teacher at each student's real-score CFG too: the distribution DMD2 distils (its FD moves a lot with CFG)
 STUDENT_CFGS=()
 for g in $(printf '%s\n' "$DMD2_GUIDANCE_4STEP" "$DMD2_GUIDANCE_1STEP" | sort -u); do
     [ "$g" = "$GUIDANCE" ] && continue
     STUDENT_CFGS+=("$g")
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps 50 \
-        --guidance "$g" --out "$RUN_DIR/samples/teacher_50step_cfg$g"
+    job "teacher_50step_cfg$g" "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" \
+        --num-samples "$NUM_SAMPLES" --steps 50 --guidance "$g" --out "$RUN_DIR/samples/teacher_50step_cfg$g"
 done
-STUDENTS=()
-for suffix in "${SUFFIXES[@]}"; do STUDENTS+=("4step$suffix" "1step$suffix"); done
-[ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
-for student in "${STUDENTS[@]}"; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${student}" --num-samples "$NUM_SAMPLES" \
-        --out "$RUN_DIR/samples/student_${student}"
-done
+jobs_wait
+echo "   students and samples done after ${SECONDS}s"
 
 echo "== 4/4 quality: Frechet distance of classifier features vs held-out digits, accuracy, diversity"
 S="$RUN_DIR/samples"
