@@ -11,7 +11,9 @@
 # DMD2_ITERS_1STEP, GUIDANCE (teacher CFG for sampling and for DMD2's real score), NUM_SAMPLES (per table row,
 # default 400 = 10 per (digit, direction) prompt), LORA_RANK (the LoRA 4-step student: student and critic as rank-r
 # adapters over the teacher's one frozen copy, same cycles as the full student; 0 skips it), LORA_LR (its lr),
-# I2V (1: also the image-to-video rows, 0 skips them), I2V_TEACHER_ITERS, I2V_DMD2_ITERS.
+# I2V (1: also the image-to-video rows, 0 skips them), I2V_TEACHER_ITERS, I2V_DMD2_ITERS, JOBS (runs at once,
+# launch/jobs.sh: the students, the image-to-video part and the samplers side by side on a share of the cores each;
+# default the cores, at most 4).
 # Image-to-video (last): the same clips with each clip's first frame in the condition (--data moving-digits-i2v), a
 # wan-digits-i2v teacher trained from scratch, a 4-step DMD2 student on it, and a second table with the first-frame
 # error (mean |generated frame 0 - given frame 0|); `I2V=0 bash launch/quickstart_video.sh` skips it.
@@ -24,6 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 source launch/quickstart_report.sh
+source launch/jobs.sh
 export TORCH_COMPILE_DISABLE=1
 
 RUN_DIR="${RUN_DIR:-runs/quickstart_video}"
@@ -51,6 +54,7 @@ else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 fi
 echo "> set-up (.venv, install) took ${SECONDS}s"
+jobs_init
 SECONDS=0
 
 echo "== 1/4 teacher: flow-matching Wan (--model-size wan-digits) on the moving digits"
@@ -61,49 +65,71 @@ echo "== 1/4 teacher: flow-matching Wan (--model-size wan-digits) on the moving 
     --tensorboard-dir "$RUN_DIR/tensorboard/teacher"
 echo "   teacher ready after ${SECONDS}s"
 
-for steps in 4 1; do
-    iters_var="DMD2_ITERS_${steps}STEP"
-    echo "== 2/4 DMD2: ${steps}-step student from the teacher (K=5 critic steps per rollout)"
-    start=$SECONDS
+# distill NAME STEPS ITERS LR [flags...]: a DMD2 student of the teacher in $RUN_DIR/NAME, then its samples
+distill() {
+    local name=$1 steps=$2 iters=$3 lr=$4
+    shift 4
     "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits --data moving-digits \
         --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps "$steps" --timestep-shift "$SHIFT" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
-        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "${!iters_var}" \
-        --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/student_${steps}step" --load "$RUN_DIR/student_${steps}step" --save-interval 40 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_${steps}step" "${EVAL_FLAGS[@]}"
-    echo "   ${steps}-step student distilled in $((SECONDS - start))s"
-done
+        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$iters" \
+        --lr "$lr" --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/$name" --load "$RUN_DIR/$name" --save-interval 40 \
+        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/$name" "${EVAL_FLAGS[@]}" "$@"
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/$name" --num-samples "$NUM_SAMPLES" --out "$RUN_DIR/samples/$name"
+}
 
-if [ "$LORA_RANK" -gt 0 ]; then
-    echo "== 2/4 DMD2: 4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights)"
-    start=$SECONDS
-    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits --data moving-digits \
-        --teacher-load "$RUN_DIR/teacher" --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
-        --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK" \
+# image_to_video: the same clips with each clip's first frame in the condition: its own teacher, a 4-step student,
+# their samples (the table comes after the text-to-video one)
+image_to_video() {
+    "${LAUNCH[@]}" launch/pretrain_flow.py --model-size wan-digits-i2v --data moving-digits-i2v \
+        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$I2V_TEACHER_ITERS" \
+        --lr 3e-3 --min-lr 1e-5 --lr-warmup-iters 50 --clip-grad 1.0 --cond-dropout 0.1 --timestep-shift "$SHIFT" \
+        --save "$RUN_DIR/i2v_teacher" --load "$RUN_DIR/i2v_teacher" --save-interval 500 --log-interval 100 \
+        --tensorboard-dir "$RUN_DIR/tensorboard/i2v_teacher"
+    echo "   I2V teacher ready; DMD2: 4-step I2V student (K=5, CFG keeps the image)"
+    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits-i2v --data moving-digits-i2v \
+        --teacher-load "$RUN_DIR/i2v_teacher" --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
-        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$DMD2_ITERS_4STEP" \
-        --lr "$LORA_LR" --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/student_4step_lora" --load "$RUN_DIR/student_4step_lora" --save-interval 40 \
-        --log-interval 25 --tensorboard-dir "$RUN_DIR/tensorboard/student_4step_lora" "${EVAL_FLAGS[@]}"
-    echo "   LoRA student distilled in $((SECONDS - start))s"
-fi
+        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$I2V_DMD2_ITERS" \
+        --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
+        --save "$RUN_DIR/i2v_student_4step" --load "$RUN_DIR/i2v_student_4step" --save-interval 40 \
+        --log-interval 20 --tensorboard-dir "$RUN_DIR/tensorboard/i2v_student_4step"
+    echo "   samples ($NUM_SAMPLES each: every prompt with the first frame of a held-out clip of its pair)"
+    for steps in 50 4; do
+        "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
+            --guidance "$GUIDANCE" --out "$RUN_DIR/samples/i2v_teacher_${steps}step"
+    done
+    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_student_4step" --num-samples "$NUM_SAMPLES" \
+        --out "$RUN_DIR/samples/i2v_student_4step"
+}
 
-echo "== 3/4 samples ($NUM_SAMPLES each, every (digit, direction) prompt in turn)"
-start=$SECONDS
+# the longest runs first, so that side by side (JOBS, launch/jobs.sh) the last to start ends soonest
+if [ "$I2V" != 0 ]; then
+    echo "== image-to-video: each clip conditioned on its prompt and its first frame (--data moving-digits-i2v)"
+    job i2v image_to_video
+fi
+echo "== 2/4 DMD2 students from the teacher (K=5 critic steps per rollout), each then sampled"
+if [ "$LORA_RANK" -gt 0 ]; then
+    echo "   4-step LoRA student, rank $LORA_RANK (student and critic over the teacher's weights)"
+    job student_4step_lora distill student_4step_lora 4 "$DMD2_ITERS_4STEP" "$LORA_LR" \
+        --student-lora-rank "$LORA_RANK" --critic-lora-rank "$LORA_RANK"
+fi
+for steps in 4 1; do
+    iters_var="DMD2_ITERS_${steps}STEP"
+    echo "   ${steps}-step student"
+    job "student_${steps}step" distill "student_${steps}step" "$steps" "${!iters_var}" 5e-4
+done
+echo "== 3/4 the teacher's samples ($NUM_SAMPLES each, every (digit, direction) prompt in turn)"
 for steps in 50 4 1; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
-        --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
+    job "teacher_${steps}step" "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/teacher" --steps "$steps" \
+        --num-samples "$NUM_SAMPLES" --guidance "$GUIDANCE" --out "$RUN_DIR/samples/teacher_${steps}step"
 done
-STUDENTS=(4step 1step)
-[ "$LORA_RANK" -gt 0 ] && STUDENTS+=(4step_lora)
-for student in "${STUDENTS[@]}"; do
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/student_${student}" --num-samples "$NUM_SAMPLES" \
-        --out "$RUN_DIR/samples/student_${student}"
-done
-echo "   sampled in $((SECONDS - start))s"
+jobs_wait
+echo "   students and samples done after ${SECONDS}s"
 
 echo "== 4/4 quality: per-frame Frechet distance vs held-out clips, digit / direction accuracy, consistency"
+[ "$JOBS" -gt 1 ] && echo "   (the sampling-time columns were measured beside other runs; JOBS=1 times each alone)"
 S="$RUN_DIR/samples"
 ROWS=("teacher, 50 Euler steps, CFG $GUIDANCE=$S/teacher_50step/samples.npz"
       "teacher, 4 Euler steps, CFG $GUIDANCE=$S/teacher_4step/samples.npz"
@@ -117,32 +143,11 @@ report_memory_and_curves
 echo "GIF grid: $RUN_DIR/grid.gif; clips: $S/*/media/; metrics: $RUN_DIR/metrics.json; curves: $RUN_DIR/curves.png"
 
 if [ "$I2V" != 0 ]; then
-    i2v_start=$SECONDS
-    echo "== image-to-video: each clip conditioned on its prompt and its first frame (--data moving-digits-i2v)"
-    "${LAUNCH[@]}" launch/pretrain_flow.py --model-size wan-digits-i2v --data moving-digits-i2v \
-        --micro-batch-size $((64 / NPROC)) --global-batch-size 64 --train-iters "$I2V_TEACHER_ITERS" \
-        --lr 3e-3 --min-lr 1e-5 --lr-warmup-iters 50 --clip-grad 1.0 --cond-dropout 0.1 --timestep-shift "$SHIFT" \
-        --save "$RUN_DIR/i2v_teacher" --load "$RUN_DIR/i2v_teacher" --save-interval 500 --log-interval 100 \
-        --tensorboard-dir "$RUN_DIR/tensorboard/i2v_teacher"
-    echo "   I2V teacher ready after $((SECONDS - i2v_start))s; DMD2: 4-step I2V student (K=5, CFG keeps the image)"
-    "${LAUNCH[@]}" launch/pretrain_dmd2.py --model-size wan-digits-i2v --data moving-digits-i2v \
-        --teacher-load "$RUN_DIR/i2v_teacher" --dmd2-denoising-steps 4 --timestep-shift "$SHIFT" \
-        --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale "$GUIDANCE" \
-        --micro-batch-size $((32 / NPROC)) --global-batch-size 32 --train-iters "$I2V_DMD2_ITERS" \
-        --lr 5e-4 --min-lr 1e-5 --clip-grad 1.0 \
-        --save "$RUN_DIR/i2v_student_4step" --load "$RUN_DIR/i2v_student_4step" --save-interval 40 \
-        --log-interval 20 --tensorboard-dir "$RUN_DIR/tensorboard/i2v_student_4step"
-    echo "   samples ($NUM_SAMPLES each: every prompt with the first frame of a held-out clip of its pair)"
-    for steps in 50 4; do
-        "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_teacher" --num-samples "$NUM_SAMPLES" --steps "$steps" \
-            --guidance "$GUIDANCE" --out "$S/i2v_teacher_${steps}step"
-    done
-    "${LAUNCH[@]}" launch/sample.py --load "$RUN_DIR/i2v_student_4step" --num-samples "$NUM_SAMPLES" \
-        --out "$S/i2v_student_4step"
+    echo "== image-to-video quality (its log: $RUN_DIR/logs/i2v.log)"
     python -m dmd2_mega.eval.report_video --json "$RUN_DIR/metrics_i2v.json" --gif "$RUN_DIR/grid_i2v.gif" \
         "I2V teacher, 50 Euler steps, CFG $GUIDANCE=$S/i2v_teacher_50step/samples.npz" \
         "I2V teacher, 4 Euler steps, CFG $GUIDANCE=$S/i2v_teacher_4step/samples.npz" \
         "I2V DMD2 student, 4 steps=$S/i2v_student_4step/samples.npz" | tee "$RUN_DIR/metrics_i2v.md"
-    echo "   image-to-video part took $((SECONDS - i2v_start))s; GIF grid: $RUN_DIR/grid_i2v.gif"
+    echo "   GIF grid: $RUN_DIR/grid_i2v.gif"
 fi
 echo "total ${SECONDS}s"
