@@ -17,9 +17,10 @@
 # Image-to-video (last): the same clips with each clip's first frame in the condition (--data moving-digits-i2v), a
 # wan-digits-i2v teacher trained from scratch, a 4-step DMD2 student on it, and a second table with the first-frame
 # error (mean |generated frame 0 - given frame 0|); `I2V=0 bash launch/quickstart_video.sh` skips it.
-# Measured 2026-12-03 from a fresh clone on 2 CPU cores (no GPU), after the digits quickstart had made .venv: 12m15s
-# (teacher 283 s for 1,500 steps, 4-step student 97 s, 1-step 79 s, LoRA 4-step 122 s: 80 cycles each; samples
-# 129 s), before the image-to-video rows; with them 16m38s (the I2V rows 323 s, the I2V teacher 176 s of it). The
+# Measured 2026-12-04 from a fresh clone on 2 CPU cores (an AMD EPYC with AVX-512, no GPU), its own install included:
+# 14m53s (set-up 43 s, teacher 252 s for 1,500 steps on both cores; then two runs at a time on one core each: the
+# image-to-video part 488 s beside the LoRA 4-step student 169 s, the 4-step 188 s, the 1-step 124 s (80 cycles each,
+# with their samples) and the teacher's samplers 121 s; the tables and curves 26 s). The
 # tables are in docs/usage.md ("Video quickstart"); the settings' reasons in benchmarks/RESULTS.md ("Video
 # quickstart", "LoRA students in the quickstarts") and docs/usage.md ("Image-to-video rows").
 set -euo pipefail
