@@ -7,7 +7,7 @@
 
 Cells: the 4-step and the 1-step student x {DMD only, DMD + GAN, DMD + GAN + EMA} x seeds, each
 distilled from the same teacher by `launch/pretrain_dmd2.py` with the quickstart's settings (digits
-DiT, B = 64, K = 5, lr 1e-4 (4-step) / 3e-4 (1-step) -> 1e-5 cosine, teacher CFG 1.25 in the real score)
+DiT, B = 64, K = 5, lr 1e-4 (4-step) / 6e-4 (1-step) -> 1e-5 cosine, teacher CFG 1.25 in the real score)
 plus the cell's flags (`CONFIGS`, and any --add-config: a named cell of further flags, later ones winning, e.g.
 `--add-config "k2:DMD only, K = 2:--dmd2-critic-steps-per-rollout 2"`). Fixed wall clock: a 6-cycle calibration
 run of each (steps, flags) pair measures the seconds per cycle (the mean of cycles 3-6), and the cell runs
@@ -53,7 +53,7 @@ CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
     "gan_ema": ("DMD + GAN + EMA", GAN + ["--ema-decay", "0.95", "--ema-start-iter", "100"]),
 }
 GUIDANCE = 1.25  # the teacher's CFG in DMD2's real score, both students (the quickstart's)
-LR = {4: "1e-4", 1: "3e-4"}  # peak learning rate by student steps (the quickstart's)
+LR = {4: "1e-4", 1: "6e-4"}  # peak learning rate by student steps (the quickstart's)
 
 
 def added_config(text: str) -> tuple:
