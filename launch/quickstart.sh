@@ -18,7 +18,8 @@
 # LORA_LR (its learning rate), SEEDS (the students' --seed, default 1234; several, e.g. SEEDS="1 2 3": each student
 # trained once per seed into student_<N>step_seed<S>, one table row per seed and a second table of each student's
 # mean and spread over the seeds; the LoRA student at the first seed only), JOBS (runs at once, launch/jobs.sh:
-# the students, then the samplers, side by side on a share of the cores each; default the cores, at most 4).
+# the students, each then sampled, and the teacher's samplers side by side on a share of the cores each; default the
+# cores, at most 4).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
 # GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.03-1.3x per cycle and did not pay for itself there.
