@@ -48,7 +48,8 @@ job() {
         set +e
         start=$SECONDS  # from its start, not from its turn in the queue
         export OMP_NUM_THREADS="$JOB_THREADS"
-        "$@" 2>&1 | tee "$JOB_LOGS/$name.log" | sed -u "s/^/[$name] /"
+        # errexit inside, as in the foreground: a function's failed step ends the job with its status
+        (set -e; "$@") 2>&1 | tee "$JOB_LOGS/$name.log" | sed -u "s/^/[$name] /"
         rc=${PIPESTATUS[0]}
         [ "$rc" -eq 0 ] && echo "[$name] done in $((SECONDS - start))s"
         exit "$rc"

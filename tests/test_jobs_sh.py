@@ -84,6 +84,21 @@ def test_a_failed_job_stops_the_script_and_the_others(tmp_path):
     assert not (tmp_path / "slow_finished").exists()
 
 
+def test_a_function_job_stops_at_its_failed_step(tmp_path):
+    # a job that is a function (the quickstarts' distill: train, then sample) fails at its first failed step, as it
+    # would in the foreground under set -e, and does not go on to the next step
+    proc, _ = run_script(tmp_path, f"""
+        train_then_sample() {{ bash -c "echo training; exit 4"; touch {tmp_path}/sampled; }}
+        jobs_init
+        job student train_then_sample
+        jobs_wait
+        echo unreachable
+    """, JOBS=2, NPROC=1)
+    assert proc.returncode == 1
+    assert "error: run 'student' failed (exit 4)" in proc.stderr
+    assert not (tmp_path / "sampled").exists()
+
+
 def test_a_full_queue_waits_for_a_free_slot(tmp_path):
     # 3 jobs, 2 slots: the third starts only after one of the first two has ended
     proc, _ = run_script(tmp_path, WAITER + f"""
