@@ -12,8 +12,9 @@ weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher chec
 (`methods.dmd2.method.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
 `methods.dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
 runs), its phases timed through the cycle's hook. Critic grid, shift and score range are the trainer's defaults.
-The standalone pieces call the same phase functions (`rollout`, `critic_phase`, `teacher_scores`, `actor_phase`)
-and the plain flow-matching baseline is `FlowTrainer.train_step`.
+The standalone pieces are the same steps (`methods.dmd2.cycle.steps`, run alone by `benchmarks.pieces.Pieces` on the
+micro-batch records and inputs they have inside a cycle: the same draws), the scoring piece the critic phase's own
+`score_kept`, and the plain flow-matching baseline is `FlowTrainer.train_step`.
 `--data` is passed to both trainers (digits, moving-digits, a shard directory); `--data synthetic` writes random
 latents as a shard directory in a temp dir (`data.write_shards`) in the shape and condition kind the family takes
 for the planner's flags (`ModelFamily.plan_data`: `--latent-shape` or `--in-channels` x `--image-size`; labels of
@@ -41,15 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from dmd2_mega import flow  # noqa: E402
+from benchmarks.pieces import Pieces  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
 from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.methods.base import phase_needs  # noqa: E402
-from dmd2_mega.methods.dmd2.actor import actor_phase  # noqa: E402
-from dmd2_mega.methods.dmd2.critic import critic_phase, teacher_scores  # noqa: E402
-from dmd2_mega.methods.dmd2.cycle import run_cycle  # noqa: E402
-from dmd2_mega.methods.rollout import rollout  # noqa: E402
+from dmd2_mega.methods.dmd2.critic import critic_steps, score_kept  # noqa: E402
+from dmd2_mega.methods.dmd2.cycle import run_cycle, steps  # noqa: E402
 from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
 from dmd2_mega.models import get_size  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
@@ -148,36 +147,23 @@ class Harness:
         return result.metrics
 
     def standalone(self) -> dict:
-        """Closures fn(mark) of the standalone pieces, each timed alone between two syncs."""
-        tr, a, st = self.tr, self.a, self.tr.method.settings
+        """Closures fn(mark) of the standalone pieces, each timed alone between two syncs: the method's own steps
+        (`pieces.Pieces`: each on the micro-batch records and input it has inside a cycle) and the baselines."""
+        tr, st = self.tr, self.tr.method.settings
         roles, t = tr.roles, tr.roles["teacher"]
         self.at(0)
-        batches = tr.micro_batches()
-        mb = batches[0]
-        n = self.k * self.b
-
-        def do_rollout():  # as in the cycle: this micro-batch's record (data, generators), then the rollout
-            m = tr.micro_batches()[0]
-            return [rollout(roles["student"].model, m.rollout_gen, n, m.cond, st.student_sigmas, shape=st.shape,
-                            device=st.device, sample_id_offset=m.sample_id_offset, max_batch=st.rollout_chunk)]
-
-        def fresh(scoring="shared"):  # the critic phase draws from its generator: a fresh copy per call
-            gen = torch.Generator(device=mb.critic_gen.device)
-            gen.set_state(mb.critic_gen.get_state())
-            return [replace(mb, critic_gen=gen)], replace(st, scoring=scoring)
-
-        rollouts = do_rollout()
-        scores = critic_phase(roles["critic"], t, rollouts, *fresh())[0]
+        pieces = Pieces(steps(st), roles, tr.micro_batches())
+        original = steps(replace(st, scoring="original"))[1]  # the critic step under --dmd2-critic-scoring original
+        rollouts = pieces.handed["rollout"]
+        kept = critic_steps(roles["critic"], rollouts, pieces.records("critic"), st)[0]  # what the teacher scores
+        b, x_s, sigma, _ = kept[0]
         r0 = rollouts[0]
-        b = r0.micro_batch(self.k - 1, self.b)
-        x_s, sigma, _ = flow.noise_on_grid(b.x0hat, fresh()[0][0].critic_gen, st.score_choices)
-        g = a.dmd2_teacher_guidance_scale
         no_grad = torch.no_grad()
-        return {"rollout": lambda mark: do_rollout(),
-                "critic phase": lambda mark: (mark("critic"), critic_phase(roles["critic"], t, rollouts, *fresh())),
-                "critic phase original": lambda mark: critic_phase(roles["critic"], t, rollouts, *fresh("original")),
-                "actor step": lambda mark: actor_phase(roles["student"], scores),
-                "scoring": lambda mark: teacher_scores(t, b, x_s, sigma, x_s, guidance=g),
+        return {"rollout": lambda mark: pieces.run("rollout"),
+                "critic phase": lambda mark: (mark("critic"), pieces.run("critic")),
+                "critic phase original": lambda mark: pieces.run("critic", original),
+                "actor step": lambda mark: pieces.run("actor"),
+                "scoring": lambda mark: score_kept(t, kept, st),
                 "critic_fwd": no_grad(
                     lambda mark: kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
                                                           sigma)),

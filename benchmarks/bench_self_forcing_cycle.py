@@ -12,7 +12,9 @@ causal student initialised from the teacher, bidirectional critic and teacher; M
 cycle is the method's `cycle` on the trainer's roles and micro-batch records, its phases (rollout, critic, actor)
 timed through the cycle's hook. Baselines measured in the same run, round-robin with the cycle: a plain
 flow-matching step of B clips (`FlowTrainer.train_step`, the bidirectional model: what one critic step is) and F,
-one no-grad forward of B whole clips.
+one no-grad forward of B whole clips. Each phase is also timed alone: the method's own step
+(`SelfForcingMethod.steps`) run by `benchmarks.pieces.Pieces` on the micro-batch records and input it has inside a
+cycle (the same draws), so `in cycle / alone` shows what the cycle adds around a phase.
 
 Cost model, in F (C chunks; q = the share of the clip's frames outside the last chunk; e_c the drawn exit steps):
     rollout  K*B clips: each chunk runs e_c + 1 forwards of its frames, and every chunk but the last one more
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.pieces import Pieces  # noqa: E402
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
 from dmd2_mega.methods.self_forcing.method import SelfForcingMethod  # noqa: E402
 from dmd2_mega.methods.trainer import StudentTrainer  # noqa: E402
@@ -127,8 +130,9 @@ class Harness:
                 if c < len(self.spans) - 1:
                     student.stream_forward(x[:, :, s:e], sigma, cond, cache, write=True)
         no_grad = torch.no_grad()
+        alone = Pieces(self.tr.method.steps(), self.tr.roles, self.tr.micro_batches())  # the method's own steps
         return {"plain": lambda mark: self.plain.train_step(), "F": no_grad(lambda mark: teacher(x, sigma, cond)),
-                "stream": no_grad(stream)}
+                "stream": no_grad(stream), **{f"{ph} alone": (lambda mark, ph=ph: alone.run(ph)) for ph in PHASES}}
 
 
 def report(a, bench: Harness, med: dict) -> None:
@@ -150,11 +154,13 @@ def report(a, bench: Harness, med: dict) -> None:
           f"median of {a.repeats}")
     print(f"cost model: rollout (drawn exit forwards {drawn:.2f}F + K q = {k * q:.2f}F cache writes), critic K plain "
           f"steps + {scoring:g}F scoring, actor one plain step + q F; plain step = {p:.2f}F measured")
-    rows = [[ph, med[ph], minimum[ph], med[ph] / minimum[ph]] for ph in PHASES]
-    rows += [["cycle", med["all"], floor * med["plain"], cycle / floor],
-             ["plain flow-matching step", med["plain"], None, None], ["F (B whole clips, no grad)", med["F"], None, None],
-             ["stream: each chunk once + writes", med["stream"], (1 + q) * med["F"], med["stream"] / ((1 + q) * med["F"])]]
-    print(format_table(["span", "measured_ms", "minimum_ms", "ratio"], rows))
+    rows = [[ph, med[ph], minimum[ph], med[ph] / minimum[ph], med[f"{ph} alone"]] for ph in PHASES]
+    rows += [["cycle", med["all"], floor * med["plain"], cycle / floor, sum(med[f"{ph} alone"] for ph in PHASES)],
+             ["plain flow-matching step", med["plain"], None, None, None],
+             ["F (B whole clips, no grad)", med["F"], None, None, None],
+             ["stream: each chunk once + writes", med["stream"], (1 + q) * med["F"], med["stream"] / ((1 + q) * med["F"]),
+              None]]
+    print(format_table(["span", "measured_ms", "minimum_ms", "ratio", "alone_ms"], rows))
     print(f"{'cycle in plain steps':>36}: {cycle:.4g}\n{'analytic minimum in plain steps':>36}: {floor:.4g}")
     ratio = cycle / floor
     print(f"acceptance: Self-Forcing cycle <= 1.1x analytic minimum: {ratio:.3f} -> {'PASS' if ratio <= 1.1 else 'FAIL'}")

@@ -5,11 +5,15 @@ that splits tokens. The benchmarks themselves are scripts, not tests: nothing he
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
+import torch
 
 from benchmarks import bench_dmd2_cycle, plan_vs_measured
+from benchmarks.pieces import Pieces
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.methods.dmd2.cycle import rollout_forwards, run_cycle, steps
 from dmd2_mega.plan import memory_plan as mp
 from tests.utils import world_of_one
 
@@ -102,3 +106,50 @@ def test_gan_cycle_benchmark_runs_and_prints_its_cost_model(capsys):
     assert "cost model: DMD-only cycle 12.00F, GAN cycle 15.00F -> 1.250x" in text, text
     assert "(feature block 1, d=0.50)" in text and "kernels torch" in text
     assert out["dmd_ms"] > 0 and out["gan_ms"] > 0 and "acceptance: GAN / DMD-only cycle <= 1.15:" in text
+
+
+def _states(records) -> list:
+    return [mb.generator_states() for mb in records]
+
+
+def _same(a, b) -> bool:
+    """Bit-equal generator states: [[state or None per generator] per micro-batch]."""
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_cycle_benchmark_pieces_draw_what_the_cycle_draws(tmp_path):
+    """The cycle benchmark's standalone pieces (issue 49 item 2) are the method's own steps, each run on the micro-batch
+    records it has inside `run_cycle`. With the stop steps on a host generator of their own, distinct from the noise
+    generator (the trainer's records), each piece starts where the cycle starts its phase and leaves every generator
+    bit-equal to where the cycle leaves it, and the rollout piece draws the cycle's stop steps (its forward count).
+    The first GPU run's bug, stop steps drawn from the noise generator, consumes otherwise: checked to be seen."""
+    with world_of_one():
+        a = bench_dmd2_cycle.parse_args(["--model-size", "debug", "--micro-batch-size", "2",
+                                         "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "3",
+                                         "--dmd2-teacher-guidance-scale", "1.5"])
+        h = bench_dmd2_cycle.Harness(a, str(tmp_path))
+        st = h.tr.method.settings
+        h.at(3)
+        records = h.tr.micro_batches()
+        assert all(mb.stop_gen.device.type == "cpu" and mb.stop_gen is not mb.rollout_gen for mb in records)
+        before, in_cycle = [mb.snapshot() for mb in records], [mb.snapshot() for mb in records]
+        at = {}  # generator states as each phase starts ("end": after the cycle)
+        result = run_cycle(h.tr.roles, in_cycle, st, hook=lambda phase: at.setdefault(phase, _states(in_cycle)))
+        at["end"] = _states(in_cycle)
+        assert not _same(at["rollout"], at["critic"]) and not _same(at["critic"], at["actor"])  # each phase draws
+
+        pieces = Pieces(steps(st), h.tr.roles, before)
+        for name, end in (("rollout", "critic"), ("critic", "actor"), ("actor", "end")):
+            used = pieces.records(name)
+            assert _same(_states(used), at[name]), name
+            handed, _ = pieces.run(name, records=used)
+            assert _same(_states(used), at[end]), name
+            if name == "rollout":
+                assert torch.equal(rollout_forwards(handed), result.rollout_forwards)
+        wrong = [replace(mb, stop_gen=None) for mb in pieces.records("rollout")]  # stops from the noise generator
+        pieces.run("rollout", records=wrong)
+        assert not _same([s[:1] for s in _states(wrong)], [s[:1] for s in at["critic"]])
+
+        spans = {name: fn(lambda phase: None) for name, fn in h.standalone().items()}  # the benchmark's own pieces
+        assert {"rollout", "critic phase", "critic phase original", "actor step", "scoring", "plain"} <= set(spans)

@@ -6,15 +6,19 @@ A method is (DESIGN section 10):
                     if trained, grads + optimizer state; "weights": a frozen forward) and the role its optimizer
                     step trains (or none). A role no phase of the table names is not built.
     its settings    a frozen dataclass built once from the config (DMD2: `methods.dmd2.records.DMD2Settings`)
-    its cycle       `method.cycle(roles, batches, hook)`: one iteration over the shared roles, entering each phase
-                    through `roles.enter_phase(phase, roles, method.phases)` (time-slicing).
+    its steps       `method.steps()`: the cycle's phases as functions of plain data (`PhaseStep`), in table order;
+                    each builds the calls of its phase from the roles, the micro-batch records and what the step
+                    before handed on. Written once: the cycle runs them and the cycle benchmarks time them alone.
+    its cycle       `method.cycle(roles, batches, hook)`: one iteration over the shared roles, `roles.run_steps` of
+                    its steps, entering each phase through `roles.enter_phase(phase, roles, method.phases)`
+                    (time-slicing).
 Everything else (roles and their builders, time-slicing, rollout, the pair checkpoint, the EMA, the loop,
 the eval) is shared and takes the table as an argument.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -75,6 +79,37 @@ class MicroBatch:
     stop_gen: Optional[torch.Generator] = None  # stream STOPS on the CPU: the rollout's stop steps (None:
     #                                             rollout_gen, which must then be a CPU generator)
 
+    def snapshot(self) -> "MicroBatch":
+        """This record with new generators at its generators' present states: a step run on the copy draws what
+        it would draw on this record, whose generators stay where they are (the cycle benchmarks' pieces)."""
+        return replace(self, **{name: _copy_generator(getattr(self, name)) for name in GENERATORS})
+
+    def generator_states(self) -> tuple:
+        """The states of its generators (None for an absent one), in `GENERATORS` order."""
+        return tuple(None if g is None else g.get_state() for g in (getattr(self, n) for n in GENERATORS))
+
+
+GENERATORS = ("rollout_gen", "critic_gen", "actor_gen", "stop_gen")  # a micro-batch record's generator fields
+
+
+def _copy_generator(gen: Optional[torch.Generator]) -> Optional[torch.Generator]:
+    if gen is None:
+        return None
+    copy = torch.Generator(device=gen.device)
+    copy.set_state(gen.get_state())
+    return copy
+
+
+@dataclass(frozen=True)
+class PhaseStep:
+    """One phase of a method's cycle as a function: `run(roles, batches, given) -> (handed, metrics)`. `given` is
+    what the step before handed on (None for the first step), `handed` what this one hands to the next (plain data:
+    rollouts, scores), `metrics` {name: device scalar}. The step builds every call of its phase (which generator
+    feeds which draw) from these arguments alone, so whoever runs it, the cycle or a benchmark, runs the same calls."""
+
+    name: str                                      # the phase of the method's table it runs in
+    run: Callable[[dict, list, Any], tuple[Any, dict]]
+
 
 @dataclass(frozen=True)
 class CycleResult:
@@ -98,9 +133,13 @@ class Method(Protocol):
     student_sigmas: Tensor    # [N] fp32 shifted: the few-step student's sampler grid (eval, checkpoints)
     resume_settings: Sequence  # (flag, path in the saved args) a resume must keep (`checkpoint_guard.check_resume`)
 
+    def steps(self) -> tuple:
+        """The cycle's phases as `PhaseStep`s, in the order of `phases`: what `cycle` runs."""
+
     def cycle(self, roles: dict, batches: list[MicroBatch],
               hook: Optional[Callable[[str], None]] = None) -> CycleResult:
-        """One iteration; `hook(phase)` is called as each phase starts (the phase clock)."""
+        """One iteration, `roles.run_steps(self.steps(), ...)`; `hook(phase)` is called as each phase starts (the
+        phase clock)."""
 
     def init_model(self, name: str, model: torch.nn.Module, state: dict, load: Callable) -> torch.nn.Module:
         """Role `name`'s model with its init weights from the state dict `state`: `load(module, state)` loads a

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from dmd2_mega.methods.base import PhaseTable, phase_needs
+from dmd2_mega.methods.base import MicroBatch, PhaseStep, PhaseTable, phase_needs
 from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.train.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.train.optim import LRSchedule, Optimizer
@@ -78,3 +78,18 @@ def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
         if role.sleeper is not None and name in needed:
             role.sleeper.set_resident(needed[name])
     return resident_bytes([t for r in roles.values() for t in r.tensors()])
+
+
+def run_steps(steps: Sequence[PhaseStep], roles: dict[str, Role], batches: list[MicroBatch], table: PhaseTable,
+              hook: Optional[Callable[[str], None]] = None) -> tuple[list, dict, dict]:
+    """A method's cycle: for each step, in order, hook(its phase), `enter_phase`, then the step on what the step
+    before handed on. Returns (what each step handed on, the steps' metrics merged, {phase: resident bytes})."""
+    hook = hook or (lambda phase: None)
+    given, handed, metrics, resident = None, [], {}, {}
+    for step in steps:
+        hook(step.name)
+        resident[step.name] = enter_phase(step.name, roles, table)
+        given, more = step.run(roles, batches, given)
+        handed.append(given)
+        metrics.update(more)
+    return handed, metrics, resident

@@ -23,8 +23,8 @@ import torch
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.base import CycleResult, MicroBatch, Phase, table_roles, trained_in
-from dmd2_mega.methods.roles import enter_phase
+from dmd2_mega.methods.base import CycleResult, MicroBatch, Phase, PhaseStep, table_roles, trained_in
+from dmd2_mega.methods.roles import run_steps
 from dmd2_mega.train.checkpoint_guard import RESUME_SETTINGS
 from dmd2_mega.train.optim import step_optimizer
 
@@ -81,10 +81,11 @@ class CausalInitMethod:
         x0 = x - sigma[:, self.of_frame][:, None, :, None, None] * v
         return (x0.float() - paths[:, -1].float()).square().mean()
 
-    def cycle(self, roles: dict, batches: list[MicroBatch],
-              hook: Optional[Callable[[str], None]] = None) -> CycleResult:
-        (hook or (lambda phase: None))("regress")
-        resident = {"regress": enter_phase("regress", roles, self.phases)}
+    def steps(self) -> tuple:
+        return (PhaseStep("regress", self.regress_step),)
+
+    def regress_step(self, roles: dict, batches: list[MicroBatch], given=None) -> tuple[None, dict]:
+        """One student step: the regression loss of every micro-batch (draws from its actor generator)."""
         student, m = roles["student"], len(batches)
         total = torch.zeros((), device=self.device)
         for j, mb in enumerate(batches):
@@ -94,7 +95,12 @@ class CausalInitMethod:
             total = total + loss.detach() / m
         norm = step_optimizer(student.optimizer, total)
         student.optimizer.zero_grad()
-        return CycleResult({"init-loss": total, "init-grad_norm": norm.to(total.device)}, resident)
+        return None, {"init-loss": total, "init-grad_norm": norm.to(total.device)}
+
+    def cycle(self, roles: dict, batches: list[MicroBatch],
+              hook: Optional[Callable[[str], None]] = None) -> CycleResult:
+        _, metrics, resident = run_steps(self.steps(), roles, batches, self.phases, hook)
+        return CycleResult(metrics, resident)
 
     def check_data(self, dataset) -> None:
         """ConfigError unless the trajectories were stored at this run's student grid."""

@@ -34,9 +34,17 @@ from dmd2_mega.train.optim import step_optimizer
 
 def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBatch],
                  settings: DMD2Settings) -> tuple[list[Scores], dict]:
-    """K critic optimizer steps, then the teacher's scores; returns (scores per micro-batch j, metrics).
+    """K critic optimizer steps (`critic_steps`), then the teacher's scores (`score_kept`); returns (scores per
+    micro-batch j, metrics)."""
+    kept, metrics = critic_steps(critic, rollouts, batches, settings)
+    return score_kept(teacher, kept, settings), metrics
 
-    critic/teacher: roles (`.model`; the critic's `.optimizer`, `.accumulating`); rollouts[j] has
+
+def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
+                 settings: DMD2Settings) -> tuple[list[tuple], dict]:
+    """The K critic optimizer steps; returns (per micro-batch j what is scored: (rows, x_s, sigma, x0_fake), metrics).
+
+    critic: a role (`.model`, `.optimizer`, `.accumulating`); rollouts[j] has
     K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With the GAN head (`settings.gan`) each
     critic forward also gives the head's discriminator term (`gan.GANSettings.critic_forward`: disc_weight * L_D on
     the forward's own rows in the GAN range and ceil(B / K) of batches[j].real's rows from kB), added to the step's
@@ -78,10 +86,14 @@ def critic_phase(critic, teacher, rollouts: list[Rollout], batches: list[MicroBa
         norm = step_optimizer(critic.optimizer, objective)  # skipped if it or the norm is non-finite
         critic.optimizer.zero_grad()
         losses.append(total)
-    scores = [teacher_scores(teacher, *kj, guidance=settings.guidance) for kj in kept]
     metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(dev)}
     metrics.update({key: torch.stack(values).mean().float() for key, values in added_stats.items()})
-    return scores, metrics
+    return kept, metrics
+
+
+def score_kept(teacher, kept: list[tuple], settings: DMD2Settings) -> list[Scores]:
+    """The teacher's scores (`teacher_scores`, CFG `settings.guidance`) of what `critic_steps` kept per micro-batch."""
+    return [teacher_scores(teacher, *kj, guidance=settings.guidance) for kj in kept]
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """DMD2 as a method of the shared student trainer (`methods.base.Method`, `methods.trainer.StudentTrainer`).
 
 Phase table `phases.PHASES` (rollout -> critic -> actor) with the GAN head's roles added (`gan.GANSettings`),
-settings `records.DMD2Settings`, cycle `cycle.run_cycle`. Each micro-batch draws K*B conditions (one rollout
-feeds K critic steps) and, with the GAN head, their dataset samples. `DMD2Trainer` is the trainer behind
+settings `records.DMD2Settings`, steps `cycle.steps`, cycle `cycle.run_cycle`. Each micro-batch draws K*B conditions
+(one rollout feeds K critic steps) and, with the GAN head, their dataset samples. `DMD2Trainer` is the trainer behind
 `launch/pretrain_dmd2.py`.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_mega.methods.base import CycleResult, MicroBatch, table_roles, trained_in
-from dmd2_mega.methods.dmd2.cycle import run_cycle
+from dmd2_mega.methods.dmd2.cycle import run_cycle, steps
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.phases import PHASES
 from dmd2_mega.methods.dmd2.records import DMD2Settings
@@ -39,6 +39,9 @@ class DMD2Method:
         self.data_factor = self.settings.critic_steps
         self.reads_samples = self.head.reads_samples  # only the GAN head reads the dataset's samples
         self.student_sigmas = self.settings.student_sigmas
+
+    def steps(self) -> tuple:
+        return steps(self.settings)
 
     def cycle(self, roles: dict, batches: list[MicroBatch], hook: Optional[Callable[[str], None]] = None) -> CycleResult:
         return run_cycle(roles, batches, self.settings, hook=hook)

@@ -21,11 +21,11 @@ import torch
 
 import kernels
 from dmd2_mega.errors import ConfigError, RolloutError
-from dmd2_mega.methods.base import CycleResult, MicroBatch
+from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.method import DMD2Method
-from dmd2_mega.methods.roles import enter_phase
+from dmd2_mega.methods.roles import run_steps
 from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_window, replay, window_starts
 from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS
 from dmd2_mega.train.optim import step_optimizer
@@ -71,27 +71,39 @@ class SelfForcingMethod(DMD2Method):
         """The student is causal; the critic and the teacher see whole videos."""
         return model_cfg if name == "student" else replace(model_cfg, causal=False)
 
+    def steps(self) -> tuple:
+        """DMD2's steps with the causal rollout (and its windows) and the replaying actor (module docstring)."""
+        return (PhaseStep("rollout", self.rollout_step), PhaseStep("critic", self.critic_step),
+                PhaseStep("actor", self.actor_step))
+
+    def rollout_step(self, roles: dict, batches: list[MicroBatch], given=None) -> tuple[tuple, dict]:
+        """Each micro-batch's causal rollout (exits from its stop generator, noise from its rollout generator), then
+        the window it scores (from its stop generator, after the exits)."""
+        st = self.settings
+        shape = (st.shape[0], self.rollout_frames, *st.shape[2:])
+        rollouts = [causal_rollout(roles["student"].model, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas,
+                                   shape=shape, context_noise=self.context_noise, per_chunk=self.per_chunk,
+                                   sample_id_offset=mb.sample_id_offset) for mb in batches]
+        return (rollouts, [draw_window(self.spans, st.shape[1], mb.stop_gen) for mb in batches]), {}
+
+    def critic_step(self, roles: dict, batches: list[MicroBatch], given: tuple) -> tuple[tuple, dict]:
+        """DMD2's critic phase on each rollout's window."""
+        rollouts, windows = given
+        scores, metrics = critic_phase(roles["critic"], roles["teacher"],
+                                       [r.window(w, self.spans) for r, w in zip(rollouts, windows)], batches,
+                                       self.settings)
+        return (rollouts, windows, scores), metrics
+
+    def actor_step(self, roles: dict, batches: list[MicroBatch], given: tuple) -> tuple[None, dict]:
+        rollouts, windows, scores = given
+        st = self.settings
+        scored = [r.micro_batch(st.critic_steps - 1, st.micro_batch_size) for r in rollouts]
+        return None, self.actor(roles["student"], scored, scores, roles["critic"], batches, windows)
+
     def cycle(self, roles: dict, batches: list[MicroBatch],
               hook: Optional[Callable[[str], None]] = None) -> CycleResult:
-        hook = hook or (lambda phase: None)
-        st, table, resident = self.settings, self.phases, {}
-        hook("rollout")
-        resident["rollout"] = enter_phase("rollout", roles, table)
-        student = roles["student"].model
-        shape = (st.shape[0], self.rollout_frames, *st.shape[2:])
-        rollouts = [causal_rollout(student, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas, shape=shape,
-                                   context_noise=self.context_noise, per_chunk=self.per_chunk,
-                                   sample_id_offset=mb.sample_id_offset) for mb in batches]
-        windows = [draw_window(self.spans, st.shape[1], mb.stop_gen) for mb in batches]
-        hook("critic")
-        resident["critic"] = enter_phase("critic", roles, table)
-        scores, metrics = critic_phase(roles["critic"], roles["teacher"],
-                                       [r.window(w, self.spans) for r, w in zip(rollouts, windows)], batches, st)
-        hook("actor")
-        resident["actor"] = enter_phase("actor", roles, table)
-        scored = [r.micro_batch(st.critic_steps - 1, st.micro_batch_size) for r in rollouts]
-        metrics.update(self.actor(roles["student"], scored, scores, roles["critic"], batches, windows))
-        forwards = torch.stack([(r.exit_step.float().mean(1) + 1).sum() for r in rollouts]).sum()
+        handed, metrics, resident = run_steps(self.steps(), roles, batches, self.phases, hook)
+        forwards = torch.stack([(r.exit_step.float().mean(1) + 1).sum() for r in handed[0][0]]).sum()
         return CycleResult(metrics, resident, forwards)
 
     def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch], windows: list) -> dict:
