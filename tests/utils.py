@@ -1,5 +1,6 @@
 """Shared helpers for the tests: launching the repo's scripts in subprocesses (plain Python or
-torchrun with gloo on CPU), reading their outputs, and a world-of-one distributed context.
+torchrun: gloo ranks on a CPU machine, a GPU per rank on a CUDA one), reading their outputs, and a world-of-one
+distributed context.
 
 Every subprocess runs with OMP_NUM_THREADS=1, TORCH_COMPILE_DISABLE=1, no inherited torchrun
 variables (RANK, WORLD_SIZE, MASTER_PORT, ...: `init_distributed` writes them into os.environ of
@@ -7,6 +8,12 @@ an in-process world of one, and a child that inherited them would try to bind th
 in its own process group, and under a timeout after which the whole group is killed, so a hung
 rank fails the test instead of hanging it. Failures quote the tail of stdout and stderr. A world-of-one
 `python script.py` run is a fork of the tests' fork server (tests/forkserver.py) where a fork is the same process.
+
+On a CUDA machine (docs/testing.md, "On a GPU machine") a child sees the GPUs the tests see: a run's ranks take a
+GPU each, as `init_distributed` gives them (NCCL, cuda:LOCAL_RANK), so a run of more ranks than the machine has GPUs
+is skipped with a reason that says so (`rank_devices`); the scripts of `HOST_RANK_SCRIPTS` run gloo on host tensors by
+design, on any machine, with CUDA hidden. Every run there is a fresh interpreter, not a fork: a process that has
+touched the CUDA driver cannot hand it to a fork.
 """
 from __future__ import annotations
 
@@ -23,12 +30,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import pytest
+import torch
+
 from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MP_SCRIPTS = os.path.join(REPO, "tests", "mp_scripts")
 PRETRAIN = os.path.join(REPO, "launch", "pretrain_flow.py")
 SAMPLE = os.path.join(REPO, "launch", "sample.py")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the GPUs the tests see (0: a CPU machine)
+# Test scripts whose ranks run gloo on host tensors by design (the collectives' maths on the CPU), on any machine.
+HOST_RANK_SCRIPTS = frozenset({"dist_optim_dp.py", "grad_buffer_dp.py", "qk_norm_rope_tp.py"})
 
 # Variables torchrun / init_distributed set; never inherited by a child.
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -39,8 +52,7 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RAN
 
 def child_env(extra: Optional[dict] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore",
-               CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""))
+    env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.update(extra or {})
     return env
@@ -68,10 +80,10 @@ def run(cmd: Sequence[str], timeout: float = 120, extra_env: Optional[dict] = No
     run is forked from the tests' fork server where a fork is the same process (tests/forkserver.py)."""
     cmd = [str(c) for c in cmd]
     start = time.time()
-    ranks = forkserver.torchrun_ranks(cmd, extra_env)
+    ranks = None if GPUS else forkserver.torchrun_ranks(cmd, extra_env)  # CUDA: fresh interpreters (docstring)
     if ranks is not None:
         proc = forkserver.ForkedRun(ranks[1], child_env(extra_env), REPO, nproc=ranks[0])
-    elif forkserver.forkable(cmd, extra_env):
+    elif not GPUS and forkserver.forkable(cmd, extra_env):
         proc = forkserver.ForkedRun(cmd, child_env(extra_env), REPO)
     else:
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(extra_env), stdout=subprocess.PIPE,
@@ -121,11 +133,27 @@ def python(script: str, args: Sequence = (), timeout: float = 120) -> Result:
     return run([sys.executable, script, *args], timeout=timeout)
 
 
+def rank_devices(nproc: int, script) -> dict:
+    """What a run of `nproc` ranks of `script` needs in its environment on this machine: nothing on a CPU machine
+    (gloo ranks); on a CUDA one, a GPU per rank (the run is skipped, saying so, where there are fewer), except the
+    `HOST_RANK_SCRIPTS`, which run on the host with CUDA hidden."""
+    if not GPUS:
+        return {}
+    if os.path.basename(str(script)) in HOST_RANK_SCRIPTS:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    if GPUS < nproc:
+        pytest.skip(f"needs {nproc} GPUs (one per rank under NCCL); this machine has {GPUS}: a CPU machine runs it "
+                    f"with {nproc} gloo ranks")
+    return {}
+
+
 def torchrun(nproc: int, script: str, args: Sequence = (), timeout: float = 180,
              extra_env: Optional[dict] = None) -> Result:
-    """`torchrun --standalone --nproc-per-node nproc script args` with the venv's interpreter."""
+    """`torchrun --standalone --nproc-per-node nproc script args` with the venv's interpreter, on the devices
+    `rank_devices` gives it."""
+    env = {**rank_devices(nproc, script), **(extra_env or {})}
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "--monitor-interval=0.1", script, *args], timeout=timeout, extra_env=extra_env)
+                "--monitor-interval=0.1", script, *args], timeout=timeout, extra_env=env or None)
 
 
 def launch(nproc: int, script: str, args: Sequence = (), timeout: float = 180) -> Result:
