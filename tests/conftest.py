@@ -8,7 +8,9 @@ TRITON_INTERPRET in the environment wins.
 Tiers (docs/testing.md): a test that launches a process (a launch/ script, torchrun, a shell script, a CLI
 module) is marked `integration`; `bash tests/run.sh --fast` runs the rest (`-m "not integration"`). The mark is
 checked, not trusted: an unmarked test that starts a process fails naming the mark, and under the fast tier
-(DMD2_TEST_TIER=fast) so does any fixture, except the session's one debug teacher.
+(DMD2_TEST_TIER=fast) so does any fixture, except the session's one debug teacher. Only the test's processes count:
+one that the CUDA / Triton / torch toolchain starts on its own behalf (ldconfig, ptxas, inductor's compile workers,
+a C++ compiler) passes; a launch of ours never does, whoever starts it (`_the_toolchains`).
 """
 import contextlib
 import os
@@ -57,11 +59,59 @@ def _starts(inits: list):
             cls.__init__ = init
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = ("dmd2_mega", "kernels", "launch", "benchmarks", "tests")  # our packages, and the folders of our scripts
+_OUR_DIRS = tuple(os.path.join(REPO, d) + os.sep for d in _OURS)
+_SCRIPT = (".py", ".sh", ".sbatch")
+_TORCHRUN = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+_TOOLCHAIN = ("triton", "torch", "cuda", "nvidia", "cupy")  # packages that start processes on their own behalf
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
+              "torch.distributed.elastic", "torch.multiprocessing")  # ... except torch's launchers: the test's
+
+
+def _within(module: str, packages: tuple) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _caller(frame) -> str:
+    """The module of the first frame, from `frame` outwards, outside the standard library (subprocess,
+    multiprocessing, concurrent.futures, os, threading, functools, contextlib, ...)."""
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in sys.stdlib_module_names:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
+
+
+def _launch_of_ours(args, cwd) -> bool:
+    """`args` runs a script of ours (.py / .sh / .sbatch under _OURS' folders), torchrun, or `-m` of our package."""
+    argv = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    words = argv + [w.strip("'\"") for a in argv for w in a.split()]  # and the words of a shell's command line
+    bases = (os.fsdecode(cwd or os.getcwd()), REPO)
+    for prev, word in zip([""] + words, words):
+        if os.path.basename(word) in _TORCHRUN or (prev == "-m" and _within(word, _OURS)):
+            return True
+        if word.endswith(_SCRIPT) and any(os.path.abspath(os.path.join(b, word)).startswith(_OUR_DIRS) for b in bases):
+            return True
+    return False
+
+
+def _the_toolchains(cls, args, kw: dict, caller: str) -> bool:
+    """Whose process it is. The test's, unless a toolchain package (_TOOLCHAIN, less torch's launchers) asked for it,
+    as Triton's ldconfig and ptxas, inductor's compile workers and torch's C++ builds do; a launch of ours
+    (`_launch_of_ours`) and a fork-server run (ForkedRun) are the test's whoever asks."""
+    return (cls is subprocess.Popen and _within(caller, _TOOLCHAIN) and not _within(caller, _LAUNCHERS)
+            and not _launch_of_ours(args, kw.get("cwd")))
+
+
 def _no_processes(what: str):
-    def refuse(self, args, *a, **kw):
-        raise AssertionError(f"{what} started a process ({args!r}): mark the test @pytest.mark.{INTEGRATION} "
-                             "(tests/conftest.py)")
-    return _starts([refuse] * len(_STARTS))
+    def refusing(cls, init):
+        def guarded(self, args, *a, **kw):
+            caller = _caller(sys._getframe(1))
+            if _the_toolchains(cls, args, kw, caller):
+                return init(self, args, *a, **kw)
+            raise AssertionError(f"{what} started a process ({args!r}, called from {caller}): mark the test "
+                                 f"@pytest.mark.{INTEGRATION} (tests/conftest.py)")
+        return guarded
+    return _starts([refusing(cls, init) for cls, init in _STARTS])
 
 
 def _processes_allowed():
