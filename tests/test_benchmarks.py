@@ -13,7 +13,7 @@ import torch
 from benchmarks import bench_dmd2_cycle, plan_vs_measured
 from benchmarks.pieces import Pieces
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.dmd2.cycle import rollout_forwards, run_cycle, steps
+from dmd2_mega.methods.dmd2.cycle import rollout_forwards, steps
 from dmd2_mega.plan import memory_plan as mp
 from tests.utils import world_of_one
 
@@ -118,6 +118,26 @@ def _same(a, b) -> bool:
                for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+def _pieces_draw_what_the_cycle_draws(method, roles, records) -> dict:
+    """Runs `method.cycle` on copies of `records`, noting the generator states as each phase starts, then each step
+    alone through `Pieces` from the same records: each piece must start and end where the cycle starts and ends its
+    phase. Returns {"result": the cycle's CycleResult, "pieces": the Pieces, "at": the states}."""
+    assert all(mb.stop_gen.device.type == "cpu" and mb.stop_gen is not mb.rollout_gen for mb in records)
+    before, in_cycle = [mb.snapshot() for mb in records], [mb.snapshot() for mb in records]
+    at = {}  # generator states as each phase starts ("end": after the cycle)
+    result = method.cycle(roles, in_cycle, hook=lambda phase: at.setdefault(phase, _states(in_cycle)))
+    at["end"] = _states(in_cycle)
+    names = [s.name for s in method.steps()]
+    assert names == list(at)[:-1]
+    pieces = Pieces(method.steps(), roles, before)
+    for name, end in zip(names, names[1:] + ["end"]):
+        used = pieces.records(name)
+        assert _same(_states(used), at[name]), name
+        pieces.run(name, records=used)
+        assert _same(_states(used), at[end]), name
+    return {"result": result, "pieces": pieces, "at": at}
+
+
 def test_cycle_benchmark_pieces_draw_what_the_cycle_draws(tmp_path):
     """The cycle benchmark's standalone pieces (issue 49 item 2) are the method's own steps, each run on the micro-batch
     records it has inside `run_cycle`. With the stop steps on a host generator of their own, distinct from the noise
@@ -129,27 +149,28 @@ def test_cycle_benchmark_pieces_draw_what_the_cycle_draws(tmp_path):
                                          "--dmd2-critic-steps-per-rollout", "2", "--dmd2-denoising-steps", "3",
                                          "--dmd2-teacher-guidance-scale", "1.5"])
         h = bench_dmd2_cycle.Harness(a, str(tmp_path))
-        st = h.tr.method.settings
         h.at(3)
-        records = h.tr.micro_batches()
-        assert all(mb.stop_gen.device.type == "cpu" and mb.stop_gen is not mb.rollout_gen for mb in records)
-        before, in_cycle = [mb.snapshot() for mb in records], [mb.snapshot() for mb in records]
-        at = {}  # generator states as each phase starts ("end": after the cycle)
-        result = run_cycle(h.tr.roles, in_cycle, st, hook=lambda phase: at.setdefault(phase, _states(in_cycle)))
-        at["end"] = _states(in_cycle)
+        out = _pieces_draw_what_the_cycle_draws(h.tr.method, h.tr.roles, h.tr.micro_batches())
+        at, pieces = out["at"], out["pieces"]
         assert not _same(at["rollout"], at["critic"]) and not _same(at["critic"], at["actor"])  # each phase draws
-
-        pieces = Pieces(steps(st), h.tr.roles, before)
-        for name, end in (("rollout", "critic"), ("critic", "actor"), ("actor", "end")):
-            used = pieces.records(name)
-            assert _same(_states(used), at[name]), name
-            handed, _ = pieces.run(name, records=used)
-            assert _same(_states(used), at[end]), name
-            if name == "rollout":
-                assert torch.equal(rollout_forwards(handed), result.rollout_forwards)
+        assert torch.equal(rollout_forwards(pieces.run("rollout")[0]), out["result"].rollout_forwards)
         wrong = [replace(mb, stop_gen=None) for mb in pieces.records("rollout")]  # stops from the noise generator
         pieces.run("rollout", records=wrong)
         assert not _same([s[:1] for s in _states(wrong)], [s[:1] for s in at["critic"]])
 
-        spans = {name: fn(lambda phase: None) for name, fn in h.standalone().items()}  # the benchmark's own pieces
+        # the benchmark's own pieces run
+        spans = {name: fn(lambda phase: None) for name, fn in h.standalone().items()}
         assert {"rollout", "critic phase", "critic phase original", "actor step", "scoring", "plain"} <= set(spans)
+        assert [s.name for s in steps(h.tr.method.settings)] == ["rollout", "critic", "actor"]
+
+
+def test_self_forcing_benchmark_pieces_draw_what_the_cycle_draws(tmp_path):
+    """The same for Self-Forcing's steps (benchmarks/bench_self_forcing_cycle.py times them alone): the causal
+    rollout's exits and windows come from the stop generator, its noise from the rollout generator."""
+    from benchmarks import bench_self_forcing_cycle
+    with world_of_one():
+        a = bench_self_forcing_cycle.parse_args(["--data", "moving-digits", "--micro-batch-size", "1",
+                                                 "--dmd2-critic-steps-per-rollout", "2"])
+        h = bench_self_forcing_cycle.Harness(a, str(tmp_path))
+        at = _pieces_draw_what_the_cycle_draws(h.tr.method, h.tr.roles, h.tr.micro_batches())["at"]
+        assert not _same(at["rollout"], at["critic"]) and not _same(at["critic"], at["actor"])
