@@ -1,161 +1,190 @@
 #!/usr/bin/env bash
-# One check for a lent GPU, in under 8 minutes (BUDGET_S, default 450 s of steps):
-#   env, nvidia_smi  torch / CUDA / device / optional packages
-#   kernel_tests TRITON_INTERPRET=0 pytest tests/test_kernels*.py   (the Triton kernels on the GPU)
-#   bench_kernels  benchmarks/bench_kernels.py (fused vs eager, GB/s, % of copy bandwidth)
-#   cycle_bf16   benchmarks/bench_dmd2_cycle.py at a realistic size (600m, 4x32x32 latents, B=16, bf16):
-#                phase times, MFU, memory per phase with offload on / off, host syncs per cycle
-#   cycle_recompute  the same with --recompute-granularity full (if budget is left)
-#   flow_sdpa / flow_flash / flow_te   20 teacher steps (digits, bf16) with sdpa, flash-attn and
-#                transformer-engine; the last two only where the package imports
-#   wan13b_cycle  Wan 2.1 1.3B-shaped DMD2 at TP=1, bf16, on the GPU: random latents [16, 5, 30, 52] (1950 tokens)
-#                with text [512, 4096] written by data.write_shards, a random teacher saved by one step of
-#                launch/pretrain_flow.py (no weights are available), then 6 cycles of launch/pretrain_dmd2.py
-#                (K = 5, N = 4, guidance 5, shift 3, EMA); its log lines carry rollout-ms / critic-ms /
-#                actor-ms and the model TFLOP/s per GPU (the real trainer's log lines; bench_dmd2_cycle.py takes
-#                this shape too: --model-size wan2.1-1.3b --data synthetic --latent-shape 16 5 30 52 --text-len 512)
-#   sit_xl2_cycle  SiT-XL/2-shaped DMD2 from an imported teacher, TP=1, bf16: a random official-layout SiT-XL/2
-#                state dict (depth 28, hidden 1152, 16 heads, learned sigma; no weights are available) converted by
-#                launch/convert_checkpoint.py --from-official --parameterization sit, random 4 x 32 x 32 latents
-#                with 1000 classes, then 6 cycles of launch/pretrain_dmd2.py (K = 5, N = 4, CFG 1.5, GAN head, EMA)
-#   wan_cp2      context / sequence parallelism equal to the world of one: tests/test_token_parallel.py's CP=2,
-#                TP=2 + SP and TP=2 x CP=2 runs, on the CPU cores with gloo (two ranks cannot share one GPU
-#                under NCCL; a true CP=2 run on GPUs needs 2 of them)
-# Every step runs under `timeout` (cut to the budget left), logs to <out>/<step>.log and records its exit
-# code in <out>/summary.tsv; a failing step never stops the others. Output: $OUT/gpu_check when OUT is
-# set, else runs/gpu_check. Exit status: 0 if every step that ran passed, else 1.
-# Packages the lent machine lacks (megatron-core) travel as wheels in .whl/ (benchmarks/gpu_wheels.sh, run
-# on a machine with pip access): when `import megatron.core` fails and .whl/*.whl exist, they are installed
-# into a temporary site directory first. Without CUDA (a dry run on a CPU machine) only `env` runs; every
-# step that needs CUDA is listed as skipped ("needs CUDA") and the script exits 0.
-# STEPS (names, space-separated) runs only those steps, the others listed as skipped ("not in STEPS"): the
-# steps' timeouts add up to more than BUDGET_S, so the later ones (the Wan steps) want a call of their own.
-#   bash benchmarks/gpu_check.sh        # env: PYTHON, OUT, BUDGET_S, STEPS, CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS
-#   STEPS="env nvidia_smi wan13b_cycle sit_xl2_cycle wan_cp2" bash benchmarks/gpu_check.sh
+# One run on a lent GPU, everything back (issue 49). A single run of at most BUDGET_S seconds (default 540 = 9
+# minutes: the whole script's wall clock, the wheels' install and the packing included; PACK_S = 20 of them are kept
+# for the packing), its steps in order of importance, each under a timeout cut to the budget left. The device call:
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# The steps are STEP_TABLE below, one line each (a later issue adds its step with one line there):
+#   env              the interpreter, torch / CUDA / the device, and the version of every package the suite uses
+#   nvidia_smi       nvidia-smi
+#   suite            bash tests/run.sh on DMD2_TEST_WORKERS=8 pytest-xdist workers: on CUDA the compiled Triton
+#                    kernels (no TRITON_INTERPRET) and every test that runs on one GPU; a torchrun of more ranks
+#                    than the one GPU is skipped, saying so (docs/testing.md, "On a GPU machine"; the CPU suite runs
+#                    them). -rfEs lists the failures and skips with their reasons in its log; its last line is its
+#                    figure. The CPU suite is ~900 CPU-seconds (~450 s on 2 cores): ~2-3 minutes on 8 workers of
+#                    the 16 cores is an estimate, not yet a measurement; the first GPU run took 29 s for the kernel
+#                    files alone
+#   bench_kernels    benchmarks/bench_kernels.py: each fused kernel against eager, GB/s, % of copy bandwidth
+#   cycle_bf16       benchmarks/bench_dmd2_cycle.py at 600m, 4x32x32 latents, B=16, bf16 (CYCLE_MODEL, CYCLE_B):
+#                    phase times, MFU against a matmul measured in the run (or PEAK_TFLOPS), memory per phase with
+#                    offload on / off, host syncs per cycle
+#   wan13b_cycle     Wan 2.1 1.3B-shaped DMD2 at TP=1, bf16: random latents [16, 5, 30, 52] (1,950 tokens) with text
+#                    [512, 4096] (data.write_shards), a random teacher saved by one step of launch/pretrain_flow.py (no
+#                    weights are available), then 6 cycles of launch/pretrain_dmd2.py (K = 5, N = 4, CFG 5, shift 3,
+#                    EMA); the first GPU run took ~3.2 s per cycle plus start-up and the 18 GiB teacher's save
+#   sit_xl2_cycle    SiT-XL/2-shaped DMD2 from an imported teacher: a random official-layout SiT-XL/2 state dict
+#                    (depth 28, hidden 1152, 16 heads) converted by launch/convert_checkpoint.py --from-official
+#                    --parameterization sit, random 4x32x32 latents of 1000 classes, 6 cycles of B = 8 (K = 5, N = 4,
+#                    CFG 1.5, GAN head, EMA)
+#   cycle_recompute  cycle_bf16 with --recompute-granularity full
+#   flow_sdpa / flow_flash / flow_te   20 teacher steps (digits, bf16) with sdpa, flash-attn, Transformer Engine;
+#                    the last two only where the package imports
+# A step runs under `timeout -s INT` (pytest and Python print where they were), KILL 15 s later; its timeout is cut
+# to the budget left, and a step with less than a third of its timeout left is skipped ("budget"). A failing step
+# never stops the others.
+#
+# Output: $OUT when set (the device call's folder), else runs/gpu_check: three files, no folders:
+#   summary.tsv   step, rc, seconds, note (a timeout, a skip's reason, the step's headline figure)
+#   figures.csv   step,name,value: each step's rc and seconds, the env report, the suite's last line and counts,
+#                 bench_kernels' and the cycle benchmarks' CSV rows, the Wan / SiT runs' last log line (per-phase
+#                 ms, model TFLOP/s) and their measured peak resident memory
+#   logs.tar.gz   gpu_check/<step>.log, every step's full log, and the benchmarks' own CSVs
+# On stdout: each step's command, then its rc and the last 15 lines of its log; the summary table LAST (the device
+# returns the last 12,000 characters of the output). Exit status: 0 if every step that ran passed, else 1.
+#
+# Packages the lent machine lacks travel as wheels in .whl/ (benchmarks/gpu_wheels.sh, run where pip works): when
+# `import megatron.core` fails and .whl/*.whl exist, they are installed into a temporary site directory first, put
+# on PYTHONPATH (its bin/ on PATH); tests/run.sh then uses that interpreter as it is (launch/setup_env.sh).
+# Without CUDA (a CPU machine) it is a dry run: `env` runs, every other step is printed with its timeout and command
+# and recorded as skipped ("needs CUDA"), the three files are written, exit 0.
+# Env: PYTHON (default: the first of .venv/bin/python, python3, python whose torch sees a GPU), OUT, BUDGET_S,
+# STEPS (names, space-separated: only those run, the others "not in STEPS"), CYCLE_MODEL, CYCLE_B, PEAK_TFLOPS,
+# DRY_RUN (1 without CUDA; DRY_RUN=0 runs the CUDA steps on a CPU, to try the script out with the small sizes:
+# WAN_MODEL=wan-debug WAN_LATENT="4 3 4 6" WAN_TEXT="5 16", SIT_DEPTH=2 SIT_HIDDEN=64 SIT_HEADS=4).
+#   bash benchmarks/gpu_check.sh
+#   STEPS="env wan13b_cycle sit_xl2_cycle" bash benchmarks/gpu_check.sh
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-OUTDIR=${OUT:+$OUT/gpu_check}
-OUTDIR=${OUTDIR:-runs/gpu_check}
+export REPO=$PWD
+
+# Timeouts: the steps through sit_xl2_cycle are expected to take ~430 s together, within the 520 s the steps get
+# (probe + wheels + env ~20, suite ~150 (estimated), bench_kernels ~45, cycle_bf16 ~70, wan13b_cycle ~100: 6 cycles
+# at ~3.2 s after saving and loading an 18 GiB teacher, sit_xl2_cycle ~50); each timeout is ~1.5x that, so a step that
+# hangs takes at most that much from the steps after it. Only the first GPU run's figures stand behind these numbers.
+# needs: cuda (skipped in a dry run), a module that must import, or -.
+# name            timeout_s  needs  command (bash -c from the repo root; the variables and functions below exported)
+STEP_TABLE='
+env                 45  -      "$PYTHON" -c "$ENV_PY"
+nvidia_smi          15  cuda   nvidia-smi
+suite              240  cuda   DMD2_TEST_WORKERS=8 bash tests/run.sh -rfEs --durations=25
+bench_kernels       90  cuda   "$PYTHON" benchmarks/bench_kernels.py --no-compile --warmup 10 --rep 40 --csv "$LOGS/bench_kernels.csv"
+cycle_bf16         120  cuda   "$PYTHON" benchmarks/bench_dmd2_cycle.py $CYCLE_ARGS --warmup 2 --repeats 5 --csv "$LOGS/cycle_bf16.csv"
+wan13b_cycle       150  cuda   run_wan_cycle
+sit_xl2_cycle      100  cuda   run_sit_cycle
+cycle_recompute     75  cuda   "$PYTHON" benchmarks/bench_dmd2_cycle.py $CYCLE_ARGS --recompute-granularity full --warmup 1 --repeats 3 --csv "$LOGS/cycle_recompute.csv"
+flow_sdpa           45  cuda   "$PYTHON" launch/pretrain_flow.py $FLOW_ARGS --attention-backend sdpa --transformer-impl local
+flow_flash          45  cuda,flash_attn  "$PYTHON" launch/pretrain_flow.py $FLOW_ARGS --attention-backend flash
+flow_te             45  cuda,transformer_engine  "$PYTHON" launch/pretrain_flow.py $FLOW_ARGS --transformer-impl transformer_engine
+'
+BUDGET_S=${BUDGET_S:-540}
+PACK_S=20
+TAIL_LINES=15
+
+OUTDIR=${OUT:-runs/gpu_check}
 mkdir -p "$OUTDIR" || exit 2
+OUTDIR=$(cd "$OUTDIR" && pwd)
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
+export LOGS=$SCRATCH/gpu_check WORK=$SCRATCH/work
+mkdir -p "$LOGS" "$WORK"
+SITE=""
+trap 'rm -rf "$SCRATCH" ${SITE:+"$SITE"}' EXIT
+SUMMARY=$OUTDIR/summary.tsv FIGURES=$OUTDIR/figures.csv
+rm -f "$OUTDIR/logs.tar.gz"
+printf 'step\trc\tseconds\tnote\n' > "$SUMMARY"
+echo "step,name,value" > "$FIGURES"
+FAILED=0
+
+record() {  # record NAME RC SECONDS NOTE: a row of summary.tsv and the rc / seconds rows of figures.csv
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$SUMMARY"
+    printf '%s,rc,%s\n%s,seconds,%s\n' "$1" "$2" "$1" "$3" >> "$FIGURES"
+}
+
+probe() {  # probe PY: prints "<CUDA 0/1> <megatron.core imports 0/1>", or fails where torch does not import
+    "$1" -c "
+import sys, torch
+try:
+    import megatron.core
+    ok = 1
+except Exception:
+    ok = 0
+print('probe:', int(torch.cuda.is_available()), ok)" 2>/dev/null | sed -n 's/^probe: //p' | grep .
+}
+PROBE=""
 if [[ -z "${PYTHON:-}" ]]; then  # the first interpreter whose torch sees a GPU (a CPU-only .venv is passed over)
     for cand in .venv/bin/python python3 python; do
         command -v "$cand" >/dev/null 2>&1 || continue
-        PYTHON=${PYTHON:-$cand}
-        if "$cand" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
-            PYTHON=$cand
-            break
-        fi
+        got=$(probe "$cand") || continue
+        [[ -z "$PROBE" || $got == 1* ]] && PYTHON=$cand PROBE=$got
+        [[ $got == 1* ]] && break
     done
+else
+    PROBE=$(probe "$PYTHON")
 fi
-echo "python: ${PYTHON:=python3}"
-if ! "$PYTHON" -c "import megatron.core" >/dev/null 2>&1 && compgen -G ".whl/*.whl" >/dev/null; then
+export PYTHON=${PYTHON:-python3}
+read -r CUDA MEGATRON <<< "${PROBE:-0 0}"
+echo "python: $PYTHON"
+if ((MEGATRON == 0)) && compgen -G ".whl/*.whl" >/dev/null; then
     SITE=$(mktemp -d "${TMPDIR:-/tmp}/dmd2_site.XXXXXX")
-    echo "megatron.core does not import: installing .whl/*.whl into $SITE"
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        .whl/*.whl || exit 2
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-CUDA=0
-"$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1 && CUDA=1
-echo "cuda: $CUDA"
-BUDGET_S=${BUDGET_S:-450}
-CYCLE_MODEL=${CYCLE_MODEL:-600m}
-CYCLE_B=${CYCLE_B:-16}
-PEAK_ARGS=()
-[[ -n "${PEAK_TFLOPS:-}" ]] && PEAK_ARGS=(--peak-tflops "$PEAK_TFLOPS")  # else the benchmark measures a matmul
-export PYTHONWARNINGS=ignore TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-0}
-SUMMARY=$OUTDIR/summary.tsv
-printf 'step\trc\tseconds\tnote\n' > "$SUMMARY"
-FAILED=0
-
-# step NAME LIMIT_S CMD...: run CMD under a timeout (at most the budget left), log it, record its rc.
-step() {
-    local name=$1 limit=$2 left=$((BUDGET_S - SECONDS)) start=$SECONDS rc note=""
-    shift 2
-    if ! wanted "$name"; then
-        skip "$name" "not in STEPS"
-        return 0
-    fi
-    if ((left < 20)); then
-        printf '%s\tskip\t0\tbudget of %s s spent\n' "$name" "$BUDGET_S" >> "$SUMMARY"
-        echo "=== $name: skipped (budget spent)"
-        return 0
-    fi
-    if ((limit > left)); then limit=$left; note="timeout cut to ${left} s"; fi
-    echo "=== $name (timeout ${limit} s): $*" | tee "$OUTDIR/$name.log"
-    timeout --kill-after=15 "$limit" "$@" >> "$OUTDIR/$name.log" 2>&1
+    echo "=== wheels: megatron.core does not import: installing .whl/*.whl into $SITE" | tee "$LOGS/wheels.log"
+    start=$SECONDS
+    "$PYTHON" -m pip install --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .whl/*.whl >> "$LOGS/wheels.log" 2>&1
     rc=$?
-    ((rc == 124 || rc == 137)) && note="timed out after ${limit} s${note:+; $note}"
     ((rc != 0)) && FAILED=1
-    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$note" >> "$SUMMARY"
-    echo "=== $name: rc=$rc in $((SECONDS - start)) s ${note}"
-    tail -n 60 "$OUTDIR/$name.log"
-}
+    record wheels "$rc" "$((SECONDS - start))" "$(ls .whl/*.whl | wc -l) wheels into a temporary site directory"
+    tail -n "$TAIL_LINES" "$LOGS/wheels.log" | cut -c1-240
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the project is not pip-installed on the lent machine
+DRY=${DRY_RUN:-$((1 - CUDA))}
 
-has() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+PEAK=""
+[[ -n "${PEAK_TFLOPS:-}" ]] && PEAK="--peak-tflops $PEAK_TFLOPS"  # else the benchmark measures a bf16 matmul
+export CYCLE_ARGS="--model-size ${CYCLE_MODEL:-600m} --data synthetic --image-size 32 --in-channels 4
+    --num-classes 1000 --micro-batch-size ${CYCLE_B:-16} --dmd2-denoising-steps 4 --dmd2-critic-steps-per-rollout 5
+    --bf16 $PEAK"
+export FLOW_ARGS="--model-size digits --data digits --micro-batch-size 64 --train-iters 20 --log-interval 5 --bf16"
+export PYTHONWARNINGS=ignore TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-0} PYTHONUNBUFFERED=1
+echo "cuda: $CUDA  dry run: $DRY  budget: $BUDGET_S s ($PACK_S s of them for packing), $SECONDS s spent"
+((DRY)) && printf 'the commands below see PYTHON=%s\n  CYCLE_ARGS=%s\n  FLOW_ARGS=%s\n' "$PYTHON" \
+    "$(tr -s ' \n' ' ' <<< "$CYCLE_ARGS")" "$FLOW_ARGS"
 
-wanted() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
-
-skip() {  # skip NAME WHY
-    printf '%s\tskip\t0\t%s\n' "$1" "$2" >> "$SUMMARY"
-    echo "=== $1: skipped ($2)"
-}
-
-ENV_PY='
-import importlib, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+export ENV_PY='
+import importlib, importlib.metadata as md, os, platform, sys
+print("python:", sys.executable, platform.python_version())
+print("cpus:", os.cpu_count())
+print("PYTHONPATH:", os.environ.get("PYTHONPATH", ""))
+import torch
+print("torch:", torch.__version__)
+print("torch cuda:", torch.version.cuda)
+print("cuda available:", torch.cuda.is_available())
 if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-for m in ("triton", "flash_attn", "transformer_engine", "apex", "megatron.core"):
+    p = torch.cuda.get_device_properties(0)
+    print("device:", p.name)
+    print("capability:", f"{p.major}.{p.minor}")
+    print("device memory GiB:", round(p.total_memory / 2**30, 1))
+DIST = {"megatron.core": "megatron-core", "importlinter": "import-linter", "xdist": "pytest-xdist",
+        "pytest_timeout": "pytest-timeout", "imageio_ffmpeg": "imageio-ffmpeg", "huggingface_hub": "huggingface-hub",
+        "flash_attn": "flash-attn", "transformer_engine": "transformer-engine", "sklearn": "scikit-learn",
+        "PIL": "pillow"}
+for m in ("triton", "megatron.core", "diffusers", "transformers", "huggingface_hub", "accelerate", "peft",
+          "safetensors", "imageio", "imageio_ffmpeg", "ftfy", "importlinter", "grimp", "rich", "click", "pytest",
+          "xdist", "pytest_timeout", "numpy", "sklearn", "PIL", "flash_attn", "transformer_engine", "apex"):
     try:
-        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+        mod = importlib.import_module(m)
     except Exception as exc:
-        print(m, "does not import:", type(exc).__name__, exc)
+        print(f"{m}: does not import ({type(exc).__name__}: {str(exc)[:120]})")
+        continue
+    try:
+        version = md.version(DIST.get(m, m))
+    except Exception:
+        version = getattr(mod, "__version__", "?")
+    print(f"{m}: {version}")
 '
-step env 60 "$PYTHON" -c "$ENV_PY"
-if ((CUDA == 0)); then  # a dry run on a machine without a GPU: say what would run, run nothing else
-    for name in nvidia_smi kernel_tests bench_kernels cycle_bf16 cycle_recompute flow_sdpa flow_flash flow_te \
-                wan13b_cycle sit_xl2_cycle wan_cp2; do
-        skip "$name" "needs CUDA"
-    done
-    echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s): no CUDA device, only env ran"
-    column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
-    exit "$FAILED"
-fi
-step nvidia_smi 20 nvidia-smi
 
-step kernel_tests 180 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels_adaln.py \
-    tests/test_kernels_dmd.py tests/test_kernels_flow_matching.py tests/test_kernels_utils.py tests/test_kernels_x0.py \
-    tests/test_kernels_qk_norm_rope.py
-
-step bench_kernels 100 "$PYTHON" benchmarks/bench_kernels.py --no-compile --warmup 10 --rep 40 \
-    --csv "$OUTDIR/bench_kernels.csv"
-
-CYCLE=("$PYTHON" benchmarks/bench_dmd2_cycle.py --model-size "$CYCLE_MODEL" --data synthetic --image-size 32
-       --in-channels 4 --num-classes 1000 --micro-batch-size "$CYCLE_B" --dmd2-denoising-steps 4
-       --dmd2-critic-steps-per-rollout 5 --bf16 "${PEAK_ARGS[@]}")
-step cycle_bf16 150 "${CYCLE[@]}" --warmup 2 --repeats 5 --csv "$OUTDIR/cycle_bf16.csv"
-step cycle_recompute 90 "${CYCLE[@]}" --recompute-granularity full --warmup 1 --repeats 3 \
-    --csv "$OUTDIR/cycle_recompute.csv"
-
-FLOW=("$PYTHON" launch/pretrain_flow.py --model-size digits --data digits --micro-batch-size 64 --train-iters 20
-      --log-interval 5 --bf16)
-step flow_sdpa 60 "${FLOW[@]}" --attention-backend sdpa --transformer-impl local
-if has flash_attn; then
-    step flow_flash 60 "${FLOW[@]}" --attention-backend flash
-else
-    skip flow_flash "flash_attn does not import"
-fi
-if has transformer_engine; then
-    step flow_te 60 "${FLOW[@]}" --transformer-impl transformer_engine
-else
-    skip flow_te "transformer_engine does not import"
-fi
-
-# wan13b_cycle: run_wan_cycle in a child bash (under the step's timeout), its scratch (an 18 GiB teacher
-# checkpoint: bf16 weights, fp32 masters, Adam moments) removed after it. WAN_MODEL / WAN_LATENT / WAN_TEXT
-# make the same run small (wan-debug, "4 3 4 6", "5 16") for trying the step out on a CPU.
-WAN_DATA_PY='
+# wan13b_cycle's body, in a child bash under the step's timeout; its scratch (the 18 GiB teacher checkpoint: bf16
+# weights, fp32 masters, Adam moments) removed at its end. WAN_MODEL / WAN_LATENT / WAN_TEXT make it small.
+export WAN_DATA_PY='
 import sys, torch
 from dmd2_mega.data import write_shards
 out, n, latent, text = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
@@ -165,8 +194,11 @@ cond = torch.randn(n, *map(int, text), generator=g).bfloat16()
 write_shards(out, x, cond=cond, negative=torch.randn(*map(int, text), generator=g).bfloat16())
 print(f"wrote {n} random samples: latents {list(x.shape[1:])}, text {list(cond.shape[1:])} -> {out}")
 '
-run_wan_cycle() {  # env: PYTHON, WAN_TMP, WAN_MODEL, WAN_LATENT, WAN_TEXT, WAN_DATA_PY
+export WAN_MODEL=${WAN_MODEL:-wan2.1-1.3b} WAN_LATENT=${WAN_LATENT:-16 5 30 52} WAN_TEXT=${WAN_TEXT:-512 4096}
+run_wan_cycle() {
     set -ex
+    WAN_TMP=$(mktemp -d "$WORK/wan.XXXXXX")
+    trap 'rm -rf "$WAN_TMP"' EXIT
     "$PYTHON" -c "$WAN_DATA_PY" "$WAN_TMP/data" 16 "$WAN_LATENT" "$WAN_TEXT"
     local common=(--model-size "$WAN_MODEL" --data "$WAN_TMP/data" --micro-batch-size 1 --bf16 --num-workers 0
                   --timestep-shift 3)
@@ -175,16 +207,10 @@ run_wan_cycle() {  # env: PYTHON, WAN_TMP, WAN_MODEL, WAN_LATENT, WAN_TEXT, WAN_
         --log-interval 2 --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale 5 --ema-decay 0.99
 }
-export -f run_wan_cycle
-WAN_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wan13b_cycle.XXXXXX")
-export WAN_TMP WAN_DATA_PY PYTHON WAN_MODEL=${WAN_MODEL:-wan2.1-1.3b} WAN_LATENT=${WAN_LATENT:-16 5 30 52} \
-    WAN_TEXT=${WAN_TEXT:-512 4096}
-step wan13b_cycle 210 bash -c run_wan_cycle
-rm -rf "$WAN_TMP"
 
-# sit_xl2_cycle: run_sit_cycle in a child bash, its scratch (a 2.7 GB .pt, the converted teacher, the run)
-# removed after it. SIT_DEPTH / SIT_HIDDEN / SIT_HEADS make it small for trying the step out on a CPU.
-SIT_PY='
+# sit_xl2_cycle's body, likewise (its scratch: a 2.7 GB .pt, the converted teacher, the run). SIT_DEPTH /
+# SIT_HIDDEN / SIT_HEADS make it small.
+export SIT_PY='
 import sys, torch
 from dmd2_mega.data import write_shards
 from dmd2_mega.models.embeddings import dit_sincos_2d
@@ -207,8 +233,11 @@ write_shards(out + "/data", torch.randn(64, c, side, side, generator=g).bfloat16
              num_classes=k)
 print(f"wrote a random SiT ({depth} blocks, hidden {d}) and 64 random latents [4, 32, 32] -> {out}")
 '
-run_sit_cycle() {  # env: PYTHON, SIT_TMP, SIT_DEPTH, SIT_HIDDEN, SIT_HEADS, SIT_PY
+export SIT_DEPTH=${SIT_DEPTH:-28} SIT_HIDDEN=${SIT_HIDDEN:-1152} SIT_HEADS=${SIT_HEADS:-16}
+run_sit_cycle() {
     set -ex
+    SIT_TMP=$(mktemp -d "$WORK/sit.XXXXXX")
+    trap 'rm -rf "$SIT_TMP"' EXIT
     "$PYTHON" -c "$SIT_PY" "$SIT_TMP" "$SIT_DEPTH" "$SIT_HIDDEN"
     "$PYTHON" launch/convert_checkpoint.py --from-official "$SIT_TMP/sit.pt" --parameterization sit \
         --num-heads "$SIT_HEADS" --save "$SIT_TMP/teacher"
@@ -217,17 +246,167 @@ run_sit_cycle() {  # env: PYTHON, SIT_TMP, SIT_DEPTH, SIT_HIDDEN, SIT_HEADS, SIT
         --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 --dmd2-critic-steps-per-rollout 5 \
         --dmd2-teacher-guidance-scale 1.5 --dmd2-gan --ema-decay 0.99
 }
-export -f run_sit_cycle
-SIT_TMP=$(mktemp -d "${TMPDIR:-/tmp}/sit_xl2_cycle.XXXXXX")
-export SIT_TMP SIT_PY SIT_DEPTH=${SIT_DEPTH:-28} SIT_HIDDEN=${SIT_HIDDEN:-1152} SIT_HEADS=${SIT_HEADS:-16}
-step sit_xl2_cycle 180 bash -c run_sit_cycle
-rm -rf "$SIT_TMP"
+export -f run_wan_cycle run_sit_cycle
 
-# wan_cp2: on the CPU (CUDA hidden, gloo); the teacher-trainer CP test is left out: its fixture needs diffusers
-step wan_cp2 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1 "$PYTHON" -m pytest -q \
-    -p no:cacheprovider tests/test_token_parallel.py \
-    -k "(cp2_equals_cp1 or sequence_parallel or tp2_cp2) and not teacher_trainer"
+has() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+wanted() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
 
-echo "=== summary ($OUTDIR/summary.tsv, $SECONDS s)"
-column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+# step NAME TIMEOUT NEEDS COMMAND: run COMMAND under its timeout cut to the budget left, log it, record it.
+step() {
+    local name=$1 limit=$2 needs=$3 cmd=$4 left start rc note="" m
+    if ! wanted "$name"; then
+        record "$name" skip 0 "not in STEPS"
+        return
+    fi
+    for m in ${needs//,/ }; do
+        if [[ $m == cuda ]] && ((DRY)); then
+            echo "=== $name (timeout $limit s) would run: $cmd"
+            record "$name" skip 0 "needs CUDA"
+            return
+        elif [[ $m != cuda && $m != - ]] && ! has "$m"; then
+            record "$name" skip 0 "$m does not import"
+            echo "=== $name: skipped ($m does not import)"
+            return
+        fi
+    done
+    left=$((BUDGET_S - PACK_S - SECONDS))
+    if ((left < 15 || left < limit / 3)); then
+        record "$name" skip 0 "budget: ${left} s left of ${BUDGET_S}, it may take ${limit}"
+        echo "=== $name: skipped (budget: $left s left)"
+        return
+    fi
+    if ((limit > left)); then
+        note="timeout cut from ${limit} s to ${left} s"
+        limit=$left
+    fi
+    echo "=== $name (timeout $limit s): $cmd" | tee "$LOGS/$name.log"
+    start=$SECONDS
+    timeout -s INT -k 15 "$limit" bash -c "$cmd" >> "$LOGS/$name.log" 2>&1 < /dev/null
+    rc=$?
+    ((rc == 124 || rc == 137)) && note="timed out after ${limit} s${note:+ ($note)}"
+    ((rc != 0)) && FAILED=1
+    record "$name" "$rc" "$((SECONDS - start))" "$note"
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s${note:+; $note}; the last $TAIL_LINES lines of its log:"
+    tail -n "$TAIL_LINES" "$LOGS/$name.log" | cut -c1-240
+}
+
+while read -r name limit needs cmd <&3; do
+    [[ -z "$name" || "$name" == \#* ]] && continue
+    step "$name" "$limit" "$needs" "$cmd"
+done 3<<< "$STEP_TABLE"
+
+# figures.csv: what the logs and the benchmarks' CSVs say; summary.tsv's notes get each step's headline figure
+"$PYTHON" - "$LOGS" "$SUMMARY" "$FIGURES" <<'EOF' || echo "figures: parsing the logs failed (rc $?)"
+import csv, os, re, sys
+logs, summary_path, figures_path = sys.argv[1:4]
+rows, heads = [], {}
+
+def log(step):
+    path = os.path.join(logs, step + ".log")
+    return open(path, errors="replace").read().splitlines() if os.path.exists(path) else []
+
+def num(v):
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+for line in log("env")[1:]:
+    m = re.match(r"^([\w. ]+): (.*)$", line)
+    if m:
+        rows.append(["env", m[1], m[2].strip()])
+env = {r[1]: r[2] for r in rows}
+heads["env"] = (f"torch {env.get('torch', '?')}, " + (env.get("device", "no CUDA device"))) if env else ""
+
+lines = [l.strip(" =") for l in log("suite")[1:] if l.strip(" =")]
+if lines:
+    rows.append(["suite", "last line", lines[-1]])
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", lines[-1]):
+        rows.append(["suite", what, n])
+    heads["suite"] = lines[-1]
+
+for step in ("bench_kernels",):
+    path = os.path.join(logs, step + ".csv")
+    if not os.path.exists(path):
+        continue
+    krows = list(csv.DictReader(open(path)))
+    for r in krows:
+        key = f"{r['op']} {r['mode']} {r['size']} {r['shape']} {r['dtype']}"
+        for col in ("fused_p50_ms", "eager_ms", "x_eager", "GB_s", "pct_copy"):
+            rows.append([step, f"{key} {col}", r[col]])
+    x = [num(r["x_eager"]) for r in krows if num(r["x_eager"]) is not None]
+    pct = [num(r["pct_copy"]) for r in krows if int(r["elements"]) >= 2 ** 26 and num(r["pct_copy"]) is not None]
+    heads[step] = (f"{len(krows)} rows; fused / eager {min(x):.2f}-{max(x):.2f}x" if x else f"{len(krows)} rows") + (
+        f"; >= 2^26 elements {min(pct):.0f}-{max(pct):.0f}% of copy" if pct else "")
+
+for step in ("cycle_bf16", "cycle_recompute"):
+    path = os.path.join(logs, step + ".csv")
+    if not os.path.exists(path):
+        continue
+    vals = {}
+    for r in csv.DictReader(open(path)):
+        rows.append([step, f"{r['section']}: {r['name']}", r["value"]])
+        vals[r["name"]] = num(r["value"])
+    parts = []
+    if vals.get("cycle shared, offload off") is not None:
+        parts.append(f"cycle {vals['cycle shared, offload off']:.0f} ms")
+    for key, fmt in (("MFU %", "MFU {:.1f}%"), ("analytic TFLOP/s (model FLOPs)", "{:.3g} TFLOP/s"),
+                     ("overhead ratio (cycle / sum of phases)", "overhead {:.3f}"),
+                     ("offload on / off (cycle time)", "offload {:.2f}x"),
+                     ("host syncs per cycle (CUDA sync debug)", "{:.0f} host syncs")):
+        if vals.get(key) is not None:
+            parts.append(fmt.format(vals[key]))
+    heads[step] = ", ".join(parts)
+
+for step in ("wan13b_cycle", "sit_xl2_cycle"):
+    lines = log(step)
+    starts = [i for i, l in enumerate(lines) if "pretrain_dmd2.py" in l and l.startswith("+")]
+    lines = lines[starts[-1]:] if starts else []
+    its = [l for l in lines if l.startswith(" iteration")]
+    vals = {}
+    if its:
+        for part in its[-1].split(" | "):
+            k, _, v = part.strip(" |").rpartition(": ")
+            if k and num(v) is not None:
+                vals[k] = num(v)
+                rows.append([step, k, v.strip()])
+    for l in lines:
+        m = re.search(r"peak resident ([\d.]+) MiB in the (\w+) phase.*process peak RSS ([\d.]+) MiB", l)
+        if m:
+            vals["peak resident MiB"] = float(m[1])
+            rows += [[step, "peak resident MiB", m[1]], [step, "peak resident phase", m[2]],
+                     [step, "process peak RSS MiB", m[3]]]
+    parts = []
+    if "elapsed time per iteration (ms)" in vals:
+        parts.append(f"{vals['elapsed time per iteration (ms)'] / 1e3:.2f} s per cycle")
+    ph = [f"{p} {vals[p + '-ms']:.0f}" for p in ("rollout", "critic", "actor") if p + "-ms" in vals]
+    if ph:
+        parts.append("ms: " + " ".join(ph))
+    if "model TFLOP/s per GPU" in vals:
+        parts.append(f"{vals['model TFLOP/s per GPU']:.3g} TFLOP/s")
+    if "peak resident MiB" in vals:
+        parts.append(f"resident {vals['peak resident MiB'] / 1024:.3g} GiB")
+    heads[step] = ", ".join(parts)
+
+with open(figures_path, "a", newline="") as f:
+    csv.writer(f).writerows(rows)
+table = [l.rstrip("\n").split("\t") for l in open(summary_path)]
+for r in table[1:]:
+    h = heads.get(r[0], "").replace("\t", " ")
+    if h and r[1] != "skip":
+        r[3] = f"{r[3]}; {h}" if r[3] else h
+with open(summary_path, "w") as f:
+    f.writelines("\t".join(r) + "\n" for r in table)
+EOF
+cp "$SUMMARY" "$FIGURES" "$LOGS/"
+tar -czf "$OUTDIR/logs.tar.gz" -C "$SCRATCH" gpu_check || FAILED=1
+
+echo "=== files in $OUTDIR:"
+(cd "$OUTDIR" && ls -l summary.tsv figures.csv logs.tar.gz | awk '{print "  " $5 " bytes  " $9}')
+if ((DRY)); then
+    echo "=== dry run (no CUDA: DRY_RUN=$DRY): the steps above were listed, not run; exit 0"
+    FAILED=0
+fi
+echo "=== summary ($OUTDIR/summary.tsv; $SECONDS s of the $BUDGET_S s budget; exit $FAILED)"
+awk -F'\t' '{printf "%-16s %-5s %7s  %s\n", $1, $2, $3, $4}' "$SUMMARY"
 exit "$FAILED"
