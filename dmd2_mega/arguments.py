@@ -159,6 +159,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--vae", T, "vae", metavar="DIR",
           help="diffusers VAE folder of latent --data: the eval decodes its samples to MP4 / GIF / PNG media")
     _flag(g, "--no-load-optim", T, "no_load_optim", action="store_true", help="load weights only; fresh optimizer")
+    _flag(g, "--overwrite-save", T, "overwrite_save", action="store_true",
+          help="write into a --save that holds another run's checkpoints (without it such a --save is refused, unless "
+               "--load names it: a resume)")
     _flag(g, "--no-load-rng", T, "no_load_rng", action="store_true")
     _flag(g, "--loss-trace", T, "loss_trace", help="write every iteration's loss/grad-norm as JSON lines")
     _flag(g, "--deterministic", T, "deterministic", action="store_true",

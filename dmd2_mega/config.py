@@ -227,6 +227,9 @@ class TrainConfig:
     """--loss-trace: JSON-lines file of every iteration's loss and grad norm (rank 0)."""
     no_load_optim: bool = False
     """--no-load-optim: with --load, take the weights only and start a fresh optimizer and schedule."""
+    overwrite_save: bool = False
+    """--overwrite-save: write into a --save that holds another run's checkpoints (refused without it, unless --load
+    names that folder: a resume); logged at start-up."""
     no_load_rng: bool = False
     deterministic: bool = False
     """--deterministic: torch deterministic algorithms (bitwise-repeatable runs)."""

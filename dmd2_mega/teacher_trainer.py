@@ -25,7 +25,8 @@ from dmd2_mega import flow
 from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.train.checkpoint import (RunState, check_writable, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, save_checkpoint, set_rng_state, training_payload)
-from dmd2_mega.train.checkpoint_guard import RESUME_SETTINGS, check_family, check_resume, check_role
+from dmd2_mega.train.checkpoint_guard import (RESUME_SETTINGS, check_family, check_fresh_save, check_resume,
+                                              check_role)
 from dmd2_mega.config import FlowPretrainConfig
 from dmd2_mega.data import build_dataset
 from dmd2_mega.data.loader import MicroBatchLoader
@@ -67,9 +68,8 @@ class FlowTrainer(RunStateTrainer):
         self.ps = ps = init_distributed(cfg.parallel, t.seed)
         self.num_micro_batches = t.resolve_batches(ps.dp_size)
         t.check_paths_apart()
-        if t.save:
-            check_writable(t.save)
-            lock_run_dirs([("--save", t.save)], ps)
+        # a save folder holding checkpoints is written only by a resume from it (or --overwrite-save)
+        overwrite_notes = check_fresh_save([("--save", t.save)], [t.load], t.overwrite_save)
         self.dataset = build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
         self.family = get_size(cfg.model.size).family_name  # the tag its checkpoints record
@@ -93,6 +93,10 @@ class FlowTrainer(RunStateTrainer):
         self.state = RunState()
         if t.load:
             self.load(t.load)
+        if t.save:  # every check passed: only now is anything created in --save (a failed start leaves nothing)
+            check_writable(t.save)
+            lock_run_dirs([("--save", t.save)], ps)
+            [print_rank0(note, ps.rank) for note in overwrite_notes]
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -114,7 +114,11 @@ def test_missing_critic_directory(ckpts, tmp_path, capsys):
     shutil.rmtree(ck + "_critic")
     fails(capsys, "dmd2", dmd2_args(ckpts["teacher"]) + ["--train-iters", "4", "--load", ck],
           "CheckpointError", f"--load {ck}: the critic directory {ck}_critic is missing", keep=[ck])
-    # --save = --load (a resume) creates an empty <save>_critic in the --save check before the load
+    # --save = --load (a resume): the same, and the failed start creates no <save>_critic (issue 50, defect 11)
+    fails(capsys, "dmd2", dmd2_args(ckpts["teacher"]) + ["--train-iters", "4", "--load", ck, "--save", ck],
+          "CheckpointError", f"--load {ck}: the critic directory {ck}_critic is missing", keep=[ck])
+    assert not os.path.exists(ck + "_critic")
+    os.makedirs(ck + "_critic")  # there, but without the student's cycle
     fails(capsys, "dmd2", dmd2_args(ckpts["teacher"]) + ["--train-iters", "4", "--load", ck, "--save", ck],
           "CheckpointError", f"--load {ck}: the critic directory {ck}_critic holds no checkpoint of cycle 2",
           keep=[ck])

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from dmd2_mega.train.checkpoint import (RunState, commit, iter_dir, load_model_weights, load_optimizer_state, load_payload,
                                   model_size_hint, resumed, set_rng_state, training_payload, write_iteration)
-from dmd2_mega.train.checkpoint_guard import check_resume, check_role
+from dmd2_mega.train.checkpoint_guard import MISSING, check_resume, check_role
 from dmd2_mega.train.lora_checkpoint import adapter_payload, check_base
 from dmd2_mega.config import DistillConfig
 from dmd2_mega.methods.ema import StudentEMA
@@ -109,8 +109,9 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         sigmas = [round(s, 6) for s in student.get("student_sigmas") or []]
         now = [round(s, 6) for s in method.student_sigmas.tolist()]
         check_resume(student, asdict(cfg), method.resume_settings, root,
-                     [("the student's sigma grid (--dmd2-denoising-steps / --dmd2-student-sigmas, shifted)", sigmas or None,
-                       now)])
+                     [("the method (--distill-method, or the entry point)", student.get("method", MISSING), method.name),
+                      ("the student's sigma grid (--dmd2-denoising-steps / --dmd2-student-sigmas, shifted)",
+                       sigmas or MISSING, now)])
     for name in ("student", *others):
         role, payload = roles[name], payloads[name]
         hint = method.load_hint(name, payload["model"]) or model_size_hint(payload, cfg.model.size)

@@ -50,9 +50,9 @@ from dmd2_mega.plan.throughput import PhaseClock, sample_flops
 from dmd2_mega.sampling import eval_conditions, generate_student
 from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.train.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
-from dmd2_mega.train.checkpoint_guard import check_family, check_role, check_save_dirs
+from dmd2_mega.train.checkpoint_guard import check_family, check_fresh_save, check_role, check_save_dirs
 from dmd2_mega.train import memory_record
-from dmd2_mega.train.lora_checkpoint import state_fingerprint
+from dmd2_mega.train.lora_checkpoint import merged_payload, state_fingerprint
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
 from dmd2_mega.train.optim import LRSchedule
@@ -80,19 +80,17 @@ class StudentTrainer(RunStateTrainer):
                          ("--tensorboard-dir", t.tensorboard_dir, "log"), ("--loss-trace", t.loss_trace, "log")],
                         [(f"--{name}-load", getattr(d, f"{name}_load", None), name)
                          for name in ("teacher", *(r for r in build.roles if r != "teacher"))])
-        if t.save:
-            check_writable(t.save)
-            for name in others:
-                check_writable(role_dir(t.save, name))
-            lock_run_dirs([("--save", t.save), *((f"--save (its {name} directory)", role_dir(t.save, name))
-                                                 for name in others)], ps)
+        # a save folder holding checkpoints is written only by a resume from it (or --overwrite-save)
+        overwrite_notes = check_fresh_save([("--save", t.save), *((what, path) for what, path, _ in dirs)],
+                                           [t.load, *(role_dir(t.load, n) for n in others)] if t.load else [],
+                                           t.overwrite_save)
         # a method that regresses onto teacher paths reads --data as a trajectory set (`data/trajectories.py`)
         self.dataset = TrajectoryDataset(t.data) if getattr(build, "reads_trajectories", False) else \
             build_dataset(t.data, "train")
         self.info = data_info(self.dataset)
         self.media = (EvalMedia(t.data, self.dataset, t.eval_prompts, t.vae, ps.is_main, ps.device)
                       if t.eval_interval else None)  # --eval-prompts / --vae checked before any training
-        teacher_payload = load_payload(d.teacher_load, ps, flag="--teacher-load")
+        teacher_payload = self._init_payload(d.teacher_load, "--teacher-load")
         if teacher_payload is None:
             raise CheckpointError(f"--teacher-load {d.teacher_load} holds no checkpoint "
                                   f"(no latest_checkpointed_iteration.txt)")
@@ -138,10 +136,17 @@ class StudentTrainer(RunStateTrainer):
         self.batches = MicroBatchLoader(self.dataset, self.sampler, ps.device, t.num_workers,
                                         latents=method.reads_samples)
         self.state = RunState(pair_token=uuid.uuid4().hex)
-        self.static = {"args": asdict(cfg), "data_info": self.info, "family": self.family,
+        self.static = {"args": asdict(cfg), "data_info": self.info, "family": self.family, "method": method.name,
                        "student_sigmas": method.student_sigmas.tolist()}
         if t.load:
             self.load(t.load)
+        if t.save:  # every check passed: only now is anything created in --save (a failed start leaves nothing)
+            check_writable(t.save)
+            for name in others:
+                check_writable(role_dir(t.save, name))
+            lock_run_dirs([("--save", t.save), *((f"--save (its {name} directory)", role_dir(t.save, name))
+                                                 for name in others)], ps)
+            [print_rank0(note, ps.rank) for note in overwrite_notes]
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- roles ---------------------------------------------------------------------------------
@@ -156,11 +161,12 @@ class StudentTrainer(RunStateTrainer):
         own = getattr(d, f"{name}_load", None)
         source = own or d.teacher_load
         flag = f"--{name}-load {source}" if own else f"--teacher-load {source} (the {name}'s init)"
-        payload = teacher_payload if source == d.teacher_load else load_payload(source, ps, flag=f"--{name}-load")
+        payload = teacher_payload if source == d.teacher_load else self._init_payload(source, f"--{name}-load")
         if payload is None:
             raise CheckpointError(f"{flag} holds no checkpoint")
         if own and name != "teacher":  # an init of the student / critic: a teacher's, or one of its own role
             check_role(payload, ("teacher", name), f"--{name}-load", source)
+            check_family(payload, self.family, f"--{name}-load", source)
         hint = model_size_hint(payload, cfg.model.size)
         shared = teacher if source == d.teacher_load and not cfg.lora.no_shared_base else None
 
@@ -169,6 +175,19 @@ class StudentTrainer(RunStateTrainer):
             if cfg.lora.rank(name):
                 self._adapt(name, module, shared, payload, source)
         return cast_model(self.method.init_model(name, model, payload["model"], load), cfg.optim.bf16)
+
+    def _init_payload(self, source: str, flag: str) -> Optional[dict]:
+        """The checkpoint in `source` as an init (--teacher-load, --<role>-load): full weights, a LoRA run's adapters
+        merged into the base they name (`lora_checkpoint.merged_payload`, as launch/sample.py reads a LoRA student),
+        which the start-up log says."""
+        payload = load_payload(source, self.ps, flag=flag)
+        if payload is None or payload.get("lora") is None:
+            return payload
+        merged = merged_payload(payload, self.ps, f"{flag} {source}")
+        meta = merged["lora_merged"]
+        print_rank0(f"> {flag} {source} holds LoRA adapters (rank {meta['rank']}, {payload.get('role', '?')}): "
+                    f"merged into their base {meta['base']} as this run's init", self.ps.rank)
+        return merged
 
     def _adapt(self, name: str, module: torch.nn.Module, shared, payload: dict, source: str) -> None:
         """Role `name` as LoRA adapters (--<name>-lora-rank) over `module`'s weights, or `shared`'s (module

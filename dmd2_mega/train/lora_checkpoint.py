@@ -8,7 +8,8 @@ and, in `lora`, what the base is:
 A resume checks the fingerprint against this run's base (a different base is a one-line error unless
 --lora-allow-other-base) and loads the adapters only. A reader of the student's weights (`launch/sample.py`,
 `pretrained.load_model`, the exports) gets the merged full weights from `merged_payload`: the base read from
-its path (resharded to the reader's TP like any checkpoint) with W + s B A on each adapted linear.
+its path (resharded to the reader's TP like any checkpoint) with W + s B A on each adapted linear; a base that is
+itself a LoRA run (a LoRA role initialised from a LoRA checkpoint, merged on load) is merged first, the same way.
 
 The fingerprint is a digest of, per tensor of the base's state dict (in name order), its name, shape, float64
 sum and sum of squares, the sums of a TP-split tensor all-reduced over the TP group and rounded to 9 significant
@@ -79,6 +80,7 @@ def merged_payload(payload: dict, ps, source: str) -> dict:
     base = load_payload(base_path, ps, flag=f"{source}'s LoRA base")
     if base is None:
         raise CheckpointError(f"{source} holds LoRA adapters over the base {base_path}, which holds no checkpoint")
+    base = merged_payload(base, ps, f"{source}'s LoRA base {base_path}")  # a base that is itself a LoRA run's
     found = state_fingerprint(base["model"], base.get("partition_dims", {}), ps)
     if found != meta["fingerprint"]:
         raise CheckpointError(f"{source} holds LoRA adapters trained over {base_path} with fingerprint "
