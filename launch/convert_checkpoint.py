@@ -29,6 +29,12 @@ transformer_2/.
     python launch/convert_checkpoint.py --load runs/lora_student --merge-lora --save runs/student_merged
     # ... or its adapters alone, for WanPipeline.load_lora_weights on the base pipeline (--to-diffusers alone: merged)
     python launch/convert_checkpoint.py --load runs/lora_student --to-diffusers export/student_lora --lora-only
+
+A --save that already holds checkpoints (another conversion, a training run) is refused unless --overwrite-save,
+which replaces it (logged; the old folder is removed only once the new checkpoint is in place). A causal student
+(--causal, e.g. Self-Forcing) is not exported: diffusers has no causal mode, and WanPipeline would run it with full
+attention. Sample it with launch/sample.py --stream, or give --allow-bidirectional-export to write it anyway, its
+chunking in transformer/config.json (`_dmd2_causal`) and a README that says how WanPipeline runs it.
 The model (and the latent shape and classes it was trained on) comes from the tensors' shapes or config.json, the
 parameterisation from --parameterization (official files: sit = SiT's interpolant, vp-eps = DiT's DDPM epsilon on
 its linear betas; a diffusers DiT pipeline's scheduler_config.json fixes its schedule). Every role built from the
@@ -66,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--num-heads", type=int, default=None,
                      help="--from-official: attention heads (default: from the published sizes S / B / L / XL)")
     src.add_argument("--save", metavar="DIR", help="the checkpoint directory to write")
+    src.add_argument("--overwrite-save", action="store_true",
+                     help="replace the checkpoints --save already holds (default: refused; logged when used)")
     src.add_argument("--tensor-model-parallel-size", type=int, default=1)
     dst = p.add_argument_group("ours -> diffusers")
     dst.add_argument("--load", metavar="DIR", help="one of our checkpoints (teacher or DMD2 student)")
@@ -77,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "(WanPipeline.load_lora_weights), not the merged transformer")
     dst.add_argument("--merge-lora", action="store_true",
                      help="a LoRA student (--student-lora-rank) -> a full-weight checkpoint in --save (TP=1)")
+    dst.add_argument("--allow-bidirectional-export", action="store_true",
+                     help="export a causal student anyway: diffusers runs it with full attention, not as trained "
+                          "(its chunking recorded in transformer/config.json and the README; default: refused)")
     return p.parse_args(argv)
 
 
@@ -89,6 +100,12 @@ def main(a: argparse.Namespace) -> None:
                         [("--from-diffusers", a.from_diffusers), ("--from-official", a.from_official), ("--load", a.load)])
     if a.num_heads is not None and a.num_heads < 1:
         raise ConfigError(f"--num-heads must be >= 1, got {a.num_heads}")
+    if a.overwrite_save and not a.save:
+        raise ConfigError("--overwrite-save replaces what --save holds; it goes with --save DIR (an export, "
+                          "--to-diffusers / --to-official, is never written over)")
+    if a.allow_bidirectional_export and not (a.load and (a.to_diffusers or a.to_official)):
+        raise ConfigError("--allow-bidirectional-export goes with --load DIR --to-diffusers DIR (the export of a "
+                          "causal student)")
     if a.from_diffusers or a.from_official:
         if not a.save:
             raise ConfigError(f"{'--from-diffusers' if a.from_diffusers else '--from-official'} needs --save DIR "
@@ -98,26 +115,33 @@ def main(a: argparse.Namespace) -> None:
         if a.from_official:
             if a.parameterization is None:
                 raise ConfigError("--from-official needs --parameterization sit (a SiT checkpoint) or vp-eps (DiT)")
-            import_dit(a.from_official, a.save, a.tensor_model_parallel_size, a.parameterization, a.num_heads)
+            import_dit(a.from_official, a.save, a.tensor_model_parallel_size, a.parameterization, a.num_heads,
+                       overwrite=a.overwrite_save)
         elif a.parameterization is not None:
-            import_dit(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.parameterization)
+            import_dit(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.parameterization,
+                       overwrite=a.overwrite_save)
         else:
-            import_diffusers(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.subfolder)
+            import_diffusers(a.from_diffusers, a.save, a.tensor_model_parallel_size, a.subfolder,
+                             overwrite=a.overwrite_save)
     elif a.merge_lora:
         if not a.save or a.to_diffusers or a.to_official:
             raise ConfigError("--merge-lora writes a checkpoint: give --load DIR --merge-lora --save DIR")
-        merge_lora_checkpoint(a.load, a.save)
+        merge_lora_checkpoint(a.load, a.save, overwrite=a.overwrite_save)
     else:
         if bool(a.to_diffusers) == bool(a.to_official):
             raise ConfigError("--load needs one of --to-diffusers DIR / --to-official FILE (what to write)")
+        if a.save:
+            raise ConfigError(f"--save {a.save} is what a conversion or --merge-lora writes; an export writes "
+                              f"{'--to-diffusers' if a.to_diffusers else '--to-official'} only: drop --save")
         if a.lora_only and not a.to_diffusers:
             raise ConfigError("--lora-only goes with --to-diffusers DIR (a diffusers LoRA file)")
+        allow = a.allow_bidirectional_export
         if a.to_official:
-            export_official(a.load, a.to_official, ema=not a.no_ema)
+            export_official(a.load, a.to_official, ema=not a.no_ema, allow_bidirectional=allow)
         elif a.lora_only:
-            export_diffusers_lora(a.load, a.to_diffusers, ema=not a.no_ema)
+            export_diffusers_lora(a.load, a.to_diffusers, ema=not a.no_ema, allow_bidirectional=allow)
         else:
-            export_diffusers(a.load, a.to_diffusers, ema=not a.no_ema)
+            export_diffusers(a.load, a.to_diffusers, ema=not a.no_ema, allow_bidirectional=allow)
 
 
 if __name__ == "__main__":

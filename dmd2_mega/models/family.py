@@ -373,3 +373,30 @@ def pick_weights(payload: dict, ema: bool) -> tuple[str, dict]:
     EMA weights when asked for and present."""
     which = "ema" if ema and "ema" in payload else "model"
     return which, {n: t for n, t in payload[which].items() if not n.endswith("_extra_state")}
+
+
+def saved_causal(payload: dict) -> Optional[dict]:
+    """The chunking a causal model's checkpoint records (its saved --causal-* flags, `models/causal.py`) as
+    {"chunk_frames", "local_attn_chunks", "sink_chunks", "context_noise"}, or None when its weights run
+    bidirectionally: no --causal, or a critic (a Self-Forcing run's args say --causal, but the method builds only
+    the student causal: `SelfForcingMethod.model_config`; no method has a causal critic). What an export must not
+    hide: no public layout runs a causal model as it was trained."""
+    model = (payload.get("args") or {}).get("model") or {}
+    if not model.get("causal") or payload.get("role") == "critic":
+        return None
+    d = CausalLayout()
+    return {"chunk_frames": model.get("causal_chunk_frames", d.chunk_frames),
+            "local_attn_chunks": model.get("causal_local_attn_chunks", d.window),
+            "sink_chunks": model.get("causal_sink_chunks", d.sink),
+            "context_noise": model.get("causal_context_noise", 0.0)}
+
+
+def causal_words(causal: dict) -> str:
+    """`saved_causal`'s record in words: "chunks of 3 latent frames, each attending to itself and every earlier
+    chunk" (or the last W chunks and the first S)."""
+    c = causal
+    seen = ("itself and every earlier chunk" if c["local_attn_chunks"] is None else
+            f"the last {c['local_attn_chunks']} chunks (its own included)"
+            + (f" and the first {c['sink_chunks']}" if c["sink_chunks"] else ""))
+    frames = f"{c['chunk_frames']} latent frame{'s' if c['chunk_frames'] != 1 else ''}"
+    return f"chunks of {frames}, each attending to {seen}"

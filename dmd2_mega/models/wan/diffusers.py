@@ -94,7 +94,9 @@ def read_state(folder: str, spec: WanSpec, expected: dict) -> dict:
     return state
 
 
-def write_folder(out: str, state: dict, spec: WanSpec, dtype: torch.dtype | None = None) -> None:
-    """A diffusers WanTransformer3DModel folder from our TP=1 state dict."""
+def write_folder(out: str, state: dict, spec: WanSpec, dtype: torch.dtype | None = None,
+                 extra_config: dict | None = None) -> None:
+    """A diffusers WanTransformer3DModel folder from our TP=1 state dict; `extra_config`: keys added to its
+    config.json (an "_"-prefixed key, which diffusers' config reader skips quietly)."""
     tensors = {diffusers_name(n): to_diffusers_tensor(n, t, spec) for n, t in state.items()}
-    write_model_folder(out, tensors, spec.diffusers_config(), dtype)
+    write_model_folder(out, tensors, {**spec.diffusers_config(), **(extra_config or {})}, dtype)
