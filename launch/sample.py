@@ -19,7 +19,9 @@ unless --no-ema; --guidance applies to teachers only.
 `labels` is the prompt index and `prompts` the prompt text of each sample. An image-to-video model reads a file
 written with `prepare_data.py --prompts-only --images` (an image with each prompt), whose parts must be the
 checkpoint's. --image FILE --prompt TEXT --pipeline DIR makes that file for one image and prompt
-(<out>/conditions.safetensors, at the checkpoint's size; the pipeline's VAE decodes the media unless --vae).
+(<out>/conditions.safetensors, at the checkpoint's size; the pipeline's VAE decodes the media unless --vae). The
+image is read once before anything is loaded (an unreadable one is an error naming --image), and a run that fails
+leaves neither that file nor an --out folder it created.
 --data moving-digits: the conditions cycle through all 40 (digit, direction) prompts, and samples.npz also holds
 `digits` and `directions` int64 [N], which `python -m dmd2_mega.eval.report_video` scores; --data moving-digits-i2v
 (image-to-video) gives each prompt a held-out clip's first frame and adds `first_frames` float32 [N, 1, H, W], the
@@ -41,10 +43,12 @@ A bad flag or checkpoint (missing --load, --iteration not saved, a corrupt file,
 --prompts or --data that does not fit the model, ...) exits 1 with one line `<ErrorType>: <message>` on stderr.
 """
 import argparse
+import contextlib
 import csv
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,10 +138,23 @@ def parse(argv=None):
         if given or a.prompts or a.data:
             raise ConfigError(f"--image, --prompt and --pipeline go together (missing: {' '.join(given) or 'none'}) "
                               f"and replace --prompts / --data")
-        if not os.path.isfile(a.image):
-            raise ConfigError(f"--image {a.image}: no such file (an image, or a video whose first frame is used)")
+        check_image(a.image)
         a.vae = a.vae or os.path.join(a.pipeline, "vae")
     return a
+
+
+def check_image(path: str) -> None:
+    """--image FILE: an image, or a video whose first frame is used, that can be read (a ConfigError / DataError
+    naming --image otherwise), checked before anything is loaded or written."""
+    from dmd2_mega.prep.media import IMAGE_EXT, VIDEO_EXT, load_clip
+    if not os.path.isfile(path):
+        raise ConfigError(f"--image {path}: no such file (an image, or a video whose first frame is used)")
+    if os.path.splitext(path)[1].lower() not in IMAGE_EXT + VIDEO_EXT:
+        raise ConfigError(f"--image {path}: not an image or a video (expected one of "
+                          f"{' '.join(IMAGE_EXT + VIDEO_EXT)})")
+    frame, reason = load_clip(path, 1, 16, 16)  # the first frame, decoded whole: the size does not matter here
+    if frame is None:
+        raise DataError(f"--image {path}: {reason} (expected an image, or a video whose first frame is used)")
 
 
 def main(argv=None) -> int:
@@ -146,13 +163,33 @@ def main(argv=None) -> int:
 
 
 def sample(a: argparse.Namespace) -> None:
+    """`sample_into` --out; a run that fails leaves nothing of --image's there (`remove_made`)."""
+    made = []  # what --image writes into --out (image_prompt), in order: folders, then conditions.safetensors
+    try:
+        sample_into(a, made)
+    except BaseException:
+        remove_made(made)
+        raise
+
+
+def remove_made(made: list) -> None:
+    """Remove the paths of `made`, last first: files, and folders that are empty (others' files stay)."""
+    for path in reversed(made):
+        if os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            with contextlib.suppress(OSError):  # not empty: another writer's files
+                os.rmdir(path)
+
+
+def sample_into(a: argparse.Namespace, made: list) -> None:
     check_checkpoint(a.load, a.iteration)
     vae_spec = VAESpec.from_folder(a.vae, "--vae") if a.vae else None  # its config: checked before any work
     ps = init_distributed(ParallelConfig(a.tensor_model_parallel_size), seed=a.seed)
     payload = load_payload(a.load, ps, a.iteration)
     args, info = payload["args"], payload["data_info"]
     if a.image:
-        a.prompts = image_prompt(a, info, ps)
+        a.prompts = image_prompt(a, info, ps, made)
     data = a.data or (args.get("train") or {}).get("data")
     dataset = None
     text = info is None or info["num_classes"] is None
@@ -354,9 +391,11 @@ def check_conditions(dataset, info: dict, data: str, load: str) -> None:
                         f"{list(want)} (width {want[-1]}); give the data encoded with the model's text encoder")
 
 
-def image_prompt(a: argparse.Namespace, info: dict, ps) -> str:
+def image_prompt(a: argparse.Namespace, info: dict, ps, made: list) -> str:
     """--image --prompt --pipeline: the one condition, written by prepare_data's --prompts-only --images (on the main
-    rank; the others wait) to <out>/conditions.safetensors at the checkpoint's size and text length."""
+    rank; the others wait) to <out>/conditions.safetensors at the checkpoint's size and text length, from a one-row
+    --images file in a temporary folder. What it creates in --out (folders, then the file once it is whole) is added
+    to `made`; prepare_data's errors name the flags given here (`in_flags_given`)."""
     from dmd2_mega.prep.run import PrepConfig, prepare_image_prompts
     if info is None:
         raise ConfigError(f"--image {a.image}: --load {a.load} was converted from diffusers and records no data size; "
@@ -366,20 +405,42 @@ def image_prompt(a: argparse.Namespace, info: dict, ps) -> str:
     if "image" not in parts:
         raise ConfigError(f"--image {a.image}: --load {a.load} is not an image-to-video model (its data has no image "
                           f"part); give --prompts FILE or --data")
-    out, rows = os.path.join(a.out, "conditions.safetensors"), os.path.join(a.out, "conditions.csv")
+    out = os.path.join(a.out, "conditions.safetensors")
     if ps.is_main:
-        os.makedirs(a.out, exist_ok=True)
         spec = VAESpec.from_folder(os.path.join(a.pipeline, "vae"), "--pipeline")
         c, t, h, w = info["latent_shape"]
-        with open(rows, "w", newline="") as f:
-            csv.writer(f).writerows([["path", "caption"], [os.path.abspath(a.image), a.prompt]])
-        prepare_image_prompts(PrepConfig(
-            text_encoder=os.path.join(a.pipeline, "text_encoder"), vae=spec.path, pipeline=a.pipeline, images=rows,
-            out=out, frames=(t - 1) * spec.temporal_factor + 1, height=h * spec.spatial_factor,
-            width=w * spec.spatial_factor, max_text_len=parts["text"][0], dtype="fp32", batch_size=1))
+        text_encoder = os.path.join(a.pipeline, "text_encoder")
+        folder = os.path.abspath(a.out)
+        while not os.path.exists(folder):  # the folders the write may create: removed again if the run fails
+            made.insert(0, folder)
+            folder = os.path.dirname(folder)
+        with tempfile.TemporaryDirectory(prefix="sample_image_") as tmp:
+            rows = os.path.join(tmp, "conditions.csv")
+            with open(rows, "w", newline="") as f:
+                csv.writer(f).writerows([["path", "caption"], [os.path.abspath(a.image), a.prompt]])
+            try:
+                prepare_image_prompts(PrepConfig(
+                    text_encoder=text_encoder, vae=spec.path, pipeline=a.pipeline, images=rows, out=out,
+                    frames=(t - 1) * spec.temporal_factor + 1, height=h * spec.spatial_factor,
+                    width=w * spec.spatial_factor, max_text_len=parts["text"][0], dtype="fp32", batch_size=1))
+            except (ConfigError, DataError) as e:
+                raise type(e)(in_flags_given(str(e), a, rows, text_encoder)) from e
+        made.append(out)
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def in_flags_given(message: str, a: argparse.Namespace, rows: str, text_encoder: str) -> str:
+    """prepare_data's message in the flags the user gave: its --images (the one-row file made for it) is --image,
+    its --text-encoder <pipeline>/text_encoder is --pipeline's."""
+    image = f"--image {a.image}"
+    for said, given in ((f"--images {rows} line 2: image {os.path.abspath(a.image)!r}: ", f"{image}: "),
+                        (f"--images {rows} line 2", image), (f"--images {rows}", image),
+                        (f"--text-encoder {text_encoder}", f"--pipeline {a.pipeline}: its text encoder "
+                                                           f"{text_encoder}")):
+        message = message.replace(said, given)
+    return message
 
 
 def media_labels(digits: np.ndarray, directions: np.ndarray, **_) -> list:

@@ -11,13 +11,19 @@ Opened at the run's first iteration i (a resume's): lines past i are dropped fir
 so a resumed run's curve has no line twice; a torn last line (a crash mid-write) is dropped too. A record that cannot
 be written (a full disk) is one warning and the end of the record, never the end of the run: the checkpoint save
 is what reports a full disk (`train/checkpoint.py`).
+Read back (`read_curves`: the end-of-run figure, launch/plot_curves.py), a torn last line (no newline at its end: a
+crash, or a write in progress) is left out with one warning naming the file and the line; any other line that is no
+record (not a JSON object with an integer "iteration") was not written by a run, and is a DataError naming the file
+and its line numbers. Reopening drops such lines with a warning naming them.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+from typing import Optional
 
+from dmd2_mega.errors import DataError
 from dmd2_mega.files.atomic import atomic_write
 
 CURVES_FILE = "curves.jsonl"
@@ -31,17 +37,46 @@ def curves_path(save: str) -> str:
 
 
 def read_curves(path: str) -> list[dict]:
-    """The records of a curves.jsonl, in order; a line that is no JSON object (a torn last line) is left out."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("iteration"), int):
-                records.append(record)
-    return records
+    """The records of a curves.jsonl, in order (module docstring: a torn last line is left out with a warning, any
+    other line that is no record is a DataError naming the file and its lines)."""
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are no UTF-8: no record
+        lines = f.readlines()
+    records, torn, bad = _scan(lines)
+    if bad:
+        it, are = ("it", "is") if len(bad) == 1 else ("them", "are")
+        raise DataError(f"{path}: {_lines(bad)} {are} no curves record (expected a JSON object with an integer "
+                        f"\"iteration\" per line, as the trainers write it; no run wrote {it}): fix or remove {it}")
+    if torn:
+        print(f"> WARNING: {path} line {torn}: a torn last line (a crash in mid-write, or a write in progress), "
+              f"left out", flush=True)
+    return [r for r in records if r is not None]
+
+
+def _record(line: str) -> Optional[dict]:
+    """The record of one line: a JSON object with an integer "iteration"; None for anything else."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("iteration"), int) and not isinstance(
+        record["iteration"], bool)
+    return record if ok else None
+
+
+def _scan(lines: list) -> tuple[list, Optional[int], list]:
+    """(the record or None of each line, the number of a torn last line (no newline at its end and no record) or
+    None, the numbers of the other lines that are no record; blank lines are neither)."""
+    records = [_record(line) for line in lines]
+    last = lines[-1] if lines else "\n"
+    torn = len(lines) if last.strip() and not last.endswith("\n") and records[-1] is None else None
+    bad = [i + 1 for i, (line, r) in enumerate(zip(lines, records)) if r is None and line.strip() and i + 1 != torn]
+    return records, torn, bad
+
+
+def _lines(numbers: list) -> str:
+    """"line 3" / "lines 3, 5, 9" (the first 10, then how many in all)."""
+    shown = ", ".join(map(str, numbers[:10])) + (f", ... ({len(numbers)} in all)" if len(numbers) > 10 else "")
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}"
 
 
 def numbers(values: dict) -> dict:
@@ -56,9 +91,15 @@ class CurveRecord:
         self.path, self.unit, self.file = path, unit, None
         try:
             if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
+                with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are no UTF-8: no record
                     lines = f.readlines()
-                kept = [line for line in lines if line.endswith("\n") and _before(line, start_iteration)]
+                records, _, bad = _scan(lines)
+                if bad:
+                    print(f"> WARNING: the curves record {path}: {_lines(bad)} {'is' if len(bad) == 1 else 'are'} "
+                          f"no record (not a JSON object with an integer \"iteration\"), dropped as the record is "
+                          f"reopened at iteration {start_iteration}", flush=True)
+                kept = [line.rstrip("\n") + "\n" for line, r in zip(lines, records)
+                        if r is not None and r["iteration"] <= start_iteration]  # a whole last line: its newline
                 if kept != lines:
                     atomic_write(path, lambda f: f.writelines(kept), text=True)
             self.file = open(path, "a", encoding="utf-8")
@@ -93,12 +134,3 @@ class CurveRecord:
                 self.file.close()
             self.file = None
 
-
-def _before(line: str, iteration: int) -> bool:
-    """A whole JSON record of an iteration <= `iteration`."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    it = record.get("iteration") if isinstance(record, dict) else None
-    return isinstance(it, int) and it <= iteration

@@ -13,7 +13,8 @@ key; eval points marked):
                         when every value is > 0)
 A NaN / inf value is a gap in its line. Each panel is PANEL_INCHES at DPI (400 x 320 px); the file is written
 whole or not at all (`files/atomic.py`). `plot_run` is the end-of-run plot of one run (`train/loop.finish_run`);
-launch/plot_curves.py draws several runs in one figure.
+launch/plot_curves.py draws several runs in one figure. Neither replaces a file that is not a PNG (`is_png`, checked
+before drawing); plot_curves.py's --out also keeps out of the runs' folders (`check_figure_out`).
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
+from dmd2_mega.errors import ConfigError, DataError
 from dmd2_mega.files.atomic import atomic_write
-from dmd2_mega.train.curves import PROXIES, curves_path, read_curves
+from dmd2_mega.train.curves import CURVES_FILE, PROXIES, curves_path, read_curves
 
 MAIN_METRIC = "frechet_distance"
 PANEL_INCHES = (4.0, 3.2)
@@ -35,6 +37,9 @@ MARGINS = (0.62, 0.12, 0.48, 0.3)
 """Inches of each panel outside its axes: left, right, bottom, top."""
 DPI = 100
 CURVES_PNG = "curves.png"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SOURCE = ("Source", "dmd2_mega curves")
+"""The PNG text entry draw_curves writes: a figure it drew, which plot_curves.py may draw again."""
 GAP = "dmd-fake-real-gap"
 FRACTIONS = ("diversity", "consistency", "first_frame_match")
 """Eval keys drawn with the accuracies: fractions where real data scores ~1."""
@@ -135,7 +140,7 @@ def draw_curves(runs: Sequence[tuple[str, list]], out: str, references: Sequence
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10, y=1 - 0.06 / PANEL_INCHES[1], va="top")
-    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=DPI, metadata=dict([SOURCE])))
     return [p.title for p in chosen]
 
 
@@ -149,13 +154,80 @@ def _place(fig: Figure, n: int, title: bool) -> None:
                         wspace=(left + right) / (w - left - right))
 
 
+def is_png(path: str) -> bool:
+    """Whether the file `path` starts with PNG's signature (False for one that cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(PNG_MAGIC)) == PNG_MAGIC
+    except OSError:
+        return False
+
+
+def check_png_out(out: str, flag: str) -> None:
+    """ConfigError unless `out` is a PNG file name this figure may take: named *.png, not a folder nor an existing
+    file of another kind (its first bytes are not PNG's), not under a file (its nearest existing folder a folder)."""
+    if not out.lower().endswith(".png"):
+        raise ConfigError(f"{flag} {out}: expected a file name ending in .png (the figure is a PNG)")
+    if os.path.isdir(out):
+        raise ConfigError(f"{flag} {out} is a folder; expected the .png file to write")
+    if os.path.lexists(out) and not is_png(out):
+        raise ConfigError(f"{flag} {out} is an existing file that is not a PNG; it is not replaced: choose "
+                          f"another {flag} (nothing was written)")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {out}: {parent} is a file, not a folder")
+
+
+def check_figure_out(out: str, flag: str = "--out") -> None:
+    """`check_png_out`; `out` must not be a run's end-of-run figure (curves.png beside a curves.jsonl), nor an
+    existing file in a run's --save folder (one holding curves.jsonl, at any depth above it) that `draw_curves` did
+    not draw (no SOURCE mark): that folder's files are its run's (its eval grids, its samples)."""
+    check_png_out(out, flag)
+    folder = os.path.dirname(os.path.realpath(out))
+    if os.path.basename(out) == CURVES_PNG and os.path.isfile(curves_path(folder)):
+        raise ConfigError(f"{flag} {out} is the end-of-run figure of the run in {folder} (its trainer draws it from "
+                          f"the {CURVES_FILE} beside it); choose another {flag} (nothing was written)")
+    if not os.path.exists(out) or _marked(out):
+        return
+    while True:
+        if os.path.isfile(curves_path(folder)):
+            raise ConfigError(f"{flag} {out} is a file of the run in {folder} (a --save folder: it holds "
+                              f"{CURVES_FILE}) that no plot of curves drew; it is not replaced: choose a new file or "
+                              f"one outside the run (nothing was written)")
+        up = os.path.dirname(folder)
+        if up == folder:
+            return
+        folder = up
+
+
+def _marked(path: str) -> bool:
+    """Whether the PNG `path` carries draw_curves' SOURCE mark."""
+    from PIL import Image
+    try:
+        with Image.open(path) as im:
+            return getattr(im, "text", {}).get(SOURCE[0]) == SOURCE[1]
+    except Exception:  # a PNG Pillow cannot read (truncated, corrupt) is no figure of ours
+        return False
+
+
 def plot_run(save: str, references: Sequence[tuple[str, float]] = ()) -> str:
-    """<save>/curves.png of the run's <save>/curves.jsonl (rank 0, at the end of a run); returns the line to log."""
+    """<save>/curves.png of the run's <save>/curves.jsonl (rank 0, at the end of a run); returns the line to log.
+    A figure that cannot be drawn (the record changed by hand, a curves.png that is no PNG, a full disk) is a
+    warning: the checkpoint is saved, the run does not fail."""
     path, out = curves_path(save), os.path.join(save, CURVES_PNG)
-    records = read_curves(path) if os.path.exists(path) else []
+    if os.path.lexists(out) and not is_png(out):
+        return f"> WARNING: curves not drawn: {out} is an existing file that is not a PNG; it is not replaced"
+    try:
+        records = read_curves(path) if os.path.exists(path) else []
+    except DataError as e:
+        return f"> WARNING: curves not drawn: {e}"
+    except OSError as e:
+        return f"> WARNING: curves not drawn: cannot read {path} ({e.strerror or e})"
     try:
         drawn = draw_curves([("", records)], out, references, title=save)
-    except OSError as e:  # the checkpoint is saved: a figure that cannot be written does not fail the run
+    except OSError as e:
         return f"> WARNING: curves not drawn: cannot write {out} ({e.strerror or e})"
     if not drawn:
         return f"> curves: {path} holds no record; no {out}"
