@@ -1,10 +1,13 @@
 """Megatron-style command-line flags mapped onto the config dataclasses (nothing else here).
 
-Every flag is declared with `_flag(group, "--flag", Config, "field", ...)`: its argparse default is
-the dataclass field's default (never restated here) and its value lands in that field, so building a
-config is `Config(**values)`. Groups mirror the dataclasses: model, parallel, optimizer, training,
-dmd2, GAN head and EMA. `parse_flow_args(argv)` returns a validated `FlowPretrainConfig`,
-`parse_dmd2_args(argv)` a `DistillConfig`; a bad value raises `ConfigError` naming the flag.
+Every flag is declared with `_flag(group, "--flag", Config, "field", ...)`: its value lands in that field, and a
+flag not given is left out of the namespace (argparse.SUPPRESS), so its field keeps the dataclass default (never
+restated here) and building a config is `Config(**given values)`. The namespace is thus exactly what the command
+line gave, which `config.check_switches` reads: a flag that has no effect in the run (a `Needs` row whose switch
+is off: --dmd2-gan-disc-weight without --dmd2-gan) is refused even at its default value. Groups mirror the
+dataclasses: model, parallel, optimizer, training, dmd2, GAN head and EMA. `parse_flow_args(argv)` returns a
+validated `FlowPretrainConfig`, `parse_dmd2_args(argv)` a `DistillConfig`; a bad value raises `ConfigError` naming
+the flag.
 The DMD2 flags that size a run's memory (`PLANNED`) are declared once, here, for the trainer and for
 launch/plan_memory.py (`add_memory_plan_args`, read back by `memory_plan_configs` as the trainer's dataclasses),
 so the two cannot differ in name, default, help or check.
@@ -17,25 +20,24 @@ from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from dmd2_mega.config import (DistillConfig, DMD2Config, EMAConfig, FlowPretrainConfig, GANConfig, LoRAConfig,
-                              ModelConfig, OptimConfig, ParallelConfig, TrainConfig)
+                              ModelConfig, OptimConfig, ParallelConfig, TrainConfig, check_switches)
 from dmd2_mega.models.registry import MODEL_SIZES
 
 
-def _default(cls, name: str):
+def _has_default(cls, name: str) -> None:
+    """TypeError unless `cls.name` has a plain default: what a flag left out of the command line keeps."""
     f = {f.name: f for f in dataclasses.fields(cls)}[name]
     if f.default is dataclasses.MISSING:
-        raise TypeError(f"{cls.__name__}.{name} has no plain default to expose as a flag default")
-    return f.default
+        raise TypeError(f"{cls.__name__}.{name} has no plain default for a flag not given to keep")
 
 
 def _flag(g, flag: str, cls, name: str, **kw) -> None:
-    """`flag` sets `cls.name`; its default is the dataclass default (store_true flags: False); a value's metavar
-    is the field's name."""
-    if kw.get("action") not in ("store_true", "store_false"):
-        kw["default"] = _default(cls, name)
+    """`flag` sets `cls.name`; not given, it is absent from the namespace and the field keeps its dataclass default
+    (which must exist); a value's metavar is the field's name."""
+    _has_default(cls, name)
     if "action" not in kw:
         kw.setdefault("metavar", name.upper())
-    g.add_argument(flag, dest=f"{cls.__name__}.{name}", **kw)
+    g.add_argument(flag, dest=f"{cls.__name__}.{name}", default=argparse.SUPPRESS, **kw)
 
 
 def _roles(text: str) -> tuple:
@@ -100,12 +102,21 @@ def _planned(g, *flags: str) -> None:
 
 
 def _values(ns: argparse.Namespace, cls) -> dict:
+    """The fields of `cls` the command line gave, with their values."""
     prefix = cls.__name__ + "."
     return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
 
 
-def _build(ns: argparse.Namespace, cls):
-    return cls(**_values(ns, cls))
+_PARTS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig, "train": TrainConfig,
+          "dmd2": DMD2Config, "gan": GANConfig, "ema": EMAConfig, "lora": LoRAConfig}
+
+
+def _configs(ns: argparse.Namespace, composed, *parts: str):
+    """`composed(part=that dataclass built from the flags in ns, ...)`, then `config.check_switches` of the flags the
+    command line gave (those in `ns`)."""
+    run = composed(**{p: _PARTS[p](**_values(ns, _PARTS[p])) for p in parts})
+    check_switches(run, {(_PARTS[p], name) for p in parts for name in _values(ns, _PARTS[p])})
+    return run
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -192,9 +203,7 @@ def flow_parser() -> argparse.ArgumentParser:
 
 
 def parse_flow_args(argv: Optional[Sequence[str]] = None) -> FlowPretrainConfig:
-    a = flow_parser().parse_args(argv)
-    return FlowPretrainConfig(model=_build(a, ModelConfig), parallel=_build(a, ParallelConfig),
-                              optim=_build(a, OptimConfig), train=_build(a, TrainConfig))
+    return _configs(flow_parser().parse_args(argv), FlowPretrainConfig, "model", "parallel", "optim", "train")
 
 
 def add_dmd2_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +232,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="every role sleeps in the phases that do not use it (default: on CUDA, the roles the memory plan "
                "says must sleep to fit --gpu-memory-gb; none on a CPU)")
     g.add_argument("--no-offload-inactive", dest=f"{D.__name__}.offload_inactive", action="store_const", const=False,
-                   help="no role sleeps")
+                   default=argparse.SUPPRESS, help="no role sleeps")
     _flag(g, "--offload-roles", D, "offload_roles", type=_roles, metavar="ROLE[,ROLE]",
           help="only these roles sleep in the phases that do not use them (e.g. critic,teacher: what "
                "launch/plan_memory.py --emit-flags writes for a planned subset); not with --[no-]offload-inactive")
@@ -265,10 +274,7 @@ def dmd2_parser() -> argparse.ArgumentParser:
 
 
 def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
-    a = dmd2_parser().parse_args(argv)
-    return DistillConfig(model=_build(a, ModelConfig), parallel=_build(a, ParallelConfig), optim=_build(a, OptimConfig),
-                         train=_build(a, TrainConfig), dmd2=_build(a, DMD2Config), gan=_build(a, GANConfig),
-                         ema=_build(a, EMAConfig), lora=_build(a, LoRAConfig))
+    return _configs(dmd2_parser().parse_args(argv), DistillConfig, *_PARTS)
 
 
 _PLAN_GROUPS = {ModelConfig: "model", ParallelConfig: "parallel", OptimConfig: "optimizer", TrainConfig: "training",
@@ -287,8 +293,6 @@ def add_memory_plan_args(p: argparse.ArgumentParser) -> None:
 
 def memory_plan_configs(ns: argparse.Namespace) -> SimpleNamespace:
     """The flags of `add_memory_plan_args` as the trainer's dataclasses, checked by them (ConfigError naming the
-    flag): `.model`, `.parallel`, `.optim`, `.train`, `.dmd2`, `.gan`, `.lora`, as on a `DistillConfig` (every other
-    field is its default)."""
-    return SimpleNamespace(model=_build(ns, ModelConfig), parallel=_build(ns, ParallelConfig),
-                           optim=_build(ns, OptimConfig), train=_build(ns, TrainConfig), dmd2=_build(ns, DMD2Config),
-                           gan=_build(ns, GANConfig), lora=_build(ns, LoRAConfig))
+    flag, and a flag without effect refused as the trainer refuses it): `.model`, `.parallel`, `.optim`, `.train`,
+    `.dmd2`, `.gan`, `.lora`, as on a `DistillConfig` (every other field is its default)."""
+    return _configs(ns, SimpleNamespace, "model", "parallel", "optim", "train", "dmd2", "gan", "lora")

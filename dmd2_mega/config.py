@@ -1,9 +1,16 @@
 """Configuration as small composed dataclasses, validated in `__post_init__`.
 
-`arguments.py` only maps Megatron-style flags onto these (its defaults ARE these defaults); nothing
-else reads argparse. Every value is checked here, once, and each check raises `ConfigError` naming
-the flag a user would fix. (Checks that need the world size or the built model run where those
+`arguments.py` only maps Megatron-style flags onto these (a flag not given leaves its field at the default
+here); nothing else reads argparse. Every value is checked here, once, and each check raises `ConfigError`
+naming the flag a user would fix. (Checks that need the world size or the built model run where those
 exist: `TrainConfig.resolve_batches`, `methods.dmd2.gan.resolve_layer`.)
+
+No flag is a silent no-op: a flag that acts only when another is on (the GAN head's weights need --dmd2-gan)
+is a row of its dataclass's `SWITCHED` table (`Needs`: the field, its flag, the switch, how to tell the switch
+is on in the composed config); `check_switches` refuses, in one line, any such flag the command line gave,
+at any value (its default included), while its switch is off. A flag whose default is "not given" (None or
+off) and whose own value check already refuses it without its switch (--dmd2-gan-feature-layer,
+--eval-prompts, --vae, --curves-reference, --sequence-parallel) has no row.
 """
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
@@ -39,6 +46,64 @@ def name_value(text: str, flag: str) -> tuple[str, float]:
     return name.strip(), number
 
 
+def _as_given(flag: str, value) -> str:
+    """`flag` with `value` as a command line reads: a switch alone (False: its --no- form), a float in %g, names
+    joined by commas, numbers by spaces."""
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    if isinstance(value, (list, tuple)):
+        sep = "," if all(isinstance(v, str) for v in value) else " "
+        return f"{flag} " + sep.join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One row of a dataclass's `SWITCHED` table: the flag `flag` (field `field`) acts only when `on(run)` holds
+    for the composed config `run` (a `DistillConfig`, a `FlowPretrainConfig`, or the planner's parts);
+    `switch` is what to give. Given on the command line while the switch is off, it is `message` (one line)."""
+
+    field: str
+    flag: str
+    switch: str
+    on: Callable[[Any], bool]
+    message: str = "{given} has no effect without {switch}: give {switch} or leave the flag out"
+
+    def error(self, value) -> str:
+        return self.message.format(given=_as_given(self.flag, value), switch=self.switch)
+
+
+# The method's parts first: a switch a method needs (--distill-method self-forcing: --causal) is named before the
+# flags that need that switch (--causal-chunk-frames).
+_CHECK_ORDER = ("dmd2", "gan", "ema", "lora", "model", "parallel", "optim", "train")
+
+
+def check_switches(run, given) -> None:
+    """ConfigError for the first flag of `given` (the (dataclass, field) pairs the command line set: `arguments`)
+    that has no effect in `run`: a row of its dataclass's `SWITCHED` whose switch is off (`Needs`)."""
+    for name in _CHECK_ORDER:
+        part = getattr(run, name, None)
+        for need in getattr(part, "SWITCHED", ()):
+            if (type(part), need.field) in given and not need.on(run):
+                raise ConfigError(need.error(getattr(part, need.field)))
+
+
+def _teacher_run(run) -> bool:
+    """A teacher's pretraining (launch/pretrain_flow.py), not a student's distillation."""
+    return isinstance(run, FlowPretrainConfig)
+
+
+# Switches several rows share: (what to give, whether it is on).
+_CAUSAL = ("--causal", lambda run: run.model.causal)
+_COSINE = ("--lr-decay-style cosine", lambda run: run.optim.lr_decay_style == "cosine")
+_SAVE = ("--save DIR", lambda run: run.train.save is not None)
+_LOAD = ("--load DIR", lambda run: run.train.load is not None)
+_EVAL = ("--eval-interval N", lambda run: run.train.eval_interval is not None)
+_TEACHER = ("launch/pretrain_flow.py", _teacher_run)
+_CONSTANT = ("{given} has no effect with --lr-decay-style constant (it shapes the cosine decay): leave it out or "
+             "give {switch}")
+
+
 @dataclass
 class ModelConfig:
     """The model: a `--model-size` of the registry (`models/registry.py`: family + spec) and how it runs."""
@@ -62,6 +127,13 @@ class ModelConfig:
     """--causal-sink-chunks S: with a window, the first S chunks stay visible (attention sink)."""
     causal_context_noise: float = 0.0
     """--causal-context-noise: the level at which a generated chunk is re-run to write the KV cache (0: clean)."""
+
+    SWITCHED: ClassVar[tuple] = (  # the layout of a causal student: no effect without --causal
+        Needs("causal_chunk_frames", "--causal-chunk-frames", *_CAUSAL),
+        Needs("causal_local_attn_chunks", "--causal-local-attn-chunks", *_CAUSAL),
+        Needs("causal_sink_chunks", "--causal-sink-chunks", *_CAUSAL),
+        Needs("causal_context_noise", "--causal-context-noise", *_CAUSAL),
+    )
 
     def __post_init__(self):
         get_size(self.size)  # ConfigError naming --model-size and the choices
@@ -159,6 +231,13 @@ class OptimConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """--use-checkpoint-opt-param-scheduler: on --load, keep the checkpoint's LR schedule over the flags."""
 
+    SWITCHED: ClassVar[tuple] = (
+        Needs("min_lr", "--min-lr", *_COSINE, message=_CONSTANT),
+        Needs("lr_decay_iters", "--lr-decay-iters", *_COSINE, message=_CONSTANT),
+        Needs("override_opt_param_scheduler", "--override-opt-param-scheduler", *_LOAD),
+        Needs("use_checkpoint_opt_param_scheduler", "--use-checkpoint-opt-param-scheduler", *_LOAD),
+    )
+
     def scheduler_from(self) -> Optional[str]:
         """Which side wins an LR-schedule mismatch on --load: "flags", "checkpoint" or None (an error)."""
         return ("flags" if self.override_opt_param_scheduler else
@@ -242,6 +321,23 @@ class TrainConfig:
     curves_reference: Optional[list] = None
     """--curves-reference NAME=VALUE (repeatable): a horizontal line at VALUE, named NAME, on the eval metric's panel
     of <save>/curves.png (`train/curves_plot.py`), e.g. the teacher's Frechet distance "teacher 50 steps=1.307"."""
+
+    SWITCHED: ClassVar[tuple] = (
+        Needs("cond_dropout", "--cond-dropout", *_TEACHER,
+              message="{given} has no effect in a distillation run: only a teacher's pretraining ({switch}) drops "
+                      "the condition; leave the flag out"),
+        Needs("save_interval", "--save-interval", *_SAVE),
+        Needs("overwrite_save", "--overwrite-save", *_SAVE),
+        Needs("no_load_optim", "--no-load-optim", *_LOAD),
+        Needs("no_load_rng", "--no-load-rng", *_LOAD),
+        Needs("eval_num_samples", "--eval-num-samples", *_EVAL),
+        *(Needs(name, flag, *_TEACHER,
+                message="{given} has no effect in a distillation run: a student's eval samples its own grid "
+                        "(--dmd2-denoising-steps) unguided, only a teacher's ({switch}) reads it; leave the flag out")
+          for name, flag in (("eval_steps", "--eval-steps"), ("eval_guidance", "--eval-guidance"))),
+        Needs("eval_steps", "--eval-steps", *_EVAL),
+        Needs("eval_guidance", "--eval-guidance", *_EVAL),
+    )
 
     def __post_init__(self):
         _check(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
@@ -370,6 +466,21 @@ class DMD2Config:
     gpu_memory_gb: Optional[float] = None
     """--gpu-memory-gb: GiB of device memory the offload plan may use per rank (default: the device's)."""
 
+    SWITCHED: ClassVar[tuple] = (
+        Needs("distill_method", "--distill-method", "--causal",
+              lambda run: run.dmd2.distill_method != "self-forcing" or run.model.causal, message="{given} trains a causal student: give {switch} (and --causal-chunk-frames; --student-load "
+                      "the causal init, launch/pretrain_causal_init.py)"),
+        *(Needs(name, flag, "--distill-method self-forcing", lambda run: run.dmd2.distill_method == "self-forcing")
+          for name, flag in (("self_forcing_exit", "--self-forcing-exit"),
+                             ("self_forcing_rollout_frames", "--self-forcing-rollout-frames"),
+                             ("causal_grad_chunks", "--causal-grad-chunks"))),
+        Needs("critic_min_lr", "--critic-min-lr", *_COSINE, message=_CONSTANT),
+        Needs("gpu_memory_gb", "--gpu-memory-gb", "--offload-roles / --[no-]offload-inactive",
+              lambda run: run.dmd2.offload_roles is None and run.dmd2.offload_inactive is None,
+              message="{given} has no effect with --offload-roles, --offload-inactive or --no-offload-inactive: it "
+                      "sizes the memory plan that picks the sleeping roles when none of them says; leave one out"),
+    )
+
     def __post_init__(self):
         _check(self.critic_steps_per_rollout >= 1,
                f"--dmd2-critic-steps-per-rollout must be >= 1, got {self.critic_steps_per_rollout}")
@@ -464,6 +575,17 @@ class GANConfig:
     """--dmd2-gan-head-lr-mult: the head's learning rate as a multiple of the critic's (the head starts from scratch,
     the trunk from the teacher)."""
 
+    # The head's settings act only with --dmd2-gan (--dmd2-gan-feature-layer, None unless given, is refused on its
+    # value by `__post_init__`); its noise range only while the head's inputs are noised.
+    SWITCHED: ClassVar[tuple] = (
+        *(Needs(name, flag, "--dmd2-gan", lambda run: run.gan.enabled)
+          for name, flag in (("noise", "--dmd2-gan-noise"), ("sigma_range", "--dmd2-gan-sigma-range"),
+                             ("disc_weight", "--dmd2-gan-disc-weight"), ("gen_weight", "--dmd2-gan-gen-weight"),
+                             ("head_lr_mult", "--dmd2-gan-head-lr-mult"))),
+        Needs("sigma_range", "--dmd2-gan-sigma-range", "--dmd2-gan-noise", lambda run: run.gan.noise,
+              message="{given} has no effect with --no-dmd2-gan-noise (the head's inputs are clean); leave one out"),
+    )
+
     def __post_init__(self):
         _check(self.disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.disc_weight}")
         _check(self.gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gen_weight}")
@@ -486,6 +608,11 @@ class EMAConfig:
     """--ema-start-iter: before this cycle the EMA copies the student."""
     no_ema: bool = False
     """--no-ema: evaluate the raw student weights even when an EMA is kept."""
+
+    SWITCHED: ClassVar[tuple] = tuple(
+        Needs(name, flag, "--ema-decay D > 0", lambda run: run.ema.enabled,
+              message="{given} has no effect with the EMA off: give {switch} or leave the flag out")
+        for name, flag in (("start_iter", "--ema-start-iter"), ("no_ema", "--no-ema")))
 
     def __post_init__(self):
         _check(0.0 <= self.decay < 1.0, f"--ema-decay must be in [0, 1) (0 = off), got {self.decay}")
@@ -514,6 +641,14 @@ class LoRAConfig:
     no_shared_base: bool = False
     """--no-lora-shared-base: a LoRA role initialised from the teacher keeps its own copy of the base (three
     models' memory; the default shares the teacher's weights)."""
+
+    SWITCHED: ClassVar[tuple] = tuple(
+        Needs(name, flag, "--student-lora-rank R or --critic-lora-rank R",
+              lambda run: run.lora.student_rank > 0 or run.lora.critic_rank > 0,
+              message="{given} has no effect without a LoRA role: give {switch}, or leave the flag out")
+        for name, flag in (("alpha", "--lora-alpha"), ("target_modules", "--lora-target-modules"),
+                           ("allow_other_base", "--lora-allow-other-base"),
+                           ("no_shared_base", "--no-lora-shared-base")))
 
     def __post_init__(self):
         for flag, r in (("--student-lora-rank", self.student_rank), ("--critic-lora-rank", self.critic_rank)):

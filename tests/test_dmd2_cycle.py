@@ -268,7 +268,8 @@ def test_defaults_parse():
     assert c.lr == 2e-4 and c.adam_beta1 == 0.0 and c.adam_beta2 == cfg.optim.adam_beta2
     assert parse_dmd2_args(BASE + ["--critic-lr", "5e-5"]).critic_optim().lr == 5e-5
     cfg = parse_dmd2_args(BASE + ["--adam-eps", "1e-6", "--clip-grad", "0.5", "--lr-warmup-iters", "3",
-                                  "--override-opt-param-scheduler", "--critic-weight-decay", "0.1"])
+                                  "--override-opt-param-scheduler", "--load", "ckpt/student",
+                                  "--critic-weight-decay", "0.1"])
     c = asdict(cfg.critic_optim())  # every field but the --critic-* overrides is the student's
     assert c == {**asdict(cfg.optim), "weight_decay": 0.1}, c
     assert parse_dmd2_args(BASE + ["--micro-batch-size", "4", "--global-batch-size", "16"]).train.resolve_batches(2) == 2

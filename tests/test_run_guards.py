@@ -138,14 +138,22 @@ def _args(**parts) -> dict:
      _args(dmd2={"causal_grad_chunks": 1})),
     (DMD2Method.resume_settings, "--dmd2-teacher-guidance-scale", _args(dmd2={"teacher_guidance_scale": 1.0}),
      _args(dmd2={"teacher_guidance_scale": 2.0})),
-    (DMD2Method.resume_settings, "--dmd2-gan-sigma-range", _args(gan={"sigma_range": None}),
-     _args(gan={"sigma_range": (0.1, 0.3)})),
+    (DMD2Method.resume_settings, "--dmd2-gan-sigma-range", _args(gan={"enabled": True, "sigma_range": None}),
+     _args(gan={"enabled": True, "sigma_range": (0.1, 0.3)})),
 ])
 def test_a_resume_names_every_changed_setting_none_included(settings, flag, saved, now):
     with pytest.raises(CheckpointError, match=rf"--load R: {flag} was .* when it was saved, this run has "):
         check_resume({"args": saved}, now, settings, "R")
     check_resume({"args": saved}, saved, settings, "R")  # unchanged: resumes
     check_resume({"args": {}}, now, settings, "R")  # an older checkpoint that does not record it: not compared
+
+
+def test_the_gan_heads_settings_are_compared_where_this_run_has_the_head():
+    saved = _args(gan={"enabled": True, "disc_weight": 1.0})
+    check_resume({"args": saved}, _args(gan={"enabled": False, "disc_weight": 0.01}), DMD2Method.resume_settings, "R")
+    with pytest.raises(CheckpointError, match="--dmd2-gan-disc-weight was 1.0 when it was saved, this run has 0.01"):
+        check_resume({"args": saved}, _args(gan={"enabled": True, "disc_weight": 0.01}), DMD2Method.resume_settings,
+                     "R")
 
 
 def test_a_none_setting_is_shown_as_not_given():
@@ -156,7 +164,7 @@ def test_a_none_setting_is_shown_as_not_given():
 
 
 def test_every_method_keeps_its_own_settings_on_resume():
-    flags = {m: {f for f, _ in m.resume_settings} for m in (DMD2Method, SelfForcingMethod, CausalInitMethod)}
+    flags = {m: {f for f, *_ in m.resume_settings} for m in (DMD2Method, SelfForcingMethod, CausalInitMethod)}
     assert {"--distill-method", "--dmd2-critic-steps-per-rollout", "--dmd2-gan-disc-weight"} <= flags[DMD2Method]
     assert {"--self-forcing-exit", "--self-forcing-rollout-frames", "--causal-grad-chunks"} <= flags[SelfForcingMethod]
     assert {"--causal", "--causal-context-noise", "--timestep-shift"} <= flags[CausalInitMethod]

@@ -24,8 +24,9 @@ from dmd2_mega.files.path_guard import check_outputs_apart
 
 LEGACY_ROLE = "teacher"  # the role of a payload that records none
 
-# (flag, path in the saved `args` dict) of the settings a resume must keep: what the saved state depends on and what
-# changes the maths of the steps to come (the LR schedule has its own rule: `checkpoint.load_optimizer_state`)
+# (flag, path in the saved `args` dict[, the path of the switch in this run's args without which it is not compared])
+# of the settings a resume must keep: what the saved state depends on and what changes the maths of the steps to come
+# (the LR schedule has its own rule: `checkpoint.load_optimizer_state`)
 RESUME_SETTINGS = (("--model-size", ("model", "size")), ("--micro-batch-size", ("train", "micro_batch_size")),
                    ("--global-batch-size", ("train", "global_batch_size")),
                    ("--timestep-shift", ("train", "timestep_shift")), ("--causal", ("model", "causal")),
@@ -41,10 +42,12 @@ DMD2_RESUME_SETTINGS = RESUME_SETTINGS + (
     ("--dmd2-teacher-guidance-scale", ("dmd2", "teacher_guidance_scale")),
     ("--dmd2-score-sigma-range", ("dmd2", "score_sigma_range")),
     ("--dmd2-critic-grid-size", ("dmd2", "critic_grid_size")),
-    # --dmd2-gan itself: the critic's saved state says whether it has the head (`GANSettings.load_hint`)
-    ("--dmd2-gan-feature-layer", ("gan", "feature_layer")),
-    ("--dmd2-gan-noise / --no-dmd2-gan-noise", ("gan", "noise")), ("--dmd2-gan-sigma-range", ("gan", "sigma_range")),
-    ("--dmd2-gan-disc-weight", ("gan", "disc_weight")), ("--dmd2-gan-gen-weight", ("gan", "gen_weight")))
+    # the GAN head's settings, where this run has the head (--dmd2-gan itself: the critic's saved state says
+    # whether it has one, `GANSettings.load_hint`)
+    *((flag, ("gan", key), ("gan", "enabled")) for flag, key in (
+        ("--dmd2-gan-feature-layer", "feature_layer"), ("--dmd2-gan-noise / --no-dmd2-gan-noise", "noise"),
+        ("--dmd2-gan-sigma-range", "sigma_range"), ("--dmd2-gan-disc-weight", "disc_weight"),
+        ("--dmd2-gan-gen-weight", "gen_weight"))))
 MISSING = object()  # a setting an older checkpoint does not record: not compared
 
 
@@ -125,11 +128,13 @@ def _same(saved, now) -> bool:
 
 def check_resume(payload: dict, args_now: dict, settings: Sequence[tuple[str, tuple]], root: str,
                  extra: Sequence[tuple[str, object, object]] = ()) -> None:
-    """CheckpointError naming the first setting of `settings` (flag, args path) whose saved value differs from
-    this run's, None (a default such as "all chunks") being a value like any other, then of `extra` (flag, saved,
-    now). A setting an older checkpoint does not record (`MISSING`) is not compared."""
+    """CheckpointError naming the first setting of `settings` (flag, args path[, switch path]) whose saved value
+    differs from this run's, None (a default such as "all chunks") being a value like any other, then of `extra`
+    (flag, saved, now). A setting an older checkpoint does not record (`MISSING`), or whose switch is off in this run,
+    is not compared."""
     saved_args = payload.get("args") or {}
-    pairs = [(flag, _get(saved_args, path), _get(args_now, path)) for flag, path in settings] + list(extra)
+    pairs = [(flag, _get(saved_args, path), _get(args_now, path)) for flag, path, *when in settings
+             if not when or _get(args_now, when[0]) is True] + list(extra)
     for flag, saved, now in pairs:
         if saved is not MISSING and now is not MISSING and not _same(saved, now):
             raise CheckpointError(f"--load {root}: {flag} was {_shown(saved)} when it was saved, this run has "
