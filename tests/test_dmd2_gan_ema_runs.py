@@ -40,11 +40,12 @@ def runs(debug_teacher, tmp_path_factory):
             "8", "--dmd2-critic-steps-per-rollout", "2", "--log-interval", "1", "--lr", "1e-3",
             "--lr-decay-iters", "10", "--dmd2-teacher-guidance-scale", "2", "--seed", "3", "--dmd2-gan",
             "--dmd2-gan-disc-weight", "1", "--dmd2-gan-gen-weight", "1", "--ema-decay", "0.5",
-            "--ema-start-iter", "2", "--save-interval", "2"]
+            "--ema-start-iter", "2"]
 
     def go(name, nproc, extra, iters=4, load=None):
         save = str(d / name)
-        args = base + extra + ["--train-iters", str(iters), "--save", save, "--loss-trace", str(d / f"{name}.jsonl")]
+        args = base + extra + ["--train-iters", str(iters), "--save", save, "--save-interval", "2",
+                               "--loss-trace", str(d / f"{name}.jsonl")]
         args += ["--load", load] if load else []
         return launch(nproc, PRETRAIN_DMD2, args, timeout=240)
 
