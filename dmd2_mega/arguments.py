@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from dmd2_mega.config import (DistillConfig, DMD2Config, EMAConfig, FlowPretrainConfig, GANConfig, LoRAConfig,
                               ModelConfig, OptimConfig, ParallelConfig, TrainConfig, check_switches)
+from dmd2_mega.errors import ConfigError
 from dmd2_mega.models.registry import MODEL_SIZES
 
 
@@ -273,8 +274,21 @@ def dmd2_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_dmd2_args(argv: Optional[Sequence[str]] = None) -> DistillConfig:
-    return _configs(dmd2_parser().parse_args(argv), DistillConfig, *_PARTS)
+def parse_dmd2_args(argv: Optional[Sequence[str]] = None, unread: Optional[dict] = None,
+                    script: str = "this entry point") -> DistillConfig:
+    """The DMD2 flags as a `DistillConfig`. `unread` {part: field names, or "all"}: the flags of the shared parser
+    that `script`'s method never reads (`CausalInitMethod.unread`: the critic's, the GAN head's); given on the
+    command line, each is a ConfigError naming it: no flag is a silent no-op."""
+    parser = dmd2_parser()
+    ns = parser.parse_args(argv)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    for part, names in (unread or {}).items():
+        cls = _PARTS[part]
+        for name in _values(ns, cls):
+            if names == "all" or name in names:
+                raise ConfigError(f"{flags[f'{cls.__name__}.{name}']} has no effect in {script}: its method never "
+                                  f"reads it; leave the flag out")
+    return _configs(ns, DistillConfig, *_PARTS)
 
 
 _PLAN_GROUPS = {ModelConfig: "model", ParallelConfig: "parallel", OptimConfig: "optimizer", TrainConfig: "training",

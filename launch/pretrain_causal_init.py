@@ -28,7 +28,8 @@ from dmd2_mega.train.resilience import run_training  # noqa: E402
 
 def main(argv=None) -> int:
     """0 on success and on a preemption exit; 1 with a one-line message for a bad flag, file or value."""
-    return run_training(lambda: parse_dmd2_args(argv), lambda cfg: StudentTrainer(cfg, CausalInitMethod))
+    return run_training(lambda: parse_dmd2_args(argv, CausalInitMethod.unread, "launch/pretrain_causal_init.py"),
+                        lambda cfg: StudentTrainer(cfg, CausalInitMethod))
 
 
 if __name__ == "__main__":

@@ -185,3 +185,20 @@ def test_the_planner_refuses_what_the_trainer_refuses():
         "--causal-chunk-frames 2 has no effect without --causal: give --causal or leave the flag out"
     assert plan_memory.parse_args(["--causal", *argv]).run.model.causal_chunk_frames == 2
     assert plan_memory.parse_args(["--gpu-memory-gb", "40"]).gpu_memory_gb == 40  # no offload flag: the plan reads it
+
+
+@pytest.mark.parametrize("flag", [["--dmd2-gan"], ["--dmd2-teacher-guidance-scale", "2"], ["--critic-lr", "1e-4"],
+                                  ["--critic-lora-rank", "2"], ["--distill-method", "dmd2"]])
+def test_the_causal_init_refuses_the_flags_its_method_never_reads(flag, capsys):
+    """launch/pretrain_causal_init.py shares pretrain_dmd2.py's parser; the critic's, the teacher score's, the GAN
+    head's and the other methods' flags never act there (`CausalInitMethod.unread`)."""
+    from launch import pretrain_causal_init
+    args = ["--model-size", "wan-digits", "--causal", "--teacher-load", "t", "--data", "d"]
+    assert pretrain_causal_init.main(args + flag) == 1
+    assert capsys.readouterr().err.strip() == (f"ConfigError: {flag[0]} has no effect in "
+                                                "launch/pretrain_causal_init.py: its method never reads it; leave the "
+                                                "flag out")
+    from dmd2_mega.arguments import parse_dmd2_args
+    from dmd2_mega.methods.causal_init.method import CausalInitMethod
+    cfg = parse_dmd2_args(args + ["--student-lora-rank", "2", "--ema-decay", "0.9"], CausalInitMethod.unread)
+    assert cfg.lora.student_rank == 2  # what it reads still parses

@@ -51,6 +51,13 @@ class CausalInitMethod:
     reads_samples = True
     reads_trajectories = True  # the trainer reads --data as a trajectory set (`data.trajectories.TrajectoryDataset`)
     resume_settings = RESUME_SETTINGS
+    # the shared DMD2 parser's flags this method never reads (launch/pretrain_causal_init.py refuses them): no critic,
+    # no teacher score, no GAN head, no other method's settings
+    unread = {"dmd2": ("distill_method", "self_forcing_exit", "self_forcing_rollout_frames", "causal_grad_chunks",
+                       "critic_load", "critic_steps_per_rollout", "score_sigma_range", "critic_scoring",
+                       "critic_loss_space", "teacher_guidance_scale", "critic_grid_size", "critic_lr", "critic_min_lr",
+                       "critic_weight_decay", "critic_adam_beta1", "critic_adam_beta2"),
+              "gan": "all", "lora": ("critic_rank",)}
 
     def __init__(self, cfg, shape: tuple, device: torch.device):
         d, t = cfg.dmd2, cfg.train
