@@ -158,8 +158,8 @@ def report(a, bench: Harness, med: dict) -> None:
     rows += [["cycle", med["all"], floor * med["plain"], cycle / floor, sum(med[f"{ph} alone"] for ph in PHASES)],
              ["plain flow-matching step", med["plain"], None, None, None],
              ["F (B whole clips, no grad)", med["F"], None, None, None],
-             ["stream: each chunk once + writes", med["stream"], (1 + q) * med["F"], med["stream"] / ((1 + q) * med["F"]),
-              None]]
+             ["stream: each chunk once + writes", med["stream"], (1 + q) * med["F"],
+              med["stream"] / ((1 + q) * med["F"]), None]]
     print(format_table(["span", "measured_ms", "minimum_ms", "ratio", "alone_ms"], rows))
     print(f"{'cycle in plain steps':>36}: {cycle:.4g}\n{'analytic minimum in plain steps':>36}: {floor:.4g}")
     ratio = cycle / floor

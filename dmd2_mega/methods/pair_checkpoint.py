@@ -109,7 +109,8 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
         sigmas = [round(s, 6) for s in student.get("student_sigmas") or []]
         now = [round(s, 6) for s in method.student_sigmas.tolist()]
         check_resume(student, asdict(cfg), method.resume_settings, root,
-                     [("the method (--distill-method, or the entry point)", student.get("method", MISSING), method.name),
+                     [("the method (--distill-method, or the entry point)", student.get("method", MISSING),
+                       method.name),
                       ("the student's sigma grid (--dmd2-denoising-steps / --dmd2-student-sigmas, shifted)",
                        sigmas or MISSING, now)])
     for name in ("student", *others):

@@ -35,9 +35,10 @@ class SelfForcingMethod(DMD2Method):
     """Self-Forcing DMD (module docstring); the members are `base.Method`'s, DMD2's where not overridden."""
 
     name = "Self-Forcing"
-    resume_settings = DMD2_RESUME_SETTINGS + (("--self-forcing-exit", ("dmd2", "self_forcing_exit")),
-                                              ("--self-forcing-rollout-frames", ("dmd2", "self_forcing_rollout_frames")),
-                                              ("--causal-grad-chunks", ("dmd2", "causal_grad_chunks")))
+    resume_settings = DMD2_RESUME_SETTINGS + (
+        ("--self-forcing-exit", ("dmd2", "self_forcing_exit")),
+        ("--self-forcing-rollout-frames", ("dmd2", "self_forcing_rollout_frames")),
+        ("--causal-grad-chunks", ("dmd2", "causal_grad_chunks")))
 
     def __init__(self, cfg, shape: tuple, device: torch.device):
         if not cfg.model.causal:
