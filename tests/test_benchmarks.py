@@ -174,3 +174,35 @@ def test_self_forcing_benchmark_pieces_draw_what_the_cycle_draws(tmp_path):
         h = bench_self_forcing_cycle.Harness(a, str(tmp_path))
         at = _pieces_draw_what_the_cycle_draws(h.tr.method, h.tr.roles, h.tr.micro_batches())["at"]
         assert not _same(at["rollout"], at["critic"]) and not _same(at["critic"], at["actor"])
+
+
+def test_launch_counter_counts_launches_not_views_or_allocations():
+    """benchmarks/count_launches.py's counter: a launch each for an add, a matmul and a copy; nothing for a view, a
+    reshape of a contiguous result or a bare allocation."""
+    from benchmarks.count_launches import OpCounter
+    x = torch.randn(4, 6)
+    with OpCounter() as c:
+        y = x + 1
+        y.view(6, 4).t()
+        torch.empty(3)
+        (x @ x.T).reshape(-1)
+        y.clone()
+    assert c.total == 3 and dict(c.by_op) == {"add": 1, "mm": 1, "clone": 1}
+
+
+def test_launch_counter_runs_and_splits_the_cycle_into_its_phases(capsys):
+    """benchmarks/count_launches.py at a tiny size: the printed line, and the phases (plus what the trainer does
+    around them) add up to the cycle; the CUDA settings' rollout (one forward per step) dispatches fewer ops than the
+    CPU's chunks of B rows when the rollout has more than one chunk."""
+    from benchmarks import count_launches
+    with world_of_one():
+        cpu = count_launches.main(["--model-size", "debug", "--micro-batch-size", "2",
+                                   "--dmd2-critic-steps-per-rollout", "2", "--cycles", "1"])
+        cuda = count_launches.main(["--model-size", "debug", "--micro-batch-size", "2",
+                                    "--dmd2-critic-steps-per-rollout", "2", "--cycles", "1", "--cuda-settings"])
+    out = capsys.readouterr().out
+    assert re.search(r"aten ops per cycle: [\d,]+ = [\d.]+ plain steps of [\d,]+", out), out
+    for r in (cpu, cuda):
+        assert list(r["phases"]) == ["rollout", "critic", "actor"] and r["plain"] > 0
+        assert abs(sum(r["phases"].values()) + r["outside"] - r["cycle"]) < 1e-6
+    assert cuda["phases"]["rollout"] < cpu["phases"]["rollout"] and cuda["phases"]["critic"] == cpu["phases"]["critic"]
