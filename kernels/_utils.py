@@ -3,8 +3,10 @@
 Dispatch (every public op takes ``impl=None | "triton" | "torch"``):
   1. an explicit ``impl`` argument wins;
   2. else the environment variable ``DMD2_KERNELS=triton|torch`` forces one path;
-  3. else CUDA tensors take the Triton path and CPU tensors the torch path
-     (a dtype Triton is not asked to handle here, e.g. float64, also takes the torch path).
+  3. else (``DMD2_KERNELS`` unset or ``auto``) CUDA tensors take the Triton path where it pays and CPU tensors the
+     torch path (a dtype Triton is not asked to handle here, e.g. float64, also takes the torch path). "Where it
+     pays": an op passes its name (``op=``), and below ``FUSED_FROM[(op, direction)]`` elements (of its first
+     tensor) the torch path runs; "fwd+bwd" when a gradient will flow through the op, else "fwd".
 A forced Triton path on CPU tensors needs ``TRITON_INTERPRET=1`` in the environment BEFORE triton is
 first imported (triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted);
 that is how the tests run the kernels without a GPU.
@@ -30,12 +32,46 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 4096
 
 
+# The size, in elements of an op's first tensor, from which its fused kernel beat eager torch on an H200 (bf16;
+# benchmarks/RESULTS.md "First GPU run", 9534d46): x0 and the flow-matching loss lost at the cycle's 0.5-2.1M
+# elements (0.63-0.90x) and won from 2^26; CFG, the DMD loss, adaLN and qk-norm + RoPE won at every size measured
+# (absent here: 0). Per (op, direction). DMD2_KERNEL_FUSED_FROM="x0=1048576,flow_matching:fwd+bwd=0" overrides
+# entries (read once, at import).
+FUSED_FROM = {("x0", "fwd"): 2**26, ("x0", "fwd+bwd"): 2**26,
+              ("flow_matching", "fwd"): 2**26, ("flow_matching", "fwd+bwd"): 2**26}
+DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+def parse_fused_from(text: str) -> dict:
+    """"op[:direction]=N,..." -> {(op, direction): N} (an op without a direction: both)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        op, _, direction = key.strip().partition(":")
+        if not sep or not value.strip().isdigit() or direction not in ("", *DIRECTIONS):
+            raise ValueError(f"DMD2_KERNEL_FUSED_FROM: {item!r}: expected op[:fwd|fwd+bwd]=ELEMENTS")
+        for d in ((direction,) if direction else DIRECTIONS):
+            out[(op.strip(), d)] = int(value)
+    return out
+
+
+FUSED_FROM.update(parse_fused_from(os.environ.get("DMD2_KERNEL_FUSED_FROM", "")))
+
+
+def fused_pays(op: str | None, *tensors: torch.Tensor) -> bool:
+    """Whether op's fused kernel beats eager torch at these tensors' size (``FUSED_FROM``)."""
+    if op is None:
+        return True
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return tensors[0].numel() >= FUSED_FROM.get((op, "fwd+bwd" if grad else "fwd"), 0)
+
+
 class KernelError(ValueError):
     """Bad argument or impossible dispatch for an op of the ``kernels`` package."""
 
 
-def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
-    """Return "triton" or "torch" for an op on ``tensors`` (see the module docstring)."""
+def resolve_impl(impl: str | None, *tensors: torch.Tensor, op: str | None = None) -> str:
+    """Return "triton" or "torch" for op ``op`` on ``tensors`` (see the module docstring)."""
     forced = impl
     if forced is None:
         env = os.environ.get("DMD2_KERNELS", "").strip().lower()
@@ -45,7 +81,7 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
             forced = env
     ref = tensors[0]
     if forced is None:
-        if ref.is_cuda and all(t.dtype in TRITON_DTYPES for t in tensors):
+        if ref.is_cuda and all(t.dtype in TRITON_DTYPES for t in tensors) and fused_pays(op, *tensors):
             return "triton"
         return "torch"
     if forced not in IMPLS:

@@ -281,7 +281,7 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
             raise KernelError(f"{name} is on {t.device}, expected {x.device} (the device of x)")
     if shift.dtype != scale.dtype:
         raise KernelError(f"shift ({shift.dtype}) and scale ({scale.dtype}) must share a dtype")
-    impl = resolve_impl(impl, x, shift, scale)
+    impl = resolve_impl(impl, x, shift, scale, op="adaln")
     return AdaLNModulateFunction.apply(x, shift.reshape(B, H).contiguous(), scale.reshape(B, H).contiguous(),
                                        float(eps), impl)
 

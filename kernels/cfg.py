@@ -59,7 +59,7 @@ def cfg_x0(x_s: torch.Tensor, v_pos: torch.Tensor, v_neg: torch.Tensor, sigma, g
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_s, v_pos, v_neg)):
         raise KernelError("cfg_x0 is forward-only (the teacher is frozen): call it under torch.no_grad() "
                           "or pass detached tensors")
-    impl = resolve_impl(impl, x_s, v_pos, v_neg)
+    impl = resolve_impl(impl, x_s, v_pos, v_neg, op="cfg")
     B = x_s.shape[0]
     s = per_sample(sigma, B, x_s.device, "sigma")
     g = per_sample(guidance, B, x_s.device, "guidance")

@@ -173,7 +173,7 @@ def dmd_loss(x0hat: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor,
              impl: str | None = None) -> tuple[torch.Tensor, DMDStats]:
     """DMD surrogate loss (0-dim) and its DMDStats; differentiable in x0hat (see module docstring)."""
     check_same(x0hat, "x0hat", x0_real=x0_real, x0_fake=x0_fake)
-    impl = resolve_impl(impl, x0hat, x0_real, x0_fake)
+    impl = resolve_impl(impl, x0hat, x0_real, x0_fake, op="dmd")
     loss, norm, rms = DMDLossFunction.apply(x0hat, x0_real.detach(), x0_fake.detach(), impl)
     return loss, DMDStats(norm, rms)
 

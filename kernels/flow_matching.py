@@ -129,7 +129,7 @@ def flow_matching_loss(v_pred: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor
     if torch.is_grad_enabled() and (x0.requires_grad or eps.requires_grad):
         raise KernelError("flow_matching_loss differentiates v_pred only: x0 and eps are targets, "
                           "pass them detached")
-    impl = resolve_impl(impl, v_pred, x0, eps)
+    impl = resolve_impl(impl, v_pred, x0, eps, op="flow_matching")
     s = per_sample(sigma, v_pred.shape[0], v_pred.device, "sigma")
     return FlowMatchingLossFunction.apply(v_pred, x0, eps, s, space == "x0", impl)
 

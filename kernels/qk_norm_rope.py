@@ -294,7 +294,7 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None
     if cos is not None:
         cos = cos.detach().to(torch.float32).contiguous()
         sin = sin.detach().to(torch.float32).contiguous()
-    impl = resolve_impl(impl, x, weight, *(() if cos is None else (cos, sin)))
+    impl = resolve_impl(impl, x, weight, *(() if cos is None else (cos, sin)), op="qk_norm_rope")
     y = QKNormRopeFunction.apply(x.reshape(B * S, HL).contiguous(), weight.contiguous(), cos, sin, S, head_dim,
                                  float(eps), group, impl)
     return y.view(B, S, HL)

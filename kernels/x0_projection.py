@@ -96,7 +96,7 @@ class X0FromVelocityFunction(torch.autograd.Function):
 def x0_from_velocity(x_s: torch.Tensor, v: torch.Tensor, sigma, impl: str | None = None) -> torch.Tensor:
     """``x_s - sigma * v`` per sample; differentiable in x_s and v. ``impl``: None | "triton" | "torch"."""
     check_same(x_s, "x_s", v=v)
-    impl = resolve_impl(impl, x_s, v)
+    impl = resolve_impl(impl, x_s, v, op="x0")
     s = per_sample(sigma, x_s.shape[0], x_s.device, "sigma")
     return X0FromVelocityFunction.apply(x_s, v, s, impl)
 

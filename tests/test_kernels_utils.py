@@ -207,3 +207,41 @@ def test_a_hub_kernels_name_is_one_clear_error():
     with pytest.raises(AttributeError, match="module 'kernels' has no attribute 'no_such_op'"):
         getattr(kernels, "no_such_op")
     assert kernels.dmd_loss is not None
+
+
+# ---------------------------------------------------------------------------- where a fused kernel pays
+
+def test_fused_kernels_run_only_from_the_size_where_they_beat_eager():
+    """The H200 table's thresholds (`_utils.FUSED_FROM`): x0 and the flow-matching loss lose to eager below 2^26
+    elements (both directions), the other ops win at every size; a gradient through the op picks "fwd+bwd"."""
+    small, large = torch.empty(2**21, device="meta"), torch.empty(2**26, device="meta")
+    for op in ("x0", "flow_matching"):
+        assert not _utils.fused_pays(op, small) and _utils.fused_pays(op, large)
+    for op in ("cfg", "dmd", "adaln", "qk_norm_rope", None):
+        assert _utils.fused_pays(op, small)
+    grad = torch.empty(2**21, device="meta", requires_grad=True)
+    try:
+        _utils.FUSED_FROM[("cfg", "fwd+bwd")] = 2**22
+        assert _utils.fused_pays("cfg", small, grad) is False and _utils.fused_pays("cfg", small, small)
+        with torch.no_grad():
+            assert _utils.fused_pays("cfg", small, grad)  # no gradient will flow: the forward's threshold
+    finally:
+        del _utils.FUSED_FROM[("cfg", "fwd+bwd")]
+
+
+def test_fused_from_override_parses_per_op_and_direction():
+    assert _utils.parse_fused_from("x0=1048576, flow_matching:fwd+bwd=0") == {
+        ("x0", "fwd"): 1048576, ("x0", "fwd+bwd"): 1048576, ("flow_matching", "fwd+bwd"): 0}
+    assert _utils.parse_fused_from("") == {}
+    for bad in ("x0", "x0=big", "x0:bwd=3"):
+        with pytest.raises(ValueError, match="DMD2_KERNEL_FUSED_FROM"):
+            _utils.parse_fused_from(bad)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with compiled Triton (TRITON_INTERPRET=0)")
+def test_cuda_default_dispatch_follows_the_thresholds(monkeypatch):
+    """On CUDA without DMD2_KERNELS: x0 at a cycle's size takes the torch path, CFG the Triton one."""
+    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    x = torch.zeros(8, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
+    assert _utils.resolve_impl(None, x, x, op="x0") == "torch"
+    assert _utils.resolve_impl(None, x, x, x, op="cfg") == "triton"
