@@ -12,7 +12,8 @@ For each op and mode (fwd; fwd+bwd where the op has a backward) at realistic siz
 and a large sweep (2^26 and, on CUDA, 2^28 elements), it reports the fused time (p50, p20, p80,
 ms), the eager-torch time of the same maths (the package's ``*_ref``, autograd through plain torch
 ops), the ``torch.compile`` time of that reference, the bytes the fused op must move (model below),
-its GB/s and the percentage of the device-to-device copy bandwidth measured in the same run.
+its GB/s, the percentage of the device-to-device copy bandwidth measured in the same run, and the path the
+default dispatch takes on CUDA at that op, mode and size (`cuda_dispatch`: `kernels._utils.FUSED_FROM`).
 
 Bytes moved (N = elements, s = bytes per element; small [B] / [B, H] tensors ignored):
   x0 fwd 3Ns, fwd+bwd 5Ns (backward: read grad, write grad_v; grad_x_s is grad itself);
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels import _utils as kernel_utils  # noqa: E402
 
 
 @dataclass
@@ -205,7 +207,16 @@ def parse_args(argv=None):
 
 
 COLUMNS = ["op", "mode", "size", "shape", "dtype", "elements", "fused_p50_ms", "fused_p20_ms", "fused_p80_ms",
-           "eager_ms", "compile_ms", "x_eager", "x_compile", "MB", "GB_s", "pct_copy"]
+           "eager_ms", "compile_ms", "x_eager", "x_compile", "MB", "GB_s", "pct_copy", "cuda_dispatch"]
+# each benchmark op's name in the dispatcher (`kernels._utils.FUSED_FROM`)
+DISPATCH_OP = {"x0": "x0", "cfg": "cfg", "fm": "flow_matching", "dmd": "dmd", "adaln": "adaln",
+               "qknorm": "qk_norm_rope"}
+
+
+def cuda_dispatch(key: str, mode: str, n: int) -> str:
+    """The path the default dispatch takes on CUDA for this op, mode and size (`_utils.fused_pays`)."""
+    probe = torch.empty(n, device="meta", requires_grad=mode == "fwd+bwd")
+    return "triton" if kernel_utils.fused_pays(DISPATCH_OP[key], probe) else "torch"
 
 
 def main(argv=None):
@@ -270,7 +281,8 @@ def main(argv=None):
                              "dtype": str(dtype).replace("torch.", ""), "elements": n, "fused_p50_ms": fused[0],
                              "fused_p20_ms": fused[1], "fused_p80_ms": fused[2], "eager_ms": eager, "compile_ms": comp,
                              "x_eager": eager / fused[0], "x_compile": comp / fused[0], "MB": nbytes / 1e6,
-                             "GB_s": gbs, "pct_copy": 100 * gbs / copy_gbs, "large": is_large})
+                             "GB_s": gbs, "pct_copy": 100 * gbs / copy_gbs, "large": is_large,
+                             "cuda_dispatch": cuda_dispatch(key, mode, n)})
                 del inputs
                 if cuda:
                     torch.cuda.empty_cache()
@@ -294,7 +306,7 @@ def fmt(v):
 
 def print_table(rows):
     head = ["op", "mode", "size", "shape", "fused_p50_ms", "fused_p20_ms", "fused_p80_ms", "eager_ms",
-            "compile_ms", "x_eager", "x_compile", "MB", "GB_s", "pct_copy"]
+            "compile_ms", "x_eager", "x_compile", "MB", "GB_s", "pct_copy", "cuda_dispatch"]
     cells = [head] + [[fmt(r[c]) for c in head] for r in rows]
     widths = [max(len(row[j]) for row in cells) for j in range(len(head))]
     for i, row in enumerate(cells):
