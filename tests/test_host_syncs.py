@@ -1,6 +1,6 @@
-"""Host syncs of DMD2 training, counted: the calls from the project's own code (dmd2_mega/, kernels/) of
-`Tensor.item`, `Tensor.tolist`, `Tensor.cpu`, `Tensor.__bool__` and boolean-mask indexing, each of which
-waits for the device on CUDA. Counted on CPU by patched methods (debug DiT, K = 2 critic steps, M = 2
+"""Host syncs of DMD2 and Self-Forcing training, counted: the calls from the project's own code (dmd2_mega/,
+kernels/) of `Tensor.item`, `Tensor.tolist`, `Tensor.cpu`, `Tensor.to("cpu")`, `Tensor.__bool__` and boolean-mask
+indexing, each of which waits for the device on CUDA. Counted on CPU by patched methods (debug DiT, K = 2 critic steps, M = 2
 micro-batches, GAN head and EMA on), after one warm-up cycle.
 
 Budget (GPU issue 12; before it, a cycle made K + 1 `.item()` in optim.Optimizer._finite, one per optimizer
@@ -32,10 +32,10 @@ K, M = 2, 2
 def count_syncs(monkeypatch) -> collections.Counter:
     counts = collections.Counter()
 
-    def counted(name, real, is_sync=lambda *a: True):
+    def counted(name, real, is_sync=lambda *a, **kw: True):
         def wrapper(self, *args, **kwargs):
             caller = sys._getframe(1)
-            if caller.f_code.co_filename.startswith(ROOTS) and is_sync(self, *args):
+            if caller.f_code.co_filename.startswith(ROOTS) and is_sync(self, *args, **kwargs):
                 counts[(name, os.path.basename(caller.f_code.co_filename), caller.f_code.co_name)] += 1
             return real(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, wrapper)
@@ -44,9 +44,14 @@ def count_syncs(monkeypatch) -> collections.Counter:
         items = idx if isinstance(idx, tuple) else (idx,)
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
+    def to_host(self, *args, **kwargs):  # a device-to-host copy asked for by name: `.to("cpu")` (on a CPU run the
+        # compute device is the host too, so a `.to(device)` cannot be told from one here: `.cpu()` and "cpu" can)
+        return any(a == "cpu" for a in (*args, kwargs.get("device")) if isinstance(a, str))
+
     for name in ("item", "tolist", "cpu", "__bool__"):
         counted(name, getattr(torch.Tensor, name))
     counted("__getitem__", torch.Tensor.__getitem__, bool_index)
+    counted("to", torch.Tensor.to, to_host)
     return counts
 
 
@@ -69,3 +74,20 @@ def test_cycle_host_syncs_within_budget(debug_teacher, monkeypatch):
     loop = {("tolist", "resilience.py", "check"): iters - 1,
             ("cpu", "trainer.py", "log"): 1, ("tolist", "trainer.py", "log"): 1}
     assert dict(counts) == loop, f"host syncs of the loop changed: {dict(counts)} (budget {loop})"
+
+
+def test_self_forcing_cycle_has_no_host_sync(tmp_path, monkeypatch):
+    """The same budget for a Self-Forcing cycle (the causal rollout, the windows, the replaying actor): none. Its
+    rollout reads the sigmas as host floats the method keeps from its start and copies the host-drawn exit steps to
+    the device once, without blocking."""
+    from benchmarks import bench_self_forcing_cycle
+    with world_of_one():
+        a = bench_self_forcing_cycle.parse_args(["--data", "moving-digits", "--micro-batch-size", "1",
+                                                 "--dmd2-critic-steps-per-rollout", "2"])
+        tr = bench_self_forcing_cycle.Harness(a, str(tmp_path)).tr
+        tr.cycle()  # warm-up
+        counts = count_syncs(monkeypatch)
+        tr.cycle()
+        in_cycle = dict(counts)
+        monkeypatch.undo()
+    assert in_cycle == {}, f"host syncs inside one Self-Forcing cycle: {in_cycle} (budget: none)"

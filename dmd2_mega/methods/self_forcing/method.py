@@ -54,6 +54,7 @@ class SelfForcingMethod(DMD2Method):
             raise ConfigError(f"--self-forcing-rollout-frames {self.rollout_frames} is shorter than the data's "
                               f"{frames} frames (the length the critic and the teacher score)")
         self.spans = cfg.model.causal_layout().chunks(self.rollout_frames)
+        self.levels = self.student_sigmas.float().cpu().tolist()  # the rollout's host floats, read once at start
         try:
             window_starts(self.spans, frames)
         except RolloutError as e:
@@ -85,7 +86,7 @@ class SelfForcingMethod(DMD2Method):
         shape = (st.shape[0], self.rollout_frames, *st.shape[2:])
         rollouts = [causal_rollout(roles["student"].model, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas,
                                    shape=shape, context_noise=self.context_noise, per_chunk=self.per_chunk,
-                                   sample_id_offset=mb.sample_id_offset) for mb in batches]
+                                   sample_id_offset=mb.sample_id_offset, levels=self.levels) for mb in batches]
         return (rollouts, [draw_window(self.spans, st.shape[1], mb.stop_gen) for mb in batches]), {}
 
     def critic_step(self, roles: dict, batches: list[MicroBatch], given: tuple) -> tuple[tuple, dict]:

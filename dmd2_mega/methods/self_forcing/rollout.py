@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import RolloutError
 from dmd2_mega.methods.rollout import micro_batch_rows
 
@@ -77,8 +78,10 @@ class CausalRollout:
 @torch.no_grad()
 def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator, cond: Tensor, sigmas: Tensor, *,
                    shape, context_noise: float = 0.0, per_chunk: bool = True, dtype: torch.dtype = torch.float32,
-                   sample_id_offset: int = 0) -> CausalRollout:
-    """The rollout of len(cond) samples of video `shape` (C, F, H, W) by the causal `model` (module docstring)."""
+                   sample_id_offset: int = 0, levels: Optional[list] = None) -> CausalRollout:
+    """The rollout of len(cond) samples of video `shape` (C, F, H, W) by the causal `model` (module docstring).
+    `levels`: the sigmas as host floats (the method keeps them from its start: no device read per rollout); None
+    reads them off `sigmas`. The exit steps, drawn on the host, reach the device in one non-blocking copy."""
     layout = getattr(model, "causal_layout", None)
     if layout is None:
         raise RolloutError("a Self-Forcing rollout needs a causal student (built with --causal)")
@@ -95,12 +98,14 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
     ctx_eps = (torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
                if context_noise > 0 else None)
     sig = sigmas.to(device=device, dtype=torch.float32)
-    levels = sigmas.float().cpu().tolist()  # host floats (one copy, before the loop): the updates' maths in `dtype`
+    if levels is None:  # host floats (one copy, before the loop): the updates' maths in `dtype`
+        levels = sigmas.float().cpu().tolist()
+    exits_dev = to_device(exits.contiguous(), device)  # pinned and non-blocking on CUDA: no host wait
     cache = model.new_cache()
     x_out, x0_out, ctx_out = (torch.empty((n, *shape), device=device, dtype=dtype) for _ in range(3))
     for c, (a, b) in enumerate(chunks):
         last = int(exits[:, c].max())  # the batch runs until its latest exit
-        mine = exits[:, c].to(device).view(n, 1, 1, 1, 1)
+        mine = exits_dev[:, c].view(n, 1, 1, 1, 1)
         x = eps[0][:, :, a:b]
         for i in range(last + 1):
             s = sig[i].expand(n)
@@ -116,7 +121,7 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
         if c < len(chunks) - 1:  # the last chunk's k / v would serve no later chunk
             model.stream_forward(ctx, torch.full((n,), float(context_noise), device=device), cond, cache, write=True)
     ids = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
-    return CausalRollout(x_out, sig[exits.to(device)], x0_out, ctx_out, cond, exits.to(device), ids)
+    return CausalRollout(x_out, sig[exits_dev], x0_out, ctx_out, cond, exits_dev, ids)
 
 
 def draw_window(spans: list[tuple[int, int]], frames: int, gen: torch.Generator) -> tuple[int, int]:
