@@ -115,8 +115,9 @@ _PARTS = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig
 def _configs(ns: argparse.Namespace, composed, *parts: str):
     """`composed(part=that dataclass built from the flags in ns, ...)`, then `config.check_switches` of the flags the
     command line gave (those in `ns`)."""
-    run = composed(**{p: _PARTS[p](**_values(ns, _PARTS[p])) for p in parts})
-    check_switches(run, {(_PARTS[p], name) for p in parts for name in _values(ns, _PARTS[p])})
+    given = {p: _values(ns, _PARTS[p]) for p in parts}
+    run = composed(**{p: _PARTS[p](**values) for p, values in given.items()})
+    check_switches(run, {(_PARTS[p], name) for p, values in given.items() for name in values})
     return run
 
 

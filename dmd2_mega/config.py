@@ -468,7 +468,8 @@ class DMD2Config:
 
     SWITCHED: ClassVar[tuple] = (
         Needs("distill_method", "--distill-method", "--causal",
-              lambda run: run.dmd2.distill_method != "self-forcing" or run.model.causal, message="{given} trains a causal student: give {switch} (and --causal-chunk-frames; --student-load "
+              lambda run: run.dmd2.distill_method != "self-forcing" or run.model.causal,
+              message="{given} trains a causal student: give {switch} (and --causal-chunk-frames; --student-load "
                       "the causal init, launch/pretrain_causal_init.py)"),
         *(Needs(name, flag, "--distill-method self-forcing", lambda run: run.dmd2.distill_method == "self-forcing")
           for name, flag in (("self_forcing_exit", "--self-forcing-exit"),

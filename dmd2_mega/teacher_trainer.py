@@ -96,7 +96,8 @@ class FlowTrainer(RunStateTrainer):
         if t.save:  # every check passed: only now is anything created in --save (a failed start leaves nothing)
             check_writable(t.save)
             lock_run_dirs([("--save", t.save)], ps)
-            [print_rank0(note, ps.rank) for note in overwrite_notes]
+            for note in overwrite_notes:
+                print_rank0(note, ps.rank)
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- checkpoints -------------------------------------------------------------------------

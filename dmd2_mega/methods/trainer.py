@@ -146,7 +146,8 @@ class StudentTrainer(RunStateTrainer):
                 check_writable(role_dir(t.save, name))
             lock_run_dirs([("--save", t.save), *((f"--save (its {name} directory)", role_dir(t.save, name))
                                                  for name in others)], ps)
-            [print_rank0(note, ps.rank) for note in overwrite_notes]
+            for note in overwrite_notes:
+                print_rank0(note, ps.rank)
         self.exit = ExitController(t.exit_signal_handler, t.exit_duration_in_mins, ps.rank, ps.device, start)
 
     # ---- roles ---------------------------------------------------------------------------------

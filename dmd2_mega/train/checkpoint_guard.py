@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from dmd2_mega.errors import CheckpointError
 from dmd2_mega.files.path_guard import check_outputs_apart
+from dmd2_mega.train.checkpoint import TRACKER
 
 LEGACY_ROLE = "teacher"  # the role of a payload that records none
 
@@ -84,16 +85,16 @@ def holds_checkpoints(directory: Optional[str]) -> Optional[str]:
     if not directory or not os.path.isdir(directory):
         return None
     names = os.listdir(directory)
-    if "latest_checkpointed_iteration.txt" in names:
-        with open(os.path.join(directory, "latest_checkpointed_iteration.txt")) as f:
+    if TRACKER in names:
+        with open(os.path.join(directory, TRACKER)) as f:
             return f"checkpoints up to iteration {f.read().strip() or '?'}"
     iters = sorted(n for n in names if n.startswith("iter_"))
     return f"{len(iters)} iteration folder(s) ({', '.join(iters[:3])}{', ...' if len(iters) > 3 else ''})" if iters \
         else None
 
 
-def check_fresh_save(saves: Sequence[tuple[str, Optional[str]]], resumed: Sequence[Optional[str]], overwrite: bool,
-                     resume_flag: str = "--load") -> list[str]:
+def check_fresh_save(saves: Sequence[tuple[str, Optional[str]]], resumed: Sequence[Optional[str]],
+                     overwrite: bool) -> list[str]:
     """saves: (what, directory) the run writes checkpoints into; resumed: the directories it resumes from (--load
     and, for a pair, its <load>_<role> folders). CheckpointError naming the first save directory that holds
     checkpoints and is not resumed from (a fresh run would replace them and move the tracker), unless `overwrite`
@@ -106,7 +107,7 @@ def check_fresh_save(saves: Sequence[tuple[str, Optional[str]]], resumed: Sequen
             continue
         if not overwrite:
             raise CheckpointError(f"{what} {directory} holds {held} of another run; this run would write over them. "
-                                  f"Resume it with {resume_flag} {directory}, choose another --save, or give "
+                                  f"Resume it with --load {directory}, choose another --save, or give "
                                   f"--overwrite-save to write there anyway")
         notes.append(f"> --overwrite-save: {what} {directory} holds {held} of another run; this run writes over them")
     return notes
