@@ -94,14 +94,15 @@ def synthetic_shards(a, root: str, n: int) -> str:
 
 
 class Harness:
-    def __init__(self, a, tmp: str, extra: tuple = ()):
-        """`extra`: further pretrain_dmd2.py flags of the DMD2 trainer (benchmarks/bench_gan_cycle.py: the GAN head)."""
+    def __init__(self, a, tmp: str, extra: tuple = (), shared: tuple = ()):
+        """`extra`: further pretrain_dmd2.py flags of the DMD2 trainer (benchmarks/bench_gan_cycle.py: the GAN head);
+        `shared`: flags of both trainers, the plain-step baseline's too (benchmarks/count_launches.py: --compile)."""
         self.a = a
         self.k, self.b = a.dmd2_critic_steps_per_rollout, a.micro_batch_size
         data = synthetic_shards(a, tmp, 1024 + self.k * self.b) if a.data == "synthetic" else a.data
         common = ["--model-size", a.model_size, "--attention-backend", a.attention_backend, "--transformer-impl",
                   a.transformer_impl, "--micro-batch-size", str(self.b), "--data", data, "--seed", str(a.seed),
-                  "--lr", "1e-5", "--train-iters", "1000", "--log-interval", "1000"]
+                  "--lr", "1e-5", "--train-iters", "1000", "--log-interval", "1000", *shared]
         common += ["--bf16"] * a.bf16 + (["--recompute-granularity", a.recompute_granularity]
                                          if a.recompute_granularity else [])
         teacher = os.path.join(tmp, "teacher")

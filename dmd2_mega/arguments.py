@@ -126,6 +126,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     _planned(g, "--model-size")
     _flag(g, "--attention-backend", ModelConfig, "attention_backend", help="sdpa | flash (flash-attn, CUDA)")
     _flag(g, "--transformer-impl", ModelConfig, "transformer_impl", help="local | transformer_engine")
+    _flag(g, "--compile", ModelConfig, "compile", action=argparse.BooleanOptionalAction,
+          help="each transformer block under torch.compile (default: on with CUDA, off on a CPU)")
     _planned(g, "--recompute-granularity")
     c = p.add_argument_group("causal student (docs/causal.md)")
     _planned(c, "--causal", "--causal-chunk-frames", "--causal-local-attn-chunks", "--causal-sink-chunks")

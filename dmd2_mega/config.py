@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.models import compiled
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.family import BuildOptions
 from dmd2_mega.models.registry import get_size
@@ -116,6 +117,9 @@ class ModelConfig:
     """local (megatron-core tensor_parallel linears) or transformer_engine (TE linears)."""
     recompute_granularity: Optional[str] = None
     """None or 'full': megatron-core activation checkpointing of each block."""
+    compile: Optional[bool] = None
+    """--compile / --no-compile: each transformer block under torch.compile (`models/compiled.py`); None: on with
+    CUDA, off on a CPU."""
     causal: bool = False
     """--causal: a causal streaming student (`models/causal.py`): frames in chunks, block-causal attention, a KV
     cache for generation. The weights are the bidirectional model's."""
@@ -167,6 +171,10 @@ class ModelConfig:
     def options(self) -> BuildOptions:
         return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity == "full",
                             causal=self.causal_layout())
+
+    def compile_choice(self, device, tp: int = 1, cp: int = 1, sp: bool = False) -> tuple:
+        """(compile the blocks?, the start-up line's reason) on this device and layout (`models.compiled.choose`)."""
+        return compiled.choose(self.compile, device, tp, cp, sp, self.transformer_impl)
 
 
 _CAUSAL_FIELDS = ("causal", "causal_chunk_frames", "causal_local_attn_chunks", "causal_sink_chunks",

@@ -36,7 +36,7 @@ from dmd2_mega.eval.results import sample_results
 from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
-from dmd2_mega.models import DataShape, count_parameters, get_size
+from dmd2_mega.models import DataShape, compiled, count_parameters, get_size
 from dmd2_mega.train.optim import LRSchedule
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.train.resilience import ExitController
@@ -78,7 +78,8 @@ class FlowTrainer(RunStateTrainer):
         self.model = cast_model(build_model(cfg.model, self.info, ps, negative=self.dataset.negative), cfg.optim.bf16)
         nparams = count_parameters(self.model, ps.tp_group, ps.device)
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
-                    f"{ps.layout} backend={ps.backend} device={ps.device} megatron-jit={fuser_state()}; "
+                    f"{ps.layout} backend={ps.backend} device={ps.device} megatron-jit={fuser_state()}; compile "
+                    f"{cfg.model.compile_choice(ps.device, ps.tp_size, ps.cp_size, ps.sequence_parallel)[1]}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}; condition dropout to "
                     f"{self.dataset.null_note}", ps.rank)
@@ -150,6 +151,7 @@ class FlowTrainer(RunStateTrainer):
                                        t.timestep_shift, t.cond_dropout)
                 (loss / len(batches)).backward()
             total += loss.detach() / len(batches)
+        compiled.seal()  # the first step compiled the blocks' graphs: a later compilation is logged
         norm = self.optimizer.step(total)  # skipped (weights untouched) if total or the norm is non-finite
         self.optimizer.zero_grad()
         self.state = replace(self.state, iteration=self.iteration + 1)

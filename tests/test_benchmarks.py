@@ -195,14 +195,54 @@ def test_launch_counter_runs_and_splits_the_cycle_into_its_phases(capsys):
     around them) add up to the cycle; the CUDA settings' rollout (one forward per step) dispatches fewer ops than the
     CPU's chunks of B rows when the rollout has more than one chunk."""
     from benchmarks import count_launches
+    argv = ["--model-size", "debug", "--micro-batch-size", "2", "--path", "eager", "--dmd2-critic-steps-per-rollout",
+            "2", "--cycles", "1"]
     with world_of_one():
-        cpu = count_launches.main(["--model-size", "debug", "--micro-batch-size", "2",
-                                   "--dmd2-critic-steps-per-rollout", "2", "--cycles", "1"])
-        cuda = count_launches.main(["--model-size", "debug", "--micro-batch-size", "2",
-                                    "--dmd2-critic-steps-per-rollout", "2", "--cycles", "1", "--cuda-settings"])
+        cpu = count_launches.main(argv)["eager"]
+        cuda = count_launches.main(argv + ["--cuda-settings"])["eager"]
     out = capsys.readouterr().out
     assert re.search(r"aten ops per cycle: [\d,]+ = [\d.]+ plain steps of [\d,]+", out), out
     for r in (cpu, cuda):
         assert list(r["phases"]) == ["rollout", "critic", "actor"] and r["plain"] > 0
         assert abs(sum(r["phases"].values()) + r["outside"] - r["cycle"]) < 1e-6
     assert cuda["phases"]["rollout"] < cpu["phases"]["rollout"] and cuda["phases"]["critic"] == cpu["phases"]["critic"]
+
+
+def test_profiled_counter_agrees_with_the_dispatch_counter():
+    """The GPU path's counter (torch's profiler, which sees inside compiled code) counts eager code as the dispatch
+    mode does: composites (`aten::linear`) by the ops they call, views and allocations not at all."""
+    from benchmarks.count_launches import OpCounter, ProfiledCounter
+    lin, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+    def step():
+        x = torch.randn(4, 8, requires_grad=True)
+        y = torch.nn.functional.gelu(lin(norm(x)) * 2 + 1)
+        y.view(-1).sum().backward()
+        lin.zero_grad(set_to_none=True)
+        norm.zero_grad(set_to_none=True)
+
+    step()
+    with OpCounter() as dispatch:
+        step()
+    with ProfiledCounter() as profiled:
+        step()
+    assert profiled.total == dispatch.total > 10
+    assert dict(profiled.by_op) == dict(dispatch.by_op)
+
+
+def test_launch_counter_gpu_path_compiles_the_blocks(capsys):
+    """--path gpu: the blocks compiled (inductor's kernels counted as launches) and the rollout in one forward per
+    step; fewer launches per cycle than the eager path's, phases adding up."""
+    from benchmarks import count_launches
+    from dmd2_mega.models import compiled
+    compiled.reset()
+    argv = ["--model-size", "debug", "--micro-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--cycles", "1"]
+    with torch._dynamo.config.patch(disable=False), world_of_one():
+        out = count_launches.main(argv)
+    gpu, eager = out["gpu"], out["eager"]
+    assert compiled.graphs() >= 2
+    assert any("cpp_fused" in op for op in gpu["by_op"]), "no inductor kernel was counted"
+    assert gpu["cycle"] < eager["cycle"] and gpu["plain"] < eager["plain"]
+    assert abs(sum(gpu["phases"].values()) + gpu["outside"] - gpu["cycle"]) < 1e-6
+    assert "GPU path / eager path" in capsys.readouterr().out
+    compiled.reset()

@@ -2,7 +2,7 @@
 `count_parameters`), the registry of families and named sizes (`registry.py`: `--model-size` -> (family, spec),
 `build_model`, `family_of`), the families' sub-packages (`dit/`, `wan/`: only this package imports them) and the
 shared layers: megatron-core tensor-parallel linears (`linears.py`), embeddings (`embeddings.py`), rotary tables
-(`rope.py`), attention backends (`attention.py`), token splitting (`token_parallel.py`), diffusers folders
+(`rope.py`), attention backends (`attention.py`), regional compilation (`compiled.py`), token splitting (`token_parallel.py`), diffusers folders
 (`diffusers_folder.py`) and typed config reads (`config_keys.py`)."""
 from dmd2_mega.models.family import (BuildOptions, DataShape, FamilyModel, ModelFamily, PlanMaths, Source,
                                      count_parameters)

@@ -132,6 +132,8 @@ class BuildOptions:
     causal: Optional[CausalLayout] = None
     """A causal (streaming) student: frames in chunks, block-causal attention (`models/causal.py`; --causal-*
     flags); None: every token sees every token. Only a family with frames builds one."""
+    compile: bool = False
+    """Each transformer block under torch.compile (`models/compiled.py`; --compile, decided by `compiled.choose`)."""
 
 
 def joined_rows(inputs: tuple, extra: tuple) -> tuple:
@@ -193,6 +195,10 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
             raise ConfigError(f"the negative-prompt embedding has shape {list(emb.shape)}, but the model takes text "
                               f"embeddings {list(neg.shape)}")
         neg.copy_(emb)
+
+    def transformer_blocks(self) -> list:
+        """The blocks `--compile` compiles (`models/compiled.py`): `self.blocks`, every layer one class."""
+        return list(self.blocks)
 
     causal_layout = None
     """A causal student's `CausalLayout` (`models/causal.py`), None for a model whose tokens all see each other."""

@@ -50,6 +50,8 @@ class AdaptableLinear(torch.nn.Module):
         self.inner, self.gather, self.kind, self.impl = inner, gather, kind, impl
         self.in_features, self.out_features = in_features, out_features
         self.lora = None
+        # the whole matrix on this rank (TP = 1): no TP communication, so a compiled region takes `_traced`
+        self.whole = impl == "local" and tuple(inner.weight.shape) == (out_features, in_features)
 
     @property
     def weight(self):
@@ -74,11 +76,21 @@ class AdaptableLinear(torch.nn.Module):
         return out if self.lora is None else out + self.lora.delta(x)
 
     def forward(self, x):
+        if self.whole and torch.compiler.is_compiling():
+            return self._traced(x)
         if self.lora is not None:
             return self._adapted(x)
         out, bias = self.inner(x)
         out = out if bias is None else out + bias
         return gather_from_tp(out) if self.gather else out
+
+    def _traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The TP = 1 forward as torch.compile traces it: megatron-core's arithmetic (x @ W^T, then the bias; the
+        adapter's delta last) without its autograd Functions, whose host-side group lookups break a graph."""
+        w, b = self.inner.weight, self.inner.bias
+        out = torch.matmul(x, w.t())
+        out = out if b is None else out + b
+        return out if self.lora is None else out + self.lora.delta(x)
 
     def _adapted(self, x: torch.Tensor) -> torch.Tensor:
         """megatron-core's local column / row forward (matmul, then the bias) with the adapter's delta added where

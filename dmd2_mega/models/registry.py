@@ -26,6 +26,7 @@ from typing import Optional
 
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.files.json_file import read_json
+from dmd2_mega.models import compiled
 from dmd2_mega.models.diffusers_folder import TRANSFORMER
 from dmd2_mega.models.dit import DIT, DiTSpec
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, ModelFamily
@@ -162,4 +163,7 @@ def build_model(name: str, shape: DataShape, tp_size: int = 1, options: BuildOpt
     """The `--model-size` model for `shape` at TP degree `tp_size`, on the CPU, from the default RNG
     (identical on every rank, so the TP shards of a TP=2 model slice the TP=1 weights)."""
     size = get_size(name)
-    return size.family.build(size.spec, shape, tp_size, options)
+    model = size.family.build(size.spec, shape, tp_size, options)
+    if options.compile:
+        compiled.compile_blocks(model.transformer_blocks())
+    return model

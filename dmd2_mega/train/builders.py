@@ -47,7 +47,9 @@ def data_info(dataset) -> dict:
 
 def build_model(model_cfg: ModelConfig, info: dict, ps: ParallelState, negative=None) -> FamilyModel:
     """`negative`: the data's negative-prompt embedding, CFG's negative condition (families that take one)."""
-    options = replace(model_cfg.options(), context_parallel=ps.cp_size, sequence_parallel=ps.sequence_parallel)
+    on, _ = model_cfg.compile_choice(ps.device, ps.tp_size, ps.cp_size, ps.sequence_parallel)
+    options = replace(model_cfg.options(), context_parallel=ps.cp_size, sequence_parallel=ps.sequence_parallel,
+                      compile=on)
     model = build_registered(model_cfg.size, DataShape.from_info(info), ps.tp_size, options)
     if negative is not None:
         model.set_negative(negative)

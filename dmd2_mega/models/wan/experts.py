@@ -40,6 +40,9 @@ class WanExperts(NegativePrompt, FamilyModel):
     def expert_modules(self) -> tuple:
         return (self.high, self.low)
 
+    def transformer_blocks(self) -> list:
+        return [blk for expert in self.expert_modules() for blk in expert.transformer_blocks()]
+
     def set_negative(self, emb: torch.Tensor) -> None:
         super().set_negative(emb)
         for expert in self.expert_modules():
