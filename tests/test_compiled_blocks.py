@@ -34,13 +34,16 @@ def compiling():
 
 
 def dit(opts: BuildOptions):
+    """The debug DiT through the registry: with compile, its blocks and its regions (the embedding, the final layer)."""
     return build_model("debug", DataShape(4, 8, num_classes=10), options=opts), (
         torch.randn(3, 4, 8, 8), torch.rand(3), torch.randint(0, 10, (3,)))
 
 
 def wan(opts: BuildOptions):
-    return WanFamily().build(WAN_SPEC, DataShape(4, (3, 4, 6), cond_shape=(3, 16)), options=opts), (
-        torch.randn(3, 4, 3, 4, 6), torch.rand(3), torch.randn(3, 3, 16))
+    m = WanFamily().build(WAN_SPEC, DataShape(4, (3, 4, 6), cond_shape=(3, 16)), options=opts)
+    if opts.compile:  # what `registry.build_model` does with BuildOptions(compile=True)
+        compiled.compile_blocks(m.transformer_blocks())
+    return m, (torch.randn(3, 4, 3, 4, 6), torch.rand(3), torch.randn(3, 3, 16))
 
 
 def causal_wan(opts: BuildOptions):
@@ -62,9 +65,7 @@ def pair(build, dtype):
     models = []
     for compile_ in (False, True):
         torch.manual_seed(0)
-        m, inputs = build(BuildOptions())
-        if compile_:  # what `registry.build_model` does with BuildOptions(compile=True)
-            compiled.compile_blocks(m.transformer_blocks())
+        m, inputs = build(BuildOptions(compile=compile_))
         with torch.no_grad():
             for p in m.parameters():  # nothing zero-initialised stays zero
                 p.add_(0.1 * torch.randn_like(p))
@@ -93,6 +94,15 @@ def test_compiled_blocks_equal_eager(build, dtype):
     tol = 1e-5 if dtype == torch.float32 else 8 * torch.finfo(torch.bfloat16).eps
     worst = max(rel(g, w) for g, w in zip(got, want) if w is not None)
     assert worst <= tol, f"compiled vs eager: {worst:.2e} relative (tolerance {tol:.1e})"
+
+
+def test_dit_regions_compiled_with_its_blocks():
+    """The DiT names its embedding and final layer as regions (`FamilyModel.region`): one graph each per grad mode,
+    shared by every DiT of the process (a second model compiles nothing)."""
+    for _ in range(2):
+        m, (x, s, c) = dit(BuildOptions(compile=True))
+        m(x, s, c).sum().backward()
+    assert dict(compiled.GRAPHS) == {"DiTBlock": 1, "DiT_embed": 1, "DiT_final": 1}, dict(compiled.GRAPHS)
 
 
 def test_one_graph_serves_every_layer():

@@ -2,10 +2,11 @@
 
 As torchtitan and FastVideo do, the unit compiled is a block, not the model: every layer of a family runs the same
 block code, and with torch's inlining of built-in modules (`torch._dynamo.config.inline_inbuilt_nn_modules`, on by
-default) a block's parameters are graph inputs, so the graph compiled for layer 0 serves every layer; the embeddings,
-the final layer and the methods' maths around the model stay eager. Inside a compiled block the TP = 1 linears trace
-megatron-core's arithmetic without its autograd Functions (`linears.AdaptableLinear._traced`) and the fused kernels
-are custom ops (`kernels`), so nothing breaks the graph.
+default) a block's parameters are graph inputs, so the graph compiled for layer 0 serves every layer. The embeddings
+and the final layer stay eager unless the family names them as regions of their own (`FamilyModel.region`: the DiT's
+embedding and final layer); the methods' maths around the model stays eager. Inside a compiled region the TP = 1
+linears trace megatron-core's arithmetic without its autograd Functions (`linears.AdaptableLinear._traced`) and the
+fused kernels are custom ops (`kernels`), so nothing breaks the graph.
 
 Choice (`choose`): `--compile` / `--no-compile`; neither: on with CUDA, off on a CPU (where inductor's C++ compile of
 each graph costs seconds and eager CPU kernels gain little). A layout the compiled linears do not trace (TP, CP or
@@ -23,7 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -33,6 +34,7 @@ GRAPHS: collections.Counter = collections.Counter()
 """Graphs compiled in this process, per block class name."""
 _SEALED = {"on": False}
 _BACKENDS: dict = {}
+_FUNCTIONS: dict = {}
 
 
 def choose(asked: Optional[bool], device: torch.device, tp: int = 1, cp: int = 1, sp: bool = False,
@@ -96,6 +98,14 @@ def compile_blocks(blocks: Iterable[torch.nn.Module]) -> int:
         blk.compile(backend=_backend(type(blk).__name__))
         n += 1
     return n
+
+
+def function(fn: Callable, name: str) -> Callable:
+    """`fn` (a family's method, taking the model first) under torch.compile, one compiled function per `fn` for the
+    process: every model of the class shares its graphs (`FamilyModel.region`)."""
+    if fn not in _FUNCTIONS:
+        _FUNCTIONS[fn] = torch.compile(fn, backend=_backend(name))
+    return _FUNCTIONS[fn]
 
 
 def graphs() -> int:

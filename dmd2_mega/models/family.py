@@ -44,6 +44,7 @@ Nothing outside `models/` knows which family it holds.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
@@ -53,7 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models import linears
+from dmd2_mega.models import compiled, linears
 from dmd2_mega.models.attention import check_backend
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.distributed.parallel import tp_partition_dim
@@ -199,6 +200,13 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     def transformer_blocks(self) -> list:
         """The blocks `--compile` compiles (`models/compiled.py`): `self.blocks`, every layer one class."""
         return list(self.blocks)
+
+    def region(self, name: str) -> Callable:
+        """This model's method `name`, compiled when the model was built with --compile (`compiled.function`: a region
+        beside the blocks that the family names, e.g. the DiT's embedding and final layer); the method otherwise."""
+        if not self.options.compile:
+            return getattr(self, name)
+        return functools.partial(compiled.function(getattr(type(self), name), type(self).__name__ + name), self)
 
     causal_layout = None
     """A causal student's `CausalLayout` (`models/causal.py`), None for a model whose tokens all see each other."""

@@ -183,7 +183,7 @@ class DiT(FamilyModel):
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
         """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
         self._check_layer(layer)
-        h, c = self._embed(*self.adapter.inputs(x, sigma), cond)
+        h, c = self.region("_embed")(*self.adapter.inputs(x, sigma), cond)
         for i in range(layer + 1):
             h = self._block(i, h, c)
         return h.mean(dim=1)
@@ -216,16 +216,20 @@ class DiT(FamilyModel):
         `keep` rows go on after block `tap` (the prediction is theirs, the features every row's)."""
         if tap is not None:
             self._check_layer(tap)
-        b, ch, hh, ww = x.shape
-        p, g = self.patch, hh // self.patch
-        h, c = self._embed(x, timestep, cond)
+        ch, hh = x.shape[1], x.shape[2]
+        h, c = self.region("_embed")(x, timestep, cond)
         feats = None
         for i in range(len(self.blocks)):
             h = self._block(i, h, c)
             if i == tap:
                 feats = h.mean(dim=1)
                 if keep is not None:
-                    b, h, c = keep, h[:keep], c[:keep]
+                    h, c = h[:keep], c[:keep]
+        return self.region("_final")(h, c, ch, hh), feats
+
+    def _final(self, h: torch.Tensor, c: torch.Tensor, ch: int, hh: int) -> torch.Tensor:
+        """Tokens [B, S, hidden] -> the prediction [B, ch, hh, hh] (the final adaLN, linear and unpatchify)."""
+        b, p, g = h.shape[0], self.patch, hh // self.patch
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
-        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, ww), feats
+        return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, hh)
