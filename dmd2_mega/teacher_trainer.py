@@ -7,9 +7,9 @@ M = G / (micro x DP) micro-batches, for each micro-batch j (global index) with n
     loss_j = mean((v_theta(x_s, sigma, cond) - (eps - x0))^2)
 and backpropagates loss_j / M into fp32 gradient buffers; their DP all-reduce (`grad_buffer.GradBuffer`)
 averages over ranks, so the step's gradient is that of the mean loss over the global batch. Then TP-aware
-clipping, AdamW, LR schedule. A NaN/inf loss or grad norm skips the step on the device; the one host
-sync per iteration (`loop.check_iteration`) reads the skip counters (`--max-nan-iterations` consecutive
-skips stop the run) and the exit flags, then the log/eval/save intervals sync.
+clipping, AdamW, LR schedule. A NaN/inf loss or grad norm skips the step on the device; no host sync per
+iteration: the loop's check points (log and save intervals, `loop.check_iteration`) read the skip counters
+(`--max-nan-iterations` consecutive skips stop the run) and the exit flags, and the log/eval/save intervals sync.
 """
 from __future__ import annotations
 

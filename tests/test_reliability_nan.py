@@ -8,7 +8,10 @@ counted per role, and --max-nan-iterations consecutive skips stop the run naming
      with every batch from iteration 3 on poisoned, --max-nan-iterations 3 and saves every 2
      iterations: warnings, "number of nan iterations" in the log, checkpoints at 2 and 4 with
      identical weights (the skips changed nothing), then NonFiniteError naming the model and
-     iteration 5, and nothing saved at 5.
+     iteration 5, and nothing saved at 5. The counters are read at the loop's check points (multiples of
+     --log-interval or --save-interval, the last iteration), so with --log-interval 4 the same run stops at
+     the check point after the limit: iteration 8 (6 with --save-interval 6, checked before that save,
+     which is not written), the error still naming iteration 5, the iteration that reached the limit.
   c. DMD2: a forward hook makes the student's grad-enabled forward (the actor step; the rollout runs
      without grad) return NaN for one cycle: the student's weights and AdamW state stay, the
      critic's move; the next clean cycle steps the student again. A permanent NaN critic: both of
@@ -122,6 +125,22 @@ def test_flow_stops_after_max_nan_iterations(tmp_path, capsys):
     ps = ParallelState(0, 1, 0, 0, 1, 0, 1, torch.device("cpu"), "gloo")
     w2, w4 = (load_payload(save, ps, iteration=i)["model"] for i in (2, 4))
     assert_equal_state(w4, w2, "weights at 4 vs 2 (iterations 3-4 were skipped)")
+
+
+@pytest.mark.parametrize("flags, at", [([], 8), (["--save-interval", "6"], 6)], ids=["log-interval", "save-interval"])
+def test_flow_nan_stop_comes_at_the_next_check_point(flags, at, tmp_path, capsys):
+    save = str(tmp_path / "ck")
+    with world_of_one():
+        tr = FlowTrainer(parse_flow_args(FLOW + ["--train-iters", "20", "--log-interval", "4", "--save", save,
+                                                 "--max-nan-iterations", "3", *flags]))
+        clean = tr.dataset.get_batch
+        tr.dataset.get_batch = lambda idx: ((clean(idx)[0] * (NAN if tr.iteration >= 2 else 1.0)), clean(idx)[1])
+        with pytest.raises(NonFiniteError, match=r"model: 3 consecutive .* the last at iteration 5 "):
+            tr.train()
+        assert tr.iteration == at, "the stop comes at the first check point after the limit"
+    out = capsys.readouterr().out
+    assert "WARNING: iteration 3: skipped 1 model optimizer step(s)" in out, out[-2000:]
+    assert latest_iteration(save) is None, "no checkpoint after the iteration that reached the limit"
 
 
 # ---- c. DMD2 --------------------------------------------------------------------------------------

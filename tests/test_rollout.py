@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmd2_mega.config import ModelConfig
-from dmd2_mega.methods.rollout import Rollout, rollout
+from dmd2_mega.methods.rollout import Rollout, bucket_stop_steps, draw_stop_steps, rollout, stop_steps_on
 from dmd2_mega.errors import ConfigError, FlowError, GridError, RolloutError
 from dmd2_mega.flow import shift_sigma, student_sigmas
 from dmd2_mega.models import DataShape, build_model
@@ -285,3 +285,39 @@ def test_stop_gen_must_be_on_the_host():
         device = torch.device("cuda")
     with pytest.raises(RolloutError, match="stop steps are drawn on the host"):
         rollout(FakeStudent(), DeviceGen(), 4, labels(4), student_sigmas(2), shape=SHAPE, device="cpu")
+
+
+# ---- stop steps drawn ahead for a cycle -------------------------------------------------------------
+
+def test_stop_steps_drawn_ahead_give_each_rollout_its_own_draws():
+    """A cycle draws every micro-batch's stop steps first (`draw_stop_steps`, one copy): bit-equal to each rollout
+    drawing its own from its stop generator, generators left in the same states. A draw for another rollout size or
+    grid is refused."""
+    sigmas, n, m = student_sigmas(4), 7, 3
+    cond = labels(n)
+    own = [run(FakeStudent(), j, n, cond, sigmas, stop_gen=gen(10 + j)) for j in range(m)]
+    stop_gens = [gen(10 + j) for j in range(m)]
+    ahead = draw_stop_steps(stop_gens, n, len(sigmas), "cpu")
+    noise_gens = [gen(j) for j in range(m)]
+    drawn = [rollout(FakeStudent(), g, n, cond, sigmas, shape=SHAPE, device="cpu", dtype=torch.float64, stops=st)
+             for g, st in zip(noise_gens, ahead)]
+    for a, b in zip(own, drawn):
+        for name in ("x", "sigma", "x0hat", "cond", "sample_id", "stop_step"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for j in range(m):
+        reference_gen = gen(10 + j)
+        torch.randint(0, len(sigmas), (n,), generator=reference_gen)
+        assert torch.equal(stop_gens[j].get_state(), reference_gen.get_state())
+    with pytest.raises(RolloutError, match="not this rollout's 6 samples over 4"):
+        run(FakeStudent(), 0, 6, labels(6), sigmas, stops=ahead[0])
+
+
+def test_bucket_stop_steps_run_every_forward_size():
+    """The n rollouts of `bucket_stop_steps` run a forward of every size 1..n (n at step 0), chunked by max_batch
+    as a cycle's rollouts are: the warm-up set of shapes a CUDA graph per shape needs."""
+    n, steps = 6, 3
+    for max_batch, sizes in ((None, set(range(1, n + 1))), (4, {1, 2, 3, 4})):
+        f = FakeStudent()
+        for st in stop_steps_on(bucket_stop_steps(n, steps), steps, "cpu"):
+            run(f, 0, n, labels(n), student_sigmas(steps), stops=st, max_batch=max_batch)
+        assert set(f.calls) == sizes, (max_batch, sorted(set(f.calls)))

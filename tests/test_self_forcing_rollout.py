@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmd2_mega.errors import RolloutError
-from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_window, replay, window_starts
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_exits, draw_window, replay, window_starts
 from dmd2_mega.models import DataShape
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.wan.family import WanFamily
@@ -82,6 +82,30 @@ def test_the_noise_stream_does_not_depend_on_the_exit_steps(world):
         causal_rollout(model, g, torch.Generator().manual_seed(stop_seed), cond, SIGMAS, shape=SHAPE)
         states.append(g.get_state())
     assert all(torch.equal(s, states[0]) for s in states)
+
+
+@pytest.mark.parametrize("per_chunk", [True, False], ids=["exit-per-chunk", "exit-per-sample"])
+def test_exits_drawn_ahead_are_the_rollouts_own(world, per_chunk):
+    """A cycle draws each micro-batch's exits (then its window) from its stop generator before any rollout and hands
+    them in (`exits`): the rollout and the generators' states are bit-equal to the rollout drawing its own."""
+    model = causal(SHAPE[1], CausalLayout(2), dtype=torch.float64)
+    n = 3
+    cond = torch.randn(n, 3, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    spans = model.causal_layout.chunks(SHAPE[1])
+    own_stop = torch.Generator().manual_seed(8)
+    own = causal_rollout(model, torch.Generator().manual_seed(7), own_stop, cond, SIGMAS, shape=SHAPE,
+                         per_chunk=per_chunk, dtype=torch.float64)
+    own_window = draw_window(spans, 2, own_stop)  # windows of 2 frames start at chunk 1 or 2: a draw
+    stop = torch.Generator().manual_seed(8)
+    host = draw_exits(stop, n, len(spans), len(SIGMAS), per_chunk)
+    window = draw_window(spans, 2, stop)
+    got = causal_rollout(model, torch.Generator().manual_seed(7), None, cond, SIGMAS, shape=SHAPE,
+                         per_chunk=per_chunk, dtype=torch.float64, exits=(host, host.contiguous()))
+    assert window == own_window and torch.equal(stop.get_state(), own_stop.get_state())
+    for name in ("x", "sigma", "x0hat", "context", "cond", "exit_step", "sample_id"):
+        assert torch.equal(getattr(got, name), getattr(own, name)), name
+    with pytest.raises(RolloutError, match="exit steps drawn for"):
+        causal_rollout(model, torch.Generator(), None, cond[:2], SIGMAS, shape=SHAPE, exits=(host, host))
 
 
 def test_a_bidirectional_model_cannot_roll_out_causally(world):

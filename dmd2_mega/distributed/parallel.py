@@ -144,13 +144,15 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def micro_batch_generator(seed: int, iteration: int, micro_index: int, device: torch.device,
-                          stream: int = 0) -> torch.Generator:
-    """A fresh generator for (iteration, global micro-batch index, stream); see module docstring."""
+def micro_batch_generator(seed: int, iteration: int, micro_index: int, device: Optional[torch.device],
+                          stream: int = 0, generator: Optional[torch.Generator] = None) -> torch.Generator:
+    """The generator of (iteration, global micro-batch index, stream); see module docstring. A new one on `device`,
+    or `generator` re-seeded in place (`device` unused): `manual_seed` resets a generator's whole state (a CPU one's
+    cached normal too), so its draws are bit-equal to a new generator's; a run keeps one per (index, stream)."""
     # SeedSequence mixes all four keys into well-spread bits: torch's CPU generator keeps only
     # the low 32 bits of a seed, so packing keys into high bits would collide.
     words = np.random.SeedSequence([seed, iteration, micro_index, stream]).generate_state(2, dtype=np.uint32)
-    gen = torch.Generator(device=device)
+    gen = torch.Generator(device=device) if generator is None else generator
     gen.manual_seed(int(words[0]) | (int(words[1]) << 31))
     return gen
 

@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-# Generator streams of micro-batch j: parallel.micro_batch_generator(seed, cycle, j, device, stream);
+# Generator streams of micro-batch j: parallel.micro_batch_generator(seed, cycle, j, device, stream), one generator
+# per (j, stream) for the whole run, re-seeded each cycle (`trainer.StudentTrainer.micro_batches`);
 # STOPS is a host (CPU) generator: the rollout's stop steps, known on the host without a device sync
 ROLLOUT, CRITIC, ACTOR, STOPS = 0, 1, 2, 3
 
@@ -67,7 +68,8 @@ def trained_in(table: PhaseTable) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Micro-batch j of a cycle on this rank (global index j over all DP ranks)."""
+    """Micro-batch j of a cycle on this rank (global index j over all DP ranks). The trainer's generators are the
+    run's, re-seeded each cycle: a record kept past its cycle draws the next cycle's numbers (`snapshot` keeps them)."""
 
     index: int
     cond: Tensor                 # [F*B, ...] conditions (F = the method's `data_factor`), on the compute device

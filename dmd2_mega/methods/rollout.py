@@ -18,14 +18,29 @@ row j is sample `sample_id_offset + j` with condition cond[j].
 
 Batched: step i runs ONE student forward on the samples with i_n >= i only, so a rollout costs
 sum_n (i_n + 1) sample-forwards. The samples are sorted once by stop step (latest first), which makes
-the running set at every step a prefix of the sorted batch. The stop steps are drawn on the HOST
-(`stop_gen`, a CPU generator), so the prefix lengths are known there without waiting for the device:
-the rollout has no host sync (they are counted with numpy, which refuses a device tensor).
+the running set at every step a prefix of the sorted batch: step i reads rows [0, c_i) of one [n] buffer
+of inputs (c_i = #{n: i_n >= i}, the running count) and writes rows [0, c_i) of one [n] buffer of x0 and
+rows [0, c_{i+1}) of the inputs; rows [c_{i+1}, c_i), the samples that stop at step i, are left holding
+their x and x0 (no per-step pieces to concatenate). The stop steps are drawn on the HOST, ahead: a cycle
+draws every micro-batch's at its start (`draw_stop_steps`, from each micro-batch's `stop_gen`, a CPU
+generator) and copies them to the device in ONE non-blocking pinned copy, so the running counts are known
+on the host without waiting for the device: the rollout has no host sync (they are counted with numpy,
+which refuses a device tensor).
+
+Shapes: the forward of step i has c_i rows exactly (with `max_batch`: chunks of max_batch rows and one of
+c_i mod max_batch), c_i in {1, ..., n}. They are not padded to fixed buckets: the student's GEMMs pick their
+kernels (and reduction order) by the row count, so a padded forward need not give bit-equal rows (the debug
+DiT's rows on a CPU differ in the last bit between 3 and 16 rows), and results (resume, the golden traces)
+must stay bit-identical. Instead the shapes are known ahead: every
+(op, shape) a rollout dispatches depends on n, N and the counts c_i only, each in a fixed set of at most n
+sizes, known at the cycle's start: a CUDA graph per size can be captured after a warm-up that runs each
+size once (`bucket_stop_steps`).
 
 Generator consumption (TP ranks given equal generators produce identical rollouts), in this order and
 independent of the stop steps:
     1. stop steps: torch.randint(0, N, (n,)) int64 from `stop_gen` (CPU; default `noise_gen`, which must
-       then be a CPU generator), copied to the device without blocking
+       then be a CPU generator), copied to the device without blocking (a cycle draws them for all its
+       micro-batches first: each micro-batch has its own generators, so the draws are the same)
     2. from `noise_gen`, on its own device: initial noise eps_0: torch.randn((n, *shape), dtype=dtype)
     3. for each transition i -> i+1, i = 0 .. N-2: torch.randn((n, *shape), dtype=dtype), the FULL
        batch (row j is sample j's fresh noise eps_{i+1}; rows of samples already stopped go unused),
@@ -76,23 +91,66 @@ def micro_batch_rows(record, k: int, size: int):
     return replace(record, **{f.name: getattr(record, f.name)[sl] for f in fields(record)})
 
 
-def _running_counts(stop_host: Tensor, steps: int) -> list[int]:
+@dataclass(frozen=True)
+class StopSteps:
+    """One rollout's stop steps, drawn ahead on the host (module docstring)."""
+
+    host: Tensor                # [n] int64 on the CPU
+    device: Tensor              # [n] int64 on the compute device (a row of one non-blocking copy)
+    counts: tuple[int, ...]     # [N + 1] running counts: counts[i] = #samples with stop >= i, counts[N] = 0
+
+
+def _running_counts(stop_host: Tensor, steps: int) -> tuple[int, ...]:
     """[N + 1] ints: counts[i] = #samples with stop >= i (counts[N] = 0), from the host stop steps."""
     per_step = np.bincount(stop_host.numpy(), minlength=steps)  # .numpy() raises on a device tensor: no sync
-    return [int(c) for c in per_step[::-1].cumsum()[::-1]] + [0]
+    return tuple(int(c) for c in per_step[::-1].cumsum()[::-1]) + (0,)
+
+
+def draw_stop_steps(gens: Sequence[torch.Generator], n: int, steps: int, device) -> list[StopSteps]:
+    """Each rollout's n stop steps U{0..N-1} from its CPU generator (in `gens` order), copied to `device` in ONE
+    non-blocking pinned copy: what a cycle draws at its start for all its micro-batches."""
+    for g in gens:
+        if g.device.type != "cpu":
+            raise RolloutError(f"the stop steps are drawn on the host: pass a CPU stop_gen (got a generator on "
+                               f"{g.device})")
+    return stop_steps_on(torch.stack([torch.randint(0, steps, (n,), generator=g) for g in gens]), steps, device)
+
+
+def stop_steps_on(host: Tensor, steps: int, device) -> list[StopSteps]:
+    """Host stop steps [rollouts, n] int64 as each rollout's `StopSteps`, copied to `device` in ONE non-blocking
+    pinned copy (rows of it)."""
+    dev = to_device(host, torch.device(device))
+    return [StopSteps(host[k], dev[k], _running_counts(host[k], steps)) for k in range(host.shape[0])]
+
+
+def bucket_stop_steps(n: int, steps: int) -> Tensor:
+    """[n, n] host stop steps, row c - 1 = c samples stopping at the last step and n - c at the first: the n rollouts
+    of n samples over N steps that together run every forward size a rollout can run (n at step 0, each c in 1..n
+    after it): the warm-up before capturing a graph per shape (module docstring; `stop_steps_on` places them)."""
+    return torch.tensor([[steps - 1] * c + [0] * (n - c) for c in range(1, n + 1)], dtype=torch.int64)
+
+
+def _forward(student: StudentFn, x: Tensor, sigma: Tensor, cond: Tensor, max_batch: Optional[int]) -> Tensor:
+    """student(x, sigma, cond), in chunks of at most `max_batch` rows (one call when they fit)."""
+    c = x.shape[0]
+    if not max_batch or max_batch >= c:
+        return student(x, sigma, cond)
+    return torch.cat([student(x[a:a + max_batch], sigma[a:a + max_batch], cond[a:a + max_batch])
+                      for a in range(0, c, max_batch)])
 
 
 @torch.no_grad()
 def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Tensor, sigmas: Tensor, *,
             shape: Sequence[int], device, sample_id_offset: int = 0,
             dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None,
-            stop_gen: Optional[torch.Generator] = None) -> Rollout:
+            stop_gen: Optional[torch.Generator] = None, stops: Optional[StopSteps] = None) -> Rollout:
     """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
 
     student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
     sigmas [N] descending (from `student_sigmas`); x and the noise are `dtype` on `device`.
     max_batch: run each step's forward in chunks of at most this many rows (None: one forward).
     stop_gen: the CPU generator of the stop steps (None: `noise_gen`, then required to be on the CPU).
+    stops: the stop steps drawn ahead (`draw_stop_steps`, a cycle's); None: drawn here from `stop_gen`.
     On a CPU, forwards of B rows are faster per sample than one of K*B (cache); the result is the same.
     """
     if batch < 1:
@@ -102,43 +160,36 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
     if cond.shape[0] != batch:
         raise RolloutError(f"cond must have the rollout batch {batch} as its first dim, got {tuple(cond.shape)}")
     n, steps, full = batch, sigmas.numel(), (batch, *shape)
+    if stops is None:
+        stops = draw_stop_steps([noise_gen if stop_gen is None else stop_gen], n, steps, device)[0]
+    elif tuple(stops.host.shape) != (n,) or len(stops.counts) != steps + 1:
+        raise RolloutError(f"stop steps drawn for {tuple(stops.host.shape)} samples over {len(stops.counts) - 1} "
+                           f"steps, not this rollout's {n} samples over {steps}")
     gdev = noise_gen.device
-    stop_gen = noise_gen if stop_gen is None else stop_gen
-    if stop_gen.device.type != "cpu":
-        raise RolloutError(f"the stop steps are drawn on the host: pass a CPU stop_gen (got a generator on "
-                           f"{stop_gen.device})")
 
     def noise() -> Tensor:
         return torch.randn(full, generator=noise_gen, device=gdev, dtype=dtype).to(device)
 
-    stop_host = torch.randint(0, steps, (n,), generator=stop_gen)
-    stop = to_device(stop_host, torch.device(device))
+    stop, counts = stops.device, stops.counts
     eps0 = noise()
     sig = sigmas.to(device=device, dtype=torch.float32)
     # Latest stop first: the samples running at step i are the first counts[i] sorted rows.
     order = torch.argsort(stop, descending=True, stable=True)
-    counts = _running_counts(stop_host, steps)
     cond_sorted = cond.to(device).index_select(0, order)
-    x = eps0.index_select(0, order)
-    kept_x, kept_x0 = [], []
+    x = eps0.index_select(0, order)  # [n] sorted: rows [counts[i + 1], counts[i]) keep their step-i input
+    x0 = torch.empty_like(x)         # [n] sorted: rows [counts[i + 1], counts[i]) keep their step-i x0
     for i in range(steps):
         c, c_next = counts[i], counts[i + 1]
         if c > 0:
             s_i = sig[i].repeat(c)
-            step = c if not max_batch else max_batch
-            v = torch.cat([student(x[a:min(a + step, c)], s_i[a:min(a + step, c)], cond_sorted[a:min(a + step, c)])
-                           for a in range(0, c, step)]).to(dtype)
-            x0 = kernels.x0_from_velocity(x[:c], v, s_i)
-            kept_x.append(x[c_next:c])       # rows that stop at step i
-            kept_x0.append(x0[c_next:c])
+            v = _forward(student, x[:c], s_i, cond_sorted[:c], max_batch).to(dtype)
+            x0[:c] = kernels.x0_from_velocity(x[:c], v, s_i)
         if i + 1 < steps:
             eps = noise()                    # fresh draw of the full batch, used or not
             if c_next > 0:
-                x = flow.add_noise(x0[:c_next], eps.index_select(0, order[:c_next]), sig[i + 1].repeat(c_next))
-    # Pieces of steps N-1, ..., 0 are consecutive row ranges of the sorted order; undo the sort.
-    inverse = torch.argsort(order)
-    x_out = torch.cat(kept_x[::-1]).index_select(0, inverse)
-    x0_out = torch.cat(kept_x0[::-1]).index_select(0, inverse)
+                x[:c_next] = flow.add_noise(x0[:c_next], eps.index_select(0, order[:c_next]),
+                                            sig[i + 1].repeat(c_next))
+    inverse = torch.argsort(order)  # undo the sort
     sample_id = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
-    return Rollout(x=x_out, sigma=sig.index_select(0, stop), x0hat=x0_out, cond=cond.to(device),
-                   sample_id=sample_id, stop_step=stop)
+    return Rollout(x=x.index_select(0, inverse), sigma=sig.index_select(0, stop), x0hat=x0.index_select(0, inverse),
+                   cond=cond.to(device), sample_id=sample_id, stop_step=stop)

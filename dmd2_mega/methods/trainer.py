@@ -11,9 +11,12 @@ ROLLOUT, CRITIC, ACTOR, STOPS (`base.MicroBatch`). This module builds the roles 
 the teacher unless --<role>-load; the method may wrap a role's model: DMD2's GAN head), the micro-batch
 records, the LR schedules and the EMA around the cycle, and runs `loop.train_loop`. With offload the roles a
 phase of the method's table does not need sleep: by default on CUDA only those the method's memory plan says
-must. Host syncs: none inside the cycle (a NaN/inf loss or grad norm skips that role's step on the device);
-one per cycle in `loop.check_iteration` (skip counters: `--max-nan-iterations` consecutive skips of one role
-stop the run; exit flags), and the log / eval / save intervals.
+must. Host syncs: none inside the cycle (a NaN/inf loss or grad norm skips that role's step on the device) and
+none per cycle in the loop: the skip counters (`--max-nan-iterations` consecutive skips of one role stop the run)
+and, with several ranks, the exit flags are read at the loop's check points, the log and save intervals
+(`loop.check_iteration`); the log / eval / save intervals sync. The micro-batch generators are made once per run,
+one per (micro-batch index, stream), and re-seeded each cycle with its keyed seed
+(`parallel.micro_batch_generator(..., generator=)`): the draws of new generators, without new objects.
 With --ema-decay the student's EMA is updated after each cycle and used by the eval unless --no-ema.
 Checkpoints: `pair_checkpoint` (student + EMA in --save, each other trained role in <save>_<role>, one commit).
 """
@@ -139,6 +142,7 @@ class StudentTrainer(RunStateTrainer):
         self.batches = MicroBatchLoader(self.dataset, self.sampler, ps.device, t.num_workers,
                                         latents=method.reads_samples)
         self.state = RunState(pair_token=uuid.uuid4().hex)
+        self.generators: dict = {}  # (micro-batch index, stream) -> its generator, re-seeded per cycle
         self.static = {"args": asdict(cfg), "data_info": self.info, "family": self.family, "method": method.name,
                        "student_sigmas": method.student_sigmas.tolist()}
         if t.load:
@@ -268,19 +272,28 @@ class StudentTrainer(RunStateTrainer):
 
     # ---- one cycle -----------------------------------------------------------------------------
     def micro_batches(self) -> list[MicroBatch]:
-        """This rank's micro-batch records of the next cycle (advances the sampler)."""
-        t, ps, it = self.cfg.train, self.ps, self.iteration
+        """This rank's micro-batch records of the next cycle (advances the sampler). Their generators are the run's
+        own (`_generator`), re-seeded for this cycle: the records of an earlier cycle draw this cycle's numbers."""
+        t, it = self.cfg.train, self.iteration
         n = self.method.data_factor * t.micro_batch_size
         out = []
         for j, images, cond in self.batches.next_iteration():
             out.append(MicroBatch(
-                index=j, cond=cond, sample_id_offset=(it * self.num_micro_batches * ps.dp_size + j) * n,
-                rollout_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ROLLOUT),
-                critic_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=CRITIC),
-                actor_gen=micro_batch_generator(t.seed, it, j, ps.device, stream=ACTOR),
+                index=j, cond=cond, sample_id_offset=(it * self.num_micro_batches * self.ps.dp_size + j) * n,
+                rollout_gen=self._generator(j, ROLLOUT), critic_gen=self._generator(j, CRITIC),
+                actor_gen=self._generator(j, ACTOR),
                 real=images,  # the dataset's samples of these conditions (None unless the method reads them)
-                stop_gen=micro_batch_generator(t.seed, it, j, torch.device("cpu"), stream=STOPS)))
+                stop_gen=self._generator(j, STOPS)))
         return out
+
+    def _generator(self, j: int, stream: int) -> torch.Generator:
+        """Micro-batch j's generator of `stream` (STOPS on the host, the others on the compute device), made on first
+        use and kept for the run, re-seeded with this cycle's keyed seed: bit-equal to a new one."""
+        t = self.cfg.train
+        key = (j, stream)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device=torch.device("cpu") if stream == STOPS else self.ps.device)
+        return micro_batch_generator(t.seed, self.iteration, j, None, stream=stream, generator=self.generators[key])
 
     def cycle(self) -> dict:
         """One cycle with this iteration's learning rates, then the EMA update. Returns device-tensor metrics,

@@ -3,11 +3,21 @@ run, written once: step, interval log, NaN accounting, interval save / eval, exi
 What it needs of a trainer is the `Trainer` protocol below. With --save, rank 0 records the run's curves in
 <save>/curves.jsonl as it goes (`train/curves.py`) and draws them in <save>/curves.png at the end
 (`train/curves_plot.py`).
+
+Host syncs: none per iteration. The NaN accounting's counters stay on the device until a check point (an
+iteration that is a multiple of --log-interval or --save-interval, or the last), where ONE read carries them and,
+with several ranks, the exit flags' collective (`resilience.ExitController.check`); the log interval's metrics
+are read there too (`trainer.log`). With one rank the exit flags are polled on the host after every iteration
+(`ExitController.poll`), and a stop they ask for reads the counters first. So a --max-nan-iterations stop, and
+with several ranks an exit request, comes at the next check point: up to --log-interval - 1 iterations after
+the iteration that reached the limit or received the signal (`train/resilience.py`).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional, Protocol
+
+import torch
 
 from dmd2_mega.train.checkpoint import RunState
 from dmd2_mega.train.curves import curves_path
@@ -59,22 +69,27 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
 
     step() advances `trainer.iteration` by one and returns (record, optimizers, skipped): the record
     joins the pending list handed to `trainer.log`; {role: optimizer} and {role: steps skipped this
-    iteration, a device tensor} feed the NaN accounting (which may stop the run, before any save).
-    Host syncs: one per iteration (`ExitController.check`: exit flags and skip counters together) when
-    an exit flag or --max-nan-iterations is given, plus the log / eval / save intervals. `unit` names an
-    iteration in messages ("iteration", "cycle"); `name` the run in the closing line."""
+    iteration, a device tensor} feed the NaN accounting (which may stop the run, before any save), kept on the
+    device until the next check point (module docstring). `unit` names an iteration in messages ("iteration",
+    "cycle"); `name` the run in the closing line."""
     t, ps = trainer.cfg.train, trainer.ps
     logger = TrainLogger(ps.rank, t.train_iters, t.tensorboard_dir, t.loss_trace, trainer.iteration,
                          curves=t.save and curves_path(t.save), unit=unit)
-    pending, result, start = [], {}, time.time()
+    pending, held, result, start = [], [], {}, time.time()
     try:
         while trainer.iteration < t.train_iters:
             record, optimizers, skipped = step()
             pending.append(record)
-            if trainer.iteration % t.log_interval == 0 or trainer.iteration == t.train_iters:
+            it = trainer.iteration
+            if t.max_nan_iterations:  # device ops: read at the next check point
+                held.append((it, tuple(skipped), skip_counters(optimizers, skipped)))
+            if it % t.log_interval == 0 or it == t.train_iters:
                 trainer.log(logger, pending)
                 pending = []
-            reason = check_iteration(trainer, optimizers, skipped, f"{unit} {trainer.iteration}")
+            reason = trainer.exit.poll()  # host values only; None with several ranks
+            if reason or is_check_point(t, it):
+                reason = check_iteration(trainer, held, unit)
+                held = []
             evaluated, stop = after_iteration(trainer, logger, unit, t.save or t.tensorboard_dir, reason)
             result = result if evaluated is None else evaluated
             if stop:
@@ -87,14 +102,25 @@ def train_loop(trainer: Trainer, step: Callable[[], tuple], unit: str, name: str
     return result
 
 
-def check_iteration(trainer: Trainer, optimizers: dict, skipped: dict, where: str) -> Optional[str]:
-    """The iteration's one host sync: the all-rank exit flags and, with --max-nan-iterations, the skip counters
-    (warnings; NonFiniteError at the limit). Returns the reason to exit after this iteration, or None."""
-    limit = trainer.cfg.train.max_nan_iterations
-    if not limit:
+def is_check_point(t, it: int) -> bool:
+    """Iteration `it` ends with the exit and NaN check (`t`: config.TrainConfig): a multiple of --log-interval or
+    --save-interval (checked before the save), or the last."""
+    return (it % t.log_interval == 0 or it == t.train_iters
+            or bool(t.save and t.save_interval and it % t.save_interval == 0))
+
+
+def check_iteration(trainer: Trainer, held: list, unit: str) -> Optional[str]:
+    """A check point's one host sync: the all-rank exit flags and the skip counters `held` since the last check
+    point, [(iteration, roles, device counters)] (warnings; NonFiniteError naming the first iteration at the limit).
+    Returns the reason to exit after this iteration, or None."""
+    if not held:
         return trainer.exit.check()
-    reason, values = trainer.exit.check(skip_counters(optimizers, skipped))
-    account_skips(list(skipped), values, limit, where, trainer.ps.rank)
+    counters = torch.stack([c for _, _, c in held])  # [iterations, 3 x roles]
+    reason, values = trainer.exit.check(counters.view(-1))
+    width = counters.shape[1]
+    for k, (it, roles, _) in enumerate(held):
+        account_skips(list(roles), values[k * width:(k + 1) * width], trainer.cfg.train.max_nan_iterations,
+                      f"{unit} {it}", trainer.ps.rank)
     return reason
 
 

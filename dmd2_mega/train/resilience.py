@@ -2,11 +2,23 @@
 test-only kill points of the checkpoint writer.
 
 Exit conditions (Megatron's `--exit-signal-handler`, `--exit-duration-in-mins`). `ExitController`
-installs SIGTERM and SIGINT handlers that only set a flag; at the end of every iteration (cycle) the
-loop calls `check()`, which all-reduces (MAX over the world) the int64 tensor
-    [signal number seen on this rank (0: none), rank 0's wall clock since start > limit (rank 0's entry only)]
-so every rank takes the same decision at the same iteration, after a complete iteration: the loop
-then saves and returns, and the script exits 0.
+installs SIGTERM and SIGINT handlers that only set a flag (a host value); the deadline is rank 0's wall clock.
+Both are host values, so the loop never reads the device for them:
+  one rank      `poll()` after every iteration (cycle) decides from the host values alone: no collective, no
+                device sync; the run stops after the iteration in which the signal came (or the deadline passed).
+  several ranks every rank must stop after the same iteration, so the ranks agree through one collective,
+                `check()`: an all-reduce (MAX over the world) of the int64 tensor
+                    [signal number seen on this rank (0: none), rank 0's wall clock since start > limit]
+                with the skip counters below appended, read in ONE host sync. The loop runs it at its check
+                points only: iterations that are multiples of --log-interval or --save-interval, and the last
+                (`loop.train_loop`). An exit request therefore takes effect at the next check point, up to
+                --log-interval - 1 iterations after the one it came in (pick --log-interval so that many
+                iterations fit the scheduler's grace period). Why not every iteration: a collective read on
+                the host is a device sync per cycle (the cycle could not run ahead of the host, nor be one
+                CUDA graph after another); and a check that does not block (an async all-reduce polled with
+                an event) completes at different iterations on different ranks, which would then need a
+                second agreement round to stop together. The log interval syncs anyway.
+Either way the loop then saves and returns after a complete iteration, and the script exits 0.
 
 The launch scripts' main is `run_main`: a user mistake (ConfigError, DataError, CheckpointError) or a
 NaN stop is ONE line `<ErrorType>: <message>` on stderr and exit status 1; a Ctrl-C without
@@ -14,12 +26,15 @@ NaN stop is ONE line `<ErrorType>: <message>` on stderr and exit status 1; a Ctr
 and exit status 130.
 
 Non-finite steps. `dmd2_mega.train.optim.Optimizer` skips a step whose loss or gradient norm is not
-finite (weights and Adam state untouched) and counts the skips in device tensors. The same check
-(`check(counters)`) carries, after the two flags, each trained role's [skipped this iteration,
-consecutive, total] to the host; `account_skips` warns about them and stops the run with
-`NonFiniteError` (naming the role and the iteration / cycle) once a role has `--max-nan-iterations`
-consecutive skips. Cost: one small collective and ONE host sync per iteration, when an exit flag or
---max-nan-iterations is given (none otherwise: the log interval then reports the skips).
+finite (weights and Adam state untouched) and counts the skips in device tensors. After every iteration the loop
+keeps each trained role's [skipped this iteration, consecutive, total] on the device (`skip_counters`, no sync);
+at its check points `check(counters)` carries the kept rows, after the two flags, to the host in the same sync,
+and `account_skips` warns about each iteration's skips and stops the run with `NonFiniteError` (naming the
+role and the iteration / cycle where the limit was reached) once a role had `--max-nan-iterations` consecutive
+skips. The stop therefore comes at the next check point, up to --log-interval - 1 iterations (cycles) after
+the one that reached the limit: those iterations run as usual (a non-finite step is still skipped), and no
+checkpoint is written after the iteration that reached the limit (a save point is a check point, checked before
+the save). Cost: ONE host sync per check point (per log interval), none per iteration.
 
 Test hook (tests only; never set it in a real job): `DMD2_MEGA_TEST_KILL_AT=<stage>[@<iteration>]`
 makes the process SIGKILL itself at the named stage of a checkpoint save (of that iteration, or
@@ -66,7 +81,10 @@ def kill_point(stage: str, iteration: int) -> None:
 
 
 class ExitController:
-    """--exit-signal-handler / --exit-duration-in-mins (see the module docstring)."""
+    """--exit-signal-handler / --exit-duration-in-mins (see the module docstring): `poll()` after every iteration
+    (host values only; decides alone in a world of one), `check()` at the loop's check points (the collective of
+    several ranks, with the skip counters). An exit request takes effect after the iteration it came in with one
+    rank, at the next check point (up to --log-interval - 1 iterations later) with several."""
 
     def __init__(self, signal_handler: bool, duration_mins: Optional[float], rank: int,
                  device: torch.device, start_time: Optional[float] = None):
@@ -89,20 +107,29 @@ class ExitController:
     def enabled(self) -> bool:
         return self.signal_handler or self.duration_mins is not None
 
+    def poll(self) -> Optional[str]:
+        """After every iteration, from host values only (no collective, no device sync): the reason to stop now in
+        a world of one; None with several ranks, which agree at the loop's next check point (`check`)."""
+        return self.check() if self.enabled and _world_size() == 1 else None
+
     def check(self, counters: Optional[torch.Tensor] = None):
-        """Collective over the world: the reason to stop now, or None. With `counters` (a 1-D int64 device
-        tensor, equal on every rank) returns (reason, counters as host ints), read in the same sync; without,
-        no collective at all unless an exit flag is given."""
+        """The reason to stop now, or None; with several ranks a collective over the world (all ranks must call it
+        at the same iteration). With `counters` (a 1-D int64 device tensor, equal on every rank) returns (reason,
+        counters as host ints), read in the same sync. Without counters: no device work in a world of one (host
+        values), no collective at all when no exit flag is given."""
         if not self.enabled and counters is None:
             return None
         late = (self.rank == 0 and self.duration_mins is not None
                 and time.time() - self.start > 60.0 * self.duration_mins)
-        flags = torch.tensor([self.signum, int(late)], dtype=torch.int64, device=self.device)
-        if counters is not None:
-            flags = torch.cat([flags, counters.to(self.device, torch.int64)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        values = [self.signum, int(late)]
+        if _world_size() > 1:
+            flags = torch.tensor(values, dtype=torch.int64, device=self.device)
+            if counters is not None:
+                flags = torch.cat([flags, counters.to(self.device, torch.int64)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        values = flags.tolist()  # the one host sync of an iteration
+            values = flags.tolist()  # the one host sync of a check point
+        elif counters is not None:
+            values += counters.tolist()  # the one host sync of a check point
         reason = None
         if values[0]:
             reason = f"{signal.Signals(values[0]).name} received (--exit-signal-handler)"
@@ -115,6 +142,10 @@ class ExitController:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def check_nan_limit(role: str, n: int, limit: int, where: str) -> None:
@@ -130,13 +161,14 @@ def check_nan_limit(role: str, n: int, limit: int, where: str) -> None:
 
 def skip_counters(optimizers: dict, skipped: dict) -> torch.Tensor:
     """[3 * roles] int64 on the device: per role (in `skipped`'s order) the steps skipped this iteration
-    (`skipped`: role -> device count), consecutive and total (its `optim.Optimizer`)."""
+    (`skipped`: role -> device count), consecutive and total (its `optim.Optimizer`). Device ops only: the loop keeps
+    one per iteration until its next check point."""
     return torch.cat([torch.cat([skipped[role].view(1), optimizers[role].skip_counters]) for role in skipped])
 
 
 def account_skips(roles: list, values: list, limit: int, where: str, rank: int) -> None:
-    """After an iteration: warn (rank 0) about the steps each role skipped in it, then raise
-    NonFiniteError if a role is at `limit` consecutive skips. values: host ints from `skip_counters`."""
+    """For one iteration: warn (rank 0) about the steps each role skipped in it, then raise NonFiniteError if a
+    role is at `limit` consecutive skips. values: host ints of that iteration's `skip_counters`."""
     per_role = [values[3 * i:3 * i + 3] for i in range(len(roles))]
     for role, (n, consecutive, total) in zip(roles, per_role):
         if n:

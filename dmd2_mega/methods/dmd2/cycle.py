@@ -26,18 +26,21 @@ from dmd2_mega.methods.dmd2.actor import actor_phase
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
 from dmd2_mega.methods.roles import Role, run_steps
-from dmd2_mega.methods.rollout import Rollout, rollout
+from dmd2_mega.methods.rollout import Rollout, draw_stop_steps, rollout
 
 
 def rollout_step(settings: DMD2Settings, roles: dict[str, Role], batches: list[MicroBatch],
                  given=None) -> tuple[list[Rollout], dict]:
-    """K*B samples per micro-batch j: noise from its rollout generator, stop steps from its host stop generator."""
+    """K*B samples per micro-batch j: noise from its rollout generator, stop steps from its host stop generator (its
+    rollout generator when it has none), every micro-batch's drawn first and copied to the device at once."""
     n = settings.critic_steps * settings.micro_batch_size
     student = roles["student"].model
+    stops = draw_stop_steps([mb.rollout_gen if mb.stop_gen is None else mb.stop_gen for mb in batches], n,
+                            settings.student_sigmas.numel(), settings.device)
     return [rollout(student, mb.rollout_gen, n, mb.cond, settings.student_sigmas, shape=settings.shape,
                     device=settings.device, sample_id_offset=mb.sample_id_offset, max_batch=settings.rollout_chunk,
-                    stop_gen=mb.stop_gen)
-            for mb in batches], {}
+                    stops=stop)
+            for mb, stop in zip(batches, stops)], {}
 
 
 def critic_step(settings: DMD2Settings, roles: dict[str, Role], batches: list[MicroBatch],

@@ -20,13 +20,14 @@ from typing import Callable, Optional
 import torch
 
 import kernels
+from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import ConfigError, RolloutError
 from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.roles import run_steps
-from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_window, replay, window_starts
+from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_exits, draw_window, replay, window_starts
 from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS
 from dmd2_mega.train.optim import step_optimizer
 
@@ -80,14 +81,21 @@ class SelfForcingMethod(DMD2Method):
                 PhaseStep("actor", self.actor_step))
 
     def rollout_step(self, roles: dict, batches: list[MicroBatch], given=None) -> tuple[tuple, dict]:
-        """Each micro-batch's causal rollout (exits from its stop generator, noise from its rollout generator), then
-        the window it scores (from its stop generator, after the exits)."""
+        """Each micro-batch's causal rollout (exits from its stop generator, noise from its rollout generator) and the
+        window it scores (from its stop generator, after the exits). Every micro-batch's exits and window are drawn
+        first, on the host, and the exits reach the device in one non-blocking copy."""
         st = self.settings
         shape = (st.shape[0], self.rollout_frames, *st.shape[2:])
+        host, windows = [], []
+        for mb in batches:  # per stop generator: its exits, then its window (the order of one rollout at a time)
+            host.append(draw_exits(mb.stop_gen, len(mb.cond), len(self.spans), len(self.levels), self.per_chunk))
+            windows.append(draw_window(self.spans, st.shape[1], mb.stop_gen))
+        dev = to_device(torch.stack(host), batches[0].cond.device)  # [M, n, chunks]
         rollouts = [causal_rollout(roles["student"].model, mb.rollout_gen, mb.stop_gen, mb.cond, st.student_sigmas,
                                    shape=shape, context_noise=self.context_noise, per_chunk=self.per_chunk,
-                                   sample_id_offset=mb.sample_id_offset, levels=self.levels) for mb in batches]
-        return (rollouts, [draw_window(self.spans, st.shape[1], mb.stop_gen) for mb in batches]), {}
+                                   sample_id_offset=mb.sample_id_offset, levels=self.levels, exits=(h, dev[k]))
+                    for k, (mb, h) in enumerate(zip(batches, host))]
+        return (rollouts, windows), {}
 
     def critic_step(self, roles: dict, batches: list[MicroBatch], given: tuple) -> tuple[tuple, dict]:
         """DMD2's critic phase on each rollout's window."""

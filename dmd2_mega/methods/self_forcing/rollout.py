@@ -27,7 +27,9 @@ sample and chunk. Samples that exit earlier in a chunk run on with the others (t
 every forward is the whole batch against one cache.
 
 Generator consumption, independent of the exit steps (so TP / CP ranks with equal generators roll out identically):
-    1. exit steps from `stop_gen` (CPU): torch.randint(0, N, (chunks,)) or (n, chunks)
+    1. exit steps from `stop_gen` (CPU): torch.randint(0, N, (chunks,)) or (n, chunks) (`draw_exits`; a cycle draws
+       every micro-batch's, and its window after them, at its start and copies the exits to the device in ONE
+       non-blocking copy: `method.SelfForcingMethod.rollout_step`)
     2. from `noise_gen`: eps_0 [n, *video], then eps_1 .. eps_{N-1} (one full video each), then eps_N (the
        context re-noise, drawn only when s > 0)
 All under torch.no_grad(). Shapes: video (C, F, H, W); x, x0hat, context [n, C, F, H, W]; sigma, exit_step
@@ -75,24 +77,38 @@ class CausalRollout:
                        sigma=self.sigma[:, c0:c1], exit_step=self.exit_step[:, c0:c1])
 
 
+def draw_exits(stop_gen: torch.Generator, n: int, chunks: int, steps: int, per_chunk: bool = True) -> Tensor:
+    """[n, chunks] int64 host exit steps U{0..N-1} from `stop_gen` (CPU): one per chunk for the whole batch, or per
+    sample and chunk (module docstring)."""
+    if stop_gen.device.type != "cpu":
+        raise RolloutError(f"the exit steps are drawn on the host: pass a CPU stop_gen (got {stop_gen.device})")
+    exits = torch.randint(0, steps, (chunks,) if per_chunk else (n, chunks), generator=stop_gen)
+    return exits.expand(n, chunks) if per_chunk else exits
+
+
 @torch.no_grad()
-def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator, cond: Tensor, sigmas: Tensor, *,
-                   shape, context_noise: float = 0.0, per_chunk: bool = True, dtype: torch.dtype = torch.float32,
-                   sample_id_offset: int = 0, levels: Optional[list] = None) -> CausalRollout:
+def causal_rollout(model, noise_gen: torch.Generator, stop_gen: Optional[torch.Generator], cond: Tensor,
+                   sigmas: Tensor, *, shape, context_noise: float = 0.0, per_chunk: bool = True,
+                   dtype: torch.dtype = torch.float32, sample_id_offset: int = 0, levels: Optional[list] = None,
+                   exits: Optional[tuple[Tensor, Tensor]] = None) -> CausalRollout:
     """The rollout of len(cond) samples of video `shape` (C, F, H, W) by the causal `model` (module docstring).
     `levels`: the sigmas as host floats (the method keeps them from its start: no device read per rollout); None
-    reads them off `sigmas`. The exit steps, drawn on the host, reach the device in one non-blocking copy."""
+    reads them off `sigmas`. `exits`: the exit steps drawn ahead, ([n, chunks] on the host, the same on the device)
+    (a cycle's, `draw_exits`); None: drawn here from `stop_gen` and copied to the device in one non-blocking copy."""
     layout = getattr(model, "causal_layout", None)
     if layout is None:
         raise RolloutError("a Self-Forcing rollout needs a causal student (built with --causal)")
     if sigmas.ndim != 1 or sigmas.numel() < 1:
         raise RolloutError(f"sigmas must be a 1-D [N] tensor with N >= 1, got shape {tuple(sigmas.shape)}")
-    if stop_gen.device.type != "cpu":
-        raise RolloutError(f"the exit steps are drawn on the host: pass a CPU stop_gen (got {stop_gen.device})")
     n, steps, device = cond.shape[0], sigmas.numel(), cond.device
     chunks = layout.chunks(shape[1])
-    exits = torch.randint(0, steps, (len(chunks),) if per_chunk else (n, len(chunks)), generator=stop_gen)
-    exits = exits.expand(n, len(chunks)) if per_chunk else exits
+    if exits is None:
+        host = draw_exits(stop_gen, n, len(chunks), steps, per_chunk)
+        exits = host, to_device(host.contiguous(), device)  # pinned and non-blocking on CUDA: no host wait
+    elif tuple(exits[0].shape) != (n, len(chunks)):
+        raise RolloutError(f"exit steps drawn for {tuple(exits[0].shape)} (samples, chunks), not this rollout's "
+                           f"{(n, len(chunks))}")
+    exits, exits_dev = exits
     eps = [torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
            for _ in range(steps)]
     ctx_eps = (torch.randn((n, *shape), generator=noise_gen, device=noise_gen.device, dtype=dtype).to(device)
@@ -100,7 +116,6 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: torch.Generator,
     sig = sigmas.to(device=device, dtype=torch.float32)
     if levels is None:  # host floats (one copy, before the loop): the updates' maths in `dtype`
         levels = sigmas.float().cpu().tolist()
-    exits_dev = to_device(exits.contiguous(), device)  # pinned and non-blocking on CUDA: no host wait
     cache = model.new_cache()
     x_out, x0_out, ctx_out = (torch.empty((n, *shape), device=device, dtype=dtype) for _ in range(3))
     for c, (a, b) in enumerate(chunks):
