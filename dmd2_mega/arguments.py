@@ -182,11 +182,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--deterministic", T, "deterministic", action="store_true",
           help="bitwise-repeatable runs (torch deterministic algorithms)")
     _flag(g, "--exit-signal-handler", T, "exit_signal_handler", action="store_true",
-          help="on SIGTERM: finish the current iteration, save, exit 0")
+          help="on SIGTERM: finish the current iteration, save, exit 0 (with several ranks: at the next "
+               "--log-interval / --save-interval iteration)")
     _flag(g, "--exit-duration-in-mins", T, "exit_duration_in_mins", type=float,
-          help="save and exit 0 once this much wall-clock time has passed")
+          help="save and exit 0 once this much wall-clock time has passed (with several ranks: at the next "
+               "--log-interval / --save-interval iteration)")
     _flag(g, "--max-nan-iterations", T, "max_nan_iterations", type=int,
-          help="stop after this many consecutive non-finite (skipped) steps of one role; 0 = never")
+          help="stop after this many consecutive non-finite (skipped) steps of one role; 0 = never (checked at "
+               "each --log-interval / --save-interval iteration: up to --log-interval - 1 iterations later)")
     _flag(g, "--curves-reference", T, "curves_reference", action="append", metavar="NAME=VALUE",
           help="a reference line on the eval metric's panel of <save>/curves.png, e.g. \"teacher 50 steps=1.307\" "
                "(repeatable; needs --save and --eval-interval)")
