@@ -43,3 +43,27 @@ def test_ema_decay_and_start_iter_checked_by_ema_config():
         EMAConfig(decay=1.0)
     with pytest.raises(ConfigError, match="--ema-start-iter"):
         EMAConfig(decay=0.5, start_iter=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ema_bit_equal_to_per_tensor_upcast(dtype):
+    """Bit-exact against the update of before: a `.float()` copy of every parameter, then one foreach lerp (or copy
+    before start_iter); odd shapes, a frozen parameter left out."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3)).to(dtype)
+    model[1].weight.requires_grad_(False)
+    ema = StudentEMA(model, decay=0.93, start_iter=2)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    ref = [p.detach().float().clone() for p in trained]
+    assert len(ema.shadow) == len(trained) == 5
+    for it in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(it)
+        current = [p.detach().float() for p in trained]
+        if it < 2:
+            torch._foreach_copy_(ref, current)
+        else:
+            torch._foreach_lerp_(ref, current, 1.0 - 0.93)
+        assert all(torch.equal(a, b) for a, b in zip(ema.shadow, ref)), it

@@ -237,7 +237,7 @@ def test_head_lr_mult_scales_the_heads_learning_rate_only_and_survives_a_resume(
     _, plain, base = step(1.0)
     assert len(plain.param_groups) == 2  # no multiplier: the groups of before (old checkpoints load)
     critic, opt, moved = step(10.0)
-    lrs = {round(g["lr"], 9) for g in opt.param_groups}
+    lrs = {round(float(g["lr"]), 9) for g in opt.param_groups}
     assert lrs == {1e-3, 1e-2}, lrs
     head = {id(p) for p in critic.head.parameters()}
     for g in opt.param_groups:
@@ -251,6 +251,6 @@ def test_head_lr_mult_scales_the_heads_learning_rate_only_and_survives_a_resume(
     _, again, _ = step(10.0)
     again.load_state_dict(state)
     LRSchedule(OptimConfig(lr=1e-3), 10).apply(again, 0)
-    assert {round(g["lr"], 9) for g in again.param_groups} == {1e-3, 1e-2}
+    assert {round(float(g["lr"]), 9) for g in again.param_groups} == {1e-3, 1e-2}
     with pytest.raises(ValueError, match="--dmd2-gan-head-lr-mult"):
         plain.load_state_dict(state)

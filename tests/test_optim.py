@@ -98,3 +98,89 @@ def test_masters_follow_weights_loaded_after_the_optimizer(distributed):
     opt.step()  # zero gradients: Adam's update is 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, loaded[k]), k
+
+
+def _trained(dtype, distributed=False, clip=1e-3, steps=3, seed=0, state=None):
+    """A small model of odd sizes stepped `steps` times through its GradBuffer (2 micro-batches a step, lr from an
+    LRSchedule with warmup); `state`: an optimizer state to load first. Returns (model, optimizer)."""
+    from dmd2_mega.train.dist_optim import DistributedOptimizer
+    from dmd2_mega.train.grad_buffer import GradBuffer
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 3)).to(dtype)
+    cfg = OptimConfig(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, clip_grad=clip, weight_decay=0.1)
+    grads = GradBuffer(model, shard=distributed)
+    opt = (DistributedOptimizer if distributed else Optimizer)(model, cfg, grads=grads)
+    first = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        first = state["it"]
+    schedule = LRSchedule(cfg, 10)
+    for it in range(first, first + steps):
+        schedule.apply(opt, it)
+        for j in range(2):
+            g = torch.Generator().manual_seed(100 * it + j)
+            x, y = torch.randn(3, 7, generator=g).to(dtype), torch.randn(3, 3, generator=g)
+            with grads.no_sync() if j == 0 else torch.enable_grad():
+                ((model(x).float() - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed"])
+def test_lr_is_one_device_tensor_filled_in_place(distributed):
+    model, opt = _trained(torch.float32, distributed, steps=1)
+    lrs = [g["lr"] for g in opt.param_groups]
+    assert all(torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 0 for t in lrs)
+    cfg = OptimConfig(lr=1e-2, lr_decay_style="constant")
+    assert LRSchedule(cfg, 10).apply(opt, 5) == 1e-2  # the float, for the log line
+    assert [g["lr"] for g in opt.param_groups] == lrs and all(t is g["lr"] for t, g in zip(lrs, opt.param_groups))
+    assert all(float(t) == torch.tensor(1e-2, dtype=torch.float32).item() for t in lrs)
+    state = opt.state_dict()
+    assert all(type(g["lr"]) is float for g in state["inner"]["param_groups"])  # checkpoints hold a float, as before
+    state["inner"]["param_groups"][0]["lr"] = 0.25  # a checkpoint's value (an older one: a float)
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["lr"] is lrs[0] and float(lrs[0]) == 0.25  # loaded into the same tensor
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_resume_through_the_buffer_is_bit_exact(dtype, distributed):
+    """Bit-exact: 2 steps, state saved, 2 more into fresh objects = 4 steps straight (lr tensor, moments, masters)."""
+    straight, _ = _trained(dtype, distributed, steps=4)
+    first, opt = _trained(dtype, distributed, steps=2)
+    state = {"model": {k: v.clone() for k, v in first.state_dict().items()}, "optimizer": opt.state_dict(), "it": 2}
+    resumed, _ = _trained(dtype, distributed, steps=2, seed=1, state=state)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_buffer_step_bit_equal_to_the_per_parameter_path(dtype):
+    """Bit-exact: the optimizer on its GradBuffer (clip = one multiply of the buffer, norm lists made once, lr a
+    tensor) against the same optimizer fed each parameter's `.grad` (foreach clip over the tensors), with the lr
+    given as the float the tensor holds (fp32-rounded), the clip active."""
+    from dmd2_mega.train.grad_buffer import bind_grad
+    model, opt = _trained(dtype, steps=3)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 3)).to(dtype)
+    cfg = OptimConfig(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, clip_grad=1e-3, weight_decay=0.1)
+    ref_opt, schedule = Optimizer(ref, cfg), LRSchedule(cfg, 10)
+    for it in range(3):
+        for g in ref_opt.param_groups:  # the per-parameter path of before: a float lr (the tensor's value)
+            g["lr"] = torch.tensor(schedule(it), dtype=torch.float32).item()
+        main = [torch.zeros(p.shape) for p in ref.parameters()]
+        for j in range(2):
+            gen = torch.Generator().manual_seed(100 * it + j)
+            x, y = torch.randn(3, 7, generator=gen).to(dtype), torch.randn(3, 3, generator=gen)
+            ((ref(x).float() - y) ** 2).mean().backward()
+            for p, m in zip(ref.parameters(), main):
+                m.add_(p.grad)
+                p.grad = None
+        for p, m in zip(ref.parameters(), main):  # the fp32 sums as .grad (a bf16 parameter's too: no rounding)
+            bind_grad(p, m)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)

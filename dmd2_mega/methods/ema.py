@@ -8,6 +8,12 @@ after each actor step, saved in the student's checkpoint under "ema" as {paramet
 (resharded across TP degrees like the weights) and restored exactly. It sleeps with the student (its
 tensors join the student's Sleeper). `swapped_in(model)` temporarily loads the EMA weights into the
 model for evaluation; `launch/sample.py` loads them in place of the weights unless --no-ema.
+
+An update is one foreach op over all the tensors (`_foreach_lerp_`, or `_foreach_copy_` before start_iter), reading
+the parameters themselves: no per-parameter copy or launch. For the lerp a bf16 student's weights are first upcast
+into fp32 scratch tensors with one `_foreach_copy_` (lerp wants one dtype); the scratch's storage exists only during
+the update (allocated, then freed, as `train/offload.py` frees a sleeping role's: the tensors survive), so the memory
+is transient as before. The same lerp of the same fp32 values as a per-tensor `.float()` copy's: bit-exact.
 """
 from __future__ import annotations
 
@@ -18,6 +24,26 @@ import torch
 from dmd2_mega.errors import CheckpointError
 
 
+class Scratch:
+    """fp32 tensors shaped like `like`, views of one flat buffer whose storage is allocated only inside `holding`."""
+
+    def __init__(self, like: list[torch.Tensor]):
+        flat = torch.empty(sum(t.numel() for t in like), dtype=torch.float32, device=like[0].device)
+        self.tensors = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+        self._storage, self._nbytes = flat.untyped_storage(), flat.untyped_storage().nbytes()
+        self._storage.resize_(0)
+
+    @contextlib.contextmanager
+    def holding(self, values: list[torch.Tensor]):
+        """The scratch tensors holding `values` (any dtype), one foreach copy; freed on exit."""
+        self._storage.resize_(self._nbytes)
+        try:
+            torch._foreach_copy_(self.tensors, values)
+            yield self.tensors
+        finally:
+            self._storage.resize_(0)
+
+
 class StudentEMA:
     def __init__(self, model: torch.nn.Module, decay: float, start_iter: int = 0):
         """decay in (0, 1), start_iter >= 0: validated with the flags (`config.EMAConfig`)."""
@@ -26,15 +52,18 @@ class StudentEMA:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shadow = [p.detach().float().clone() for p in self.params]
+        self._scratch = None if all(p.dtype == torch.float32 for p in self.params) else Scratch(self.shadow)
 
     @torch.no_grad()
     def update(self, iteration: int) -> None:
         """Call after the optimizer step that produced `iteration` (1-based cycle count)."""
-        current = [p.detach().float() for p in self.params]
         if iteration < self.start_iter:
-            torch._foreach_copy_(self.shadow, current)
+            torch._foreach_copy_(self.shadow, self.params)  # a bf16 weight's fp32 value is exact
+        elif self._scratch is None:  # fp32: the parameters themselves
+            torch._foreach_lerp_(self.shadow, self.params, 1.0 - self.decay)
         else:
-            torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
+            with self._scratch.holding(self.params) as current:
+                torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.shadow)

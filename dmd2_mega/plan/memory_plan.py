@@ -9,8 +9,8 @@ the cycle plan, the offload choice and the layout search. P below is parameters 
 
 Role bytes per rank, every family (P = parameters per rank, n = parameter tensors, AdamW):
     weights (P + buffer) w;  grads 4P: the persistent fp32 main_grad buffer (`grad_buffer.GradBuffer`,
-    accumulation and DP reduction in place; under --bf16 it is also the masters' grad; the model-dtype
-    `.grad` of one parameter lives only until its hook);  under --bf16 fp32 masters 4P;  Adam exp_avg +
+    accumulation and DP reduction in place; under --bf16 it is also the masters' grad; a parameter's `.grad`
+    is its view: no other gradient tensor);  under --bf16 fp32 masters 4P;  Adam exp_avg +
     exp_avg_sq 8P and one fp32 `step` per tensor 4n. --use-distributed-optimizer: masters (fp32 even for an
     fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it.
 Activations: the family's formulas (a training forward keeps its per-block activations for backward; full

@@ -12,7 +12,9 @@ other type), so it cannot run on a CPU build at all. This is the same scheme, sm
         (the only fp32 weights; the model's own fp32 parameters are not stepped in place) and AdamW state;
         torch's fused AdamW steps the fragments, whose `.grad` are views of the reduced shard.
     After the step, each bucket's updated masters are written into a transient flat buffer of the model's
-        dtype and all-gathered over DP (`all_gather_single` in place), then copied into the parameters.
+        dtype (one `cat` of this rank's fragments into its shard) and all-gathered over DP (`all_gather_single`
+        in place), then copied into the parameters (one foreach copy).
+The lists a step reads (fragment grads, the norm's) are made once; the lr is a device tensor (`optim`'s docstring).
 
 Per rank this keeps 1/DP of the master weights and Adam state (12 bytes per parameter / DP instead of 12,
 or 8 / DP instead of 8 for an fp32 model). The full fp32 gradient buffer stays (gradient accumulation over
@@ -41,7 +43,8 @@ import torch.distributed as dist
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.train.grad_buffer import GradBuffer
-from dmd2_mega.train.optim import Optimizer, check_group_count, keep_lr_mults, param_groups
+from dmd2_mega.train.optim import (Optimizer, check_group_count, device_lrs, groups_to_save, keep_lr_mults,
+                                   param_groups, restore_lrs)
 from dmd2_mega.distributed.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -101,6 +104,13 @@ class DistributedOptimizer(Optimizer):
                                        eps=cfg.adam_eps)
         self.device_skips = True
         self._dev = self.model_params[0].device
+        self._lrs = device_lrs(self.inner.param_groups, self._dev)
+        # fixed for the optimizer's life (views of the GradBuffer): the step's lists are made once
+        self._frag_grads = [m.grad for m in self.master_params]
+        self._norm_grads = [[m.grad for m in self.master_params if m.sharded == s] for s in (True, False)]
+        in_order = sorted(zip(self.fragments, self.master_params), key=lambda fm: fm[0].buffer_offset)
+        self._by_bucket = [[m for f, m in in_order if f.bucket == b] for b in range(len(grads.buckets))]
+        """This rank's masters per bucket, in buffer order: they tile its shard, but for the padding at the end."""
         self._skipped = torch.zeros((), dtype=torch.int64, device=self._dev)
         self._consecutive = torch.zeros((), dtype=torch.int64, device=self._dev)
 
@@ -122,7 +132,7 @@ class DistributedOptimizer(Optimizer):
         bad = self._non_finite(norm, loss)
         self._skipped += bad
         self._consecutive = (self._consecutive + 1) * bad
-        grads = [m.grad for m in self.master_params]
+        grads = self._frag_grads
         if self.cfg.clip_grad > 0 and grads:
             torch._foreach_mul_(grads, torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0))
         if self.master_params:
@@ -135,8 +145,7 @@ class DistributedOptimizer(Optimizer):
         """The global L2 norm of the reduced gradients: [TP-sharded, replicated] squares summed over this rank's
         fragments, all-reduced over DP, the sharded part then over TP (no host sync)."""
         parts = []
-        for sharded in (True, False):
-            gs = [m.grad for m in self.master_params if m.sharded == sharded]
+        for gs in self._norm_grads:  # TP-sharded, replicated
             parts.append(torch.stack(torch._foreach_norm(gs)).square().sum() if gs else
                          torch.zeros((), dtype=torch.float32, device=self._dev))
         sq = torch.stack(parts)
@@ -153,10 +162,13 @@ class DistributedOptimizer(Optimizer):
         fills its shard; all-gathered over DP in place)."""
         start, size = self.grads.regions[b]
         lo, hi = self.grads.shard_range(b)
-        flat = torch.zeros(size, dtype=dtype, device=self._dev)
-        for f, m in zip(self.fragments, self.master_params):
-            if f.bucket == b:
-                flat[f.buffer_offset - start:f.buffer_offset - start + f.size].copy_(value(m))
+        flat = torch.empty(size, dtype=dtype, device=self._dev)
+        shard = flat[lo - start:hi - start]
+        owned = [value(m) for m in self._by_bucket[b]]
+        n = sum(t.numel() for t in owned)
+        if n < shard.numel():  # the bucket's zero padding (at its end, in the last shard)
+            owned.append(torch.zeros(shard.numel() - n, dtype=dtype, device=self._dev))
+        torch.cat(owned, out=shard)  # one copy (and cast) of this rank's fragments, not one per fragment
         if self.grads.dp_group is not None:
             dist.all_gather_single(flat, flat[lo - start:hi - start], group=self.grads.dp_group)
         return flat
@@ -182,8 +194,7 @@ class DistributedOptimizer(Optimizer):
             m.copy_(self.model_params[f.index].detach().reshape(-1)[f.start:f.start + f.size])
 
     def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
+        """One zero of the GradBuffer (the parameters' `.grad` are its views, for good)."""
         self.grads.zero()
 
     # ---- checkpoints: optim.Optimizer's format, whatever DP ------------------------------------------------
@@ -211,7 +222,7 @@ class DistributedOptimizer(Optimizer):
             inner_state = {j: {"step": step.cpu().clone(), "exp_avg": full["exp_avg"][j],
                                "exp_avg_sq": full["exp_avg_sq"][j]} for j in range(len(self.model_params))}
         groups, k = [], 0
-        for g, n in zip(self.inner.param_groups, self._group_sizes):
+        for g, n in zip(groups_to_save(self.inner.param_groups), self._group_sizes):
             groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": list(range(k, k + n))})
             k += n
         out = {"inner": {"state": inner_state, "param_groups": groups}, "mixed": self.mixed}
@@ -235,6 +246,7 @@ class DistributedOptimizer(Optimizer):
         order = [j for g in saved_groups for j in g["params"]]  # saved index of model parameter j (position)
         for g, saved in zip(self.inner.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
+        restore_lrs(self.inner.param_groups, self._lrs)
         keep_lr_mults(self.inner.param_groups, self.lr_mults)
         self.inner.state.clear()
         self.sync_masters()

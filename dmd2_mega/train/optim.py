@@ -6,8 +6,10 @@ the optimizer is torch's fused AdamW (its multi-tensor kernel, on CUDA and on CP
 embedding tables.
 
 Gradients: with a `grad_buffer.GradBuffer` (both trainers attach one) they arrive in the fp32 `main_grad`
-views of one flat buffer, accumulated and DP-reduced in fp32 (Megatron's scheme); `step` first completes
-that reduction. Without one (unit tests), `p.grad` is used.
+views of one flat buffer, accumulated (by autograd: they are the parameters' `.grad`) and DP-reduced in fp32
+(Megatron's scheme); `step` first completes that reduction. The tensors the step reads are then fixed for the
+optimizer's life, so the step has no Python loop over parameters: the norm's foreach lists are made once, the clip
+is one multiply of the buffer, `zero_grad` one zero of it. Without a GradBuffer (unit tests), `p.grad` is used.
 
 Gradient norm under TP x DP: after the DP all-reduce every DP rank holds the same gradients, so
 only TP matters. A TP-sharded parameter contributes its shard's squared norm on each TP rank
@@ -17,6 +19,12 @@ is counted once, so ||g||^2 = allreduce_TP(sum_sharded ||g_i||^2) + sum_replicat
 `--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state. The
 masters' `.grad` ARE the fp32 main_grads (no per-step upcast), and the update is copied back to the
 bf16 parameters with one foreach copy.
+
+Learning rate: with torch's fused AdamW each group's lr is a persistent 0-dim fp32 tensor on the parameters' device
+(`g["lr"]`), which `LRSchedule.apply` fills in place (no host sync, no new object per cycle: what a captured step
+needs); the kernel reads it as fp32, so the lr applied is lr rounded to fp32. Checkpoints hold it as a float
+(`state_dict`), as before, and a loaded float (or tensor) is written back into the persistent tensor. apex FusedAdam
+takes a float lr.
 
 Non-finite guard: a step whose gradient norm (or the loss passed to `step`) is NaN or inf is
 skipped: weights and Adam moments / step counts stay exactly as they were. The decision stays on the
@@ -89,6 +97,28 @@ def _inner_optimizer(groups: list, cfg: OptimConfig, on_cuda: bool) -> torch.opt
     return torch.optim.AdamW(groups, fused=True, **kw)
 
 
+def device_lrs(groups: list, device: torch.device) -> list[torch.Tensor]:
+    """Put each group's lr into a persistent 0-dim fp32 tensor on `device` (torch's fused AdamW reads it there; module
+    docstring) and return those tensors."""
+    lrs = [torch.full((), float(g["lr"]), dtype=torch.float32, device=device) for g in groups]
+    for g, lr in zip(groups, lrs):
+        g["lr"] = lr
+    return lrs
+
+
+def restore_lrs(groups: list, lrs: list) -> None:
+    """After a saved state was loaded into `groups` (its lr a float, or a tensor): the persistent lr tensors back in
+    the groups, holding the saved values."""
+    for g, lr in zip(groups, lrs):
+        lr.fill_(float(g["lr"]))
+        g["lr"] = lr
+
+
+def groups_to_save(groups: list) -> list:
+    """The groups of an optimizer state dict with each lr as a float (the checkpoint format; a host sync per group)."""
+    return [{**g, "lr": float(g["lr"])} if torch.is_tensor(g["lr"]) else g for g in groups]
+
+
 class Optimizer:
     """AdamW + global-norm clipping, with fp32 master weights when the model is bf16.
 
@@ -110,13 +140,17 @@ class Optimizer:
             for g in groups:
                 g["params"] = [self._master(p) for p in g["params"]]
         self.master_params = [p for g in groups for p in g["params"]]
-        if self.mixed and grads is not None:  # the masters' grads are the fp32 main_grads, for good
-            for p, m in zip(self.model_params, self.master_params):
-                m.grad = p.main_grad
+        self._fixed = None
+        if grads is not None:  # the stepped grads are the fp32 main_grads, for good (grad_buffer)
+            if self.mixed:
+                for p, m in zip(self.model_params, self.master_params):
+                    m.grad = p.main_grad
+            self._fixed = split_by_tp(self.master_params)
         self.lr_mults = [g.get("lr_mult") for g in groups]
         self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
         self.device_skips = self.inner.__class__ is torch.optim.AdamW  # fused AdamW takes found_inf
         dev = self.model_params[0].device
+        self._lrs = device_lrs(self.inner.param_groups, dev) if self.device_skips else []
         self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
         self._consecutive = torch.zeros((), dtype=torch.int64, device=dev)
 
@@ -159,12 +193,9 @@ class Optimizer:
         return bad
 
     def _gather_grads(self) -> None:
-        """Point the stepped parameters' `.grad` at this step's gradients."""
+        """Complete this step's gradients: the GradBuffer's reduction, or (no GradBuffer, bf16) the masters' grads."""
         if self.grads is not None:
             self.grads.finish()
-            if not self.mixed:  # set per step: a param's .grad must be None while autograd runs (grad_buffer)
-                for p in self.model_params:
-                    p.grad = p.main_grad
         elif self.mixed:
             for p, m in zip(self.model_params, self.master_params):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -172,21 +203,21 @@ class Optimizer:
     def step(self, loss: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Clip and step unless the grad norm or `loss` is non-finite; returns the norm before clipping."""
         self._gather_grads()
-        try:
-            return self._step(loss)
-        finally:  # fp32 + GradBuffer: a later backward must not also accumulate into main_grad through .grad
-            if self.grads is not None and not self.mixed:
-                for p in self.model_params:
-                    p.grad = None
+        return self._step(loss)
 
     def _step(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
-        norm = grad_norm(self.master_params, self.tp_group)
+        sharded, replicated = self._fixed or split_by_tp(self.master_params)
+        norm = tp_norm(sharded, replicated, self.tp_group)
         bad = self._non_finite(norm, loss)
         self._skipped += bad
         self._consecutive = (self._consecutive + 1) * bad
         if not self.device_skips and bool(bad.item()):  # apex: the one host sync of a step
             return norm
-        clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group, norm=norm)
+        if self._fixed is not None:  # every stepped grad is in the buffer: one multiply (padding is 0)
+            if self.cfg.clip_grad > 0:
+                self.grads.buffer.mul_(clip_coefficient(norm, self.cfg.clip_grad))
+        else:
+            clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group, norm=norm)
         if self.device_skips:
             self.inner.found_inf = bad.float()  # 1: the fused kernel leaves params, moments and steps as they are
         self.inner.step()
@@ -203,16 +234,19 @@ class Optimizer:
             torch._foreach_copy_(self.master_params, self.model_params)
 
     def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
+        """Zero the gradients: one kernel over the GradBuffer (whose views stay the `.grad`), else `.grad = None`."""
         if self.grads is not None:
             self.grads.zero()
-        elif self.mixed:
+            return
+        for p in self.model_params:
+            p.grad = None
+        if self.mixed:
             for m in self.master_params:
                 m.grad = None
 
     def state_dict(self) -> dict:
-        state = {"inner": self.inner.state_dict(), "mixed": self.mixed}
+        inner = self.inner.state_dict()
+        state = {"inner": {**inner, "param_groups": groups_to_save(inner["param_groups"])}, "mixed": self.mixed}
         if self.mixed:
             state["master"] = [m.detach().clone() for m in self.master_params]
         return state
@@ -223,6 +257,7 @@ class Optimizer:
                              f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
         check_group_count(state["inner"]["param_groups"], self.inner.param_groups)
         self.inner.load_state_dict(state["inner"])
+        restore_lrs(self.inner.param_groups, self._lrs)
         keep_lr_mults(self.inner.param_groups, self.lr_mults)
         if self.mixed:
             with torch.no_grad():
@@ -256,9 +291,15 @@ class LRSchedule:
         return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * frac))
 
     def apply(self, optimizer: torch.optim.Optimizer, it: int) -> float:
+        """Set lr(it) (times a group's `lr_mult`) into every group: filled into its lr tensor where it has one
+        (`Optimizer`'s fused AdamW: no host sync, the same tensor every cycle), else set as a float. Returns lr(it)."""
         lr = self(it)
         for g in optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_mult", 1.0)
+            value = lr * g.get("lr_mult", 1.0)
+            if torch.is_tensor(g["lr"]):
+                g["lr"].fill_(value)
+            else:
+                g["lr"] = value
         return lr
 
     def state_dict(self) -> dict:
@@ -283,14 +324,18 @@ class LRSchedule:
         self.decay_iters = state["decay_iters"]
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
-    """Global L2 norm of the gradients (fp32 tensor, no host sync); see module docstring."""
+def split_by_tp(params: Iterable[torch.nn.Parameter]) -> tuple[list, list]:
+    """([grads of TP-sharded params], [grads of replicated params]), params without a grad left out."""
     params = [p for p in params if p.grad is not None]
-    if not params:
+    return ([p.grad for p in params if tp_partition_dim(p) is not None],
+            [p.grad for p in params if tp_partition_dim(p) is None])
+
+
+def tp_norm(sharded: list, replicated: list, tp_group=None) -> torch.Tensor:
+    """Global L2 norm of gradients split by `split_by_tp` (fp32 tensor, no host sync); see module docstring."""
+    if not sharded and not replicated:
         return torch.zeros(())
-    dev = params[0].grad.device
-    sharded = [p.grad for p in params if tp_partition_dim(p) is not None]
-    replicated = [p.grad for p in params if tp_partition_dim(p) is None]
+    dev = (sharded or replicated)[0].device
 
     def sq(gs):  # sum of squared per-tensor norms: one foreach launch, not two kernels per tensor
         if not gs:
@@ -303,14 +348,25 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tens
     return (s + sq(replicated)).sqrt()
 
 
+def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients (fp32 tensor, no host sync); see module docstring."""
+    return tp_norm(*split_by_tp(params), tp_group)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)): the factor that brings the global norm to at most `max_norm` (on the
+    device)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def clip_gradients(params: list, max_norm: float, tp_group=None,
                    norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0 = no clip); returns the
     norm before clipping (`norm`, if already computed). The scale is a device tensor: no host sync."""
     norm = grad_norm(params, tp_group) if norm is None else norm
     if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
+            coef = clip_coefficient(norm, max_norm)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
