@@ -11,7 +11,8 @@ Backward with dy = grad_out, wdy = dy * (1 + scale_b), means over H:
 Output in the dtype of x; gradients in the dtypes of their inputs; arithmetic in float32.
 Triton: forward tiles [ROWS, BLOCK_H] of one sample per program and saves mean, rstd [B * T]
 float32; backward gives each program a contiguous chunk of one sample's rows, writes dx and
-per-chunk partial dscale / dshift [B, chunks, H] float32, summed over chunks in torch.
+per-chunk partial dscale / dshift [B, chunks, H] float32, summed over chunks in torch. The Triton path is the custom
+op ``torch.ops.dmd2.adaln_modulate`` (backward ``dmd2.adaln_modulate_bwd``): torch.compile traces through it.
 Hidden sizes that are not a power of two (DiT-XL's 1152) are TILED, not padded: padding 1152 to 2048
 leaves 44% of the lanes idle, so `_tile` halves BLOCK_H until at most 1/8 of the lanes of the
 ceil(H / BLOCK_H) column tiles are idle (1152: 5 tiles of 256). A row then takes several tiles: the
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import KernelError, compute_dtype, program_budget, resolve_impl
+from ._utils import KernelError, compute_dtype, kernel_op, program_budget, resolve_impl, wrap_triton
 
 __all__ = ["adaln_modulate", "adaln_modulate_ref", "AdaLNModulateFunction"]
 
@@ -191,7 +192,10 @@ def _tile(H: int):
     return rows, block_h, warps, tiles
 
 
-def _fwd_triton(x, shift, scale, eps):
+@kernel_op("adaln_modulate")
+def _fwd_triton(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, stats [2, B * T] float32: mean and rstd per row)."""
     B, H = shift.shape
     T = x.numel() // (B * H)
     x = x.contiguous()
@@ -200,15 +204,18 @@ def _fwd_triton(x, shift, scale, eps):
     rows, block_h, warps, tiles = _tile(H)
     grid = (triton.cdiv(T, rows), B)
     if tiles == 1:
-        _adaln_fwd_kernel[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
-                                ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+        wrap_triton(_adaln_fwd_kernel)[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
+                                             ROWS=rows, BLOCK_H=block_h, num_warps=warps)
     else:
-        _adaln_fwd_tiled_kernel[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
-                                      ROWS=rows, BLOCK_H=block_h, TILES=tiles, num_warps=warps)
-    return y, stats[0], stats[1]
+        wrap_triton(_adaln_fwd_tiled_kernel)[grid](x, shift, scale, y, stats[0], stats[1], T, H, eps,
+                                                   ROWS=rows, BLOCK_H=block_h, TILES=tiles, num_warps=warps)
+    return y, stats
 
 
-def _bwd_triton(dy, x, scale, mean, rstd):
+@kernel_op("adaln_modulate_bwd")
+def _bwd_triton(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, stats: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dshift, dscale); dshift and dscale in float32."""
     B, H = scale.shape
     T = x.numel() // (B * H)
     x, dy = x.contiguous(), dy.contiguous()
@@ -219,13 +226,33 @@ def _bwd_triton(dy, x, scale, mean, rstd):
     dx = torch.empty_like(x)
     if tiles == 1:
         part = torch.empty((2, B, chunks, H), dtype=torch.float32, device=x.device)
-        _adaln_bwd_kernel[(chunks, B)](x, scale, dy, mean, rstd, dx, part[0], part[1], T, H, rows_per_prog, chunks,
-                                       ROWS=rows, BLOCK_H=block_h, num_warps=warps)
+        wrap_triton(_adaln_bwd_kernel)[(chunks, B)](x, scale, dy, stats[0], stats[1], dx, part[0], part[1], T, H,
+                                                    rows_per_prog, chunks, ROWS=rows, BLOCK_H=block_h,
+                                                    num_warps=warps)
     else:  # the tiled kernel accumulates into its partials
         part = torch.zeros((2, B, chunks, H), dtype=torch.float32, device=x.device)
-        _adaln_bwd_tiled_kernel[(chunks, B)](x, scale, dy, mean, rstd, dx, part[0], part[1], T, H, rows_per_prog,
-                                             chunks, ROWS=rows, BLOCK_H=block_h, TILES=tiles, num_warps=warps)
-    return dx, part[0].sum(1), part[1].sum(1)
+        wrap_triton(_adaln_bwd_tiled_kernel)[(chunks, B)](x, scale, dy, stats[0], stats[1], dx, part[0], part[1], T,
+                                                          H, rows_per_prog, chunks, ROWS=rows, BLOCK_H=block_h,
+                                                          TILES=tiles, num_warps=warps)
+    return dx, part[1].sum(1), part[0].sum(1)
+
+
+def _setup_triton(ctx, inputs, output):
+    x, _, scale, _ = inputs
+    ctx.save_for_backward(x, scale, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero tensor for the gradient of the saved statistics
+
+
+def _backward_triton(ctx, grad_out, _grad_stats):
+    x, scale, stats = ctx.saved_tensors
+    dx, dshift, dscale = _bwd_triton(grad_out, x, scale, stats)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dshift.to(scale.dtype) if need[1] else None,
+            dscale.to(scale.dtype) if need[2] else None, None)
+
+
+_fwd_triton.register_autograd(_backward_triton, setup_context=_setup_triton)
 
 
 def _fwd_torch(x, shift, scale, eps):
@@ -249,22 +276,21 @@ def _bwd_torch(dy, x, scale, mean, rstd):
 
 
 class AdaLNModulateFunction(torch.autograd.Function):
-    """layer_norm(x) * (1 + scale) + shift with shift, scale [B, H]; differentiable in all three."""
+    """The torch path: layer_norm(x) * (1 + scale) + shift with shift, scale [B, H]; differentiable in all three."""
 
     @staticmethod
-    def forward(ctx, x, shift, scale, eps, impl):
-        y, mean, rstd = (_fwd_triton if impl == "triton" else _fwd_torch)(x, shift, scale, eps)
+    def forward(ctx, x, shift, scale, eps):
+        y, mean, rstd = _fwd_torch(x, shift, scale, eps)
         ctx.save_for_backward(x, scale, mean, rstd)
-        ctx.impl = impl
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, scale, mean, rstd = ctx.saved_tensors
-        dx, dscale, dshift = (_bwd_triton if ctx.impl == "triton" else _bwd_torch)(grad_out, x, scale, mean, rstd)
+        dx, dscale, dshift = _bwd_torch(grad_out, x, scale, mean, rstd)
         need = ctx.needs_input_grad
         return (dx.to(x.dtype) if need[0] else None, dshift.to(scale.dtype) if need[1] else None,
-                dscale.to(scale.dtype) if need[2] else None, None, None)
+                dscale.to(scale.dtype) if need[2] else None, None)
 
 
 def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
@@ -282,8 +308,12 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     if shift.dtype != scale.dtype:
         raise KernelError(f"shift ({shift.dtype}) and scale ({scale.dtype}) must share a dtype")
     impl = resolve_impl(impl, x, shift, scale, op="adaln")
-    return AdaLNModulateFunction.apply(x, shift.reshape(B, H).contiguous(), scale.reshape(B, H).contiguous(),
-                                       float(eps), impl)
+    # contiguous on both paths: the torch path saves scale for backward, and a view would keep its whole base (a
+    # Wan block's [B, 6, D] modulation) alive, which the memory plan does not count (tests/test_plan_memory.py)
+    shift, scale = shift.reshape(B, H).contiguous(), scale.reshape(B, H).contiguous()
+    if impl == "triton":
+        return _fwd_triton(x, shift, scale, float(eps))[0]
+    return AdaLNModulateFunction.apply(x, shift, scale, float(eps))
 
 
 def adaln_modulate_ref(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -18,7 +18,9 @@ Backward, given dy (rotation R = [[c, -s], [s, c]] is orthogonal, so d/dz = R^T 
 cos, sin get no gradient. Output in x's dtype, dweight in weight's dtype, arithmetic in float32;
 the forward saves rstd [B * S] float32. Two small collectives: one [B * S] float32 all-reduce in the
 forward, one in the backward; none when G = 1 (group None or torch.distributed not initialised).
-Triton: each direction is two kernels with the all-reduce between them in torch.
+Triton (the custom op ``torch.ops.dmd2.qk_norm_rope``, backward ``dmd2.qk_norm_rope_bwd``: torch.compile traces
+through them; the group goes in by name and the all-reduce is a functional collective, which a trace records):
+each direction is two kernels with the all-reduce between them.
   forward  pass 1 (rows):  ss [B * S];  pass 2 (rows x column tiles): rstd, y
   backward pass 1 (rows):  c partial [B * S];  pass 2 (row chunks x column tiles): dx and per-chunk
            partial dweight [chunks, HL] float32, summed over chunks in torch (no atomics)
@@ -27,9 +29,12 @@ Pairs: a tile is loaded as a contiguous [ROWS, BLOCK] block (vectorised loads), 
 ``tl.join`` + ``tl.reshape`` re-interleave the rotated halves for the store. Column tiles never
 straddle a pair (BLOCK and HL are even); a non-power-of-two HL (1536, 3072, 5120) takes BLOCK halved
 from the next power of two until at most 1/8 of the lanes are idle (1536: 3 tiles of 512), as in
-adaln.py. x is made contiguous first (a strided q view of a fused qkv projection is copied).
+adaln.py. The Triton path makes x contiguous first (a strided q view of a fused qkv projection is copied); the
+torch path takes it as it is.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import KernelError, compute_dtype, program_budget, resolve_impl
+from ._utils import KernelError, compute_dtype, kernel_op, program_budget, resolve_impl, wrap_triton
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "QKNormRopeFunction"]
 
@@ -165,43 +170,79 @@ def _world(group) -> int:
 
 
 def _all_reduce(t: torch.Tensor, group, G: int) -> torch.Tensor:
+    """The torch path's in-place SUM over ``group`` (nothing when G = 1)."""
     if G > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
-def _fwd_triton(x, w, cos, sin, S, D, eps, group, G):
+def _all_reduce_named(t: torch.Tensor, group_name: str, G: int) -> torch.Tensor:
+    """The Triton path's SUM over the process group named ``group_name``: a functional collective (a custom op
+    takes a group by name, and a trace of the op records the collective)."""
+    if G == 1:
+        return t
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", group_name))
+
+
+@kernel_op("qk_norm_rope")
+def _fwd_triton(x: torch.Tensor, w: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], S: int,
+                D: int, eps: float, group_name: str, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [N, HL], rstd [N] float32) of x [N, HL] (N = B * S rows)."""
     N, HL = x.shape
     rows, block, warps = _tile(HL)
     ss = torch.empty(N, dtype=torch.float32, device=x.device)
-    _sumsq_kernel[(triton.cdiv(N, rows),)](x, ss, N, HL, ROWS=rows, BLOCK=block, num_warps=warps)
-    _all_reduce(ss, group, G)
+    wrap_triton(_sumsq_kernel)[(triton.cdiv(N, rows),)](x, ss, N, HL, ROWS=rows, BLOCK=block, num_warps=warps)
+    ss = _all_reduce_named(ss, group_name, G)
     rstd, y = torch.empty_like(ss), torch.empty_like(x)
     rope = cos is not None
     grid = (triton.cdiv(N, rows), triton.cdiv(HL, block))
-    _fwd_kernel[grid](x, w, cos if rope else x, sin if rope else x, ss, rstd, y, N, S, HL, D // 2,
-                      1.0 / (HL * G), eps, ROWS=rows, BLOCK=block, ROPE=rope, num_warps=warps)
+    wrap_triton(_fwd_kernel)[grid](x, w, cos if rope else x, sin if rope else x, ss, rstd, y, N, S, HL, D // 2,
+                                   1.0 / (HL * G), eps, ROWS=rows, BLOCK=block, ROPE=rope, num_warps=warps)
     return y, rstd
 
 
-def _bwd_triton(dy, x, w, cos, sin, rstd, S, D, group, G):
+@kernel_op("qk_norm_rope_bwd")
+def _bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cos: Optional[torch.Tensor],
+                sin: Optional[torch.Tensor], rstd: torch.Tensor, S: int, D: int, group_name: str, G: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [N, HL], dweight [HL] float32)."""
     N, HL = x.shape
+    dy = dy.contiguous()
     rows, block, warps = _tile(HL)
     rope = cos is not None
     cos, sin = (cos, sin) if rope else (x, x)
     c = torch.empty(N, dtype=torch.float32, device=x.device)
-    _bwd_rowsum_kernel[(triton.cdiv(N, rows),)](x, w, cos, sin, dy, rstd, c, N, S, HL, D // 2,
-                                                ROWS=rows, BLOCK=block, ROPE=rope, num_warps=warps)
-    _all_reduce(c, group, G)
+    wrap_triton(_bwd_rowsum_kernel)[(triton.cdiv(N, rows),)](x, w, cos, sin, dy, rstd, c, N, S, HL, D // 2,
+                                                             ROWS=rows, BLOCK=block, ROPE=rope, num_warps=warps)
+    c = _all_reduce_named(c, group_name, G)
     col_tiles = triton.cdiv(HL, block)
     chunks = max(1, min(triton.cdiv(N, rows), triton.cdiv(program_budget(x.device), col_tiles)))
     rows_per_prog = triton.cdiv(triton.cdiv(N, chunks), rows) * rows
     chunks = triton.cdiv(N, rows_per_prog)
     dx = torch.empty_like(x)
     part = torch.empty((chunks, HL), dtype=torch.float32, device=x.device)
-    _bwd_dx_kernel[(chunks, col_tiles)](x, w, cos, sin, dy, rstd, c, dx, part, N, S, HL, D // 2, 1.0 / (HL * G),
-                                        rows_per_prog, ROWS=rows, BLOCK=block, ROPE=rope, num_warps=warps)
+    wrap_triton(_bwd_dx_kernel)[(chunks, col_tiles)](x, w, cos, sin, dy, rstd, c, dx, part, N, S, HL, D // 2,
+                                                     1.0 / (HL * G), rows_per_prog, ROWS=rows, BLOCK=block, ROPE=rope,
+                                                     num_warps=warps)
     return dx, part.sum(0)
+
+
+def _setup_triton(ctx, inputs, output):
+    x, weight, cos, sin, *ctx.args = inputs
+    ctx.save_for_backward(x, weight, cos, sin, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero tensor for the gradient of the saved statistics
+
+
+def _backward_triton(ctx, grad_out, _grad_rstd):
+    x, weight, cos, sin, rstd = ctx.saved_tensors
+    S, head_dim, _, group_name, G = ctx.args
+    dx, dw = _bwd_triton(grad_out, x, weight, cos, sin, rstd, S, head_dim, group_name, G)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dw.to(weight.dtype) if need[1] else None) + (None,) * 7
+
+
+_fwd_triton.register_autograd(_backward_triton, setup_context=_setup_triton)
 
 
 def _rotate_torch(t, cos, sin, S, D):
@@ -237,25 +278,25 @@ def _bwd_torch(dy, x, w, cos, sin, rstd, S, D, group, G):
 
 
 class QKNormRopeFunction(torch.autograd.Function):
-    """rotate(rms_norm over all TP ranks' heads (x) * weight) with x [B * S, HL]; differentiable in x, weight."""
+    """The torch path: rotate(rms_norm over all TP ranks' heads (x) * weight) with x [B * S, HL]; differentiable in
+    x and weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, cos, sin, S, head_dim, eps, group, impl):
+    def forward(ctx, x, weight, cos, sin, S, head_dim, eps, group):
         G = _world(group)
-        y, rstd = (_fwd_triton if impl == "triton" else _fwd_torch)(x, weight, cos, sin, S, head_dim, eps, group, G)
+        y, rstd = _fwd_torch(x, weight, cos, sin, S, head_dim, eps, group, G)
         ctx.save_for_backward(x, weight, cos, sin, rstd)
-        ctx.args = (S, head_dim, group, G, impl)
+        ctx.args = (S, head_dim, group, G)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, cos, sin, rstd = ctx.saved_tensors
-        S, head_dim, group, G, impl = ctx.args
-        bwd = _bwd_triton if impl == "triton" else _bwd_torch
-        dx, dw = bwd(grad_out.contiguous(), x, weight, cos, sin, rstd, S, head_dim, group, G)
+        S, head_dim, group, G = ctx.args
+        dx, dw = _bwd_torch(grad_out.contiguous(), x, weight, cos, sin, rstd, S, head_dim, group, G)
         need = ctx.needs_input_grad
         return (dx.to(x.dtype) if need[0] else None, dw.to(weight.dtype) if need[1] else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _check(x, weight, cos, sin, head_dim):
@@ -294,9 +335,14 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None
     if cos is not None:
         cos = cos.detach().to(torch.float32).contiguous()
         sin = sin.detach().to(torch.float32).contiguous()
-    impl = resolve_impl(impl, x, weight, *(() if cos is None else (cos, sin)), op="qk_norm_rope")
-    y = QKNormRopeFunction.apply(x.reshape(B * S, HL).contiguous(), weight.contiguous(), cos, sin, S, head_dim,
-                                 float(eps), group, impl)
+    impl = resolve_impl(impl, x, weight, op="qk_norm_rope")
+    x2 = x.reshape(B * S, HL)
+    if impl == "triton":
+        G = _world(group)
+        y = _fwd_triton(x2.contiguous(), weight.contiguous(), cos, sin, S, head_dim, float(eps),
+                        group.group_name if G > 1 else "", G)[0]
+    else:
+        y = QKNormRopeFunction.apply(x2, weight, cos, sin, S, head_dim, float(eps), group)
     return y.view(B, S, HL)
 
 

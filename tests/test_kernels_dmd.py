@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from test_kernels_utils import (DTYPES, IMPLS, LOSS_TOL, assert_close, cases, dtype_id, f64,
-                                grad_tol, randn)
+from test_kernels_utils import (DEVICE, DTYPES, IMPLS, LOSS_TOL, assert_close, cases, count_launches, dtype_id,
+                                f64, grad_tol, randn)
 
 
 def reference(x, x0_real, x0_fake, dtype):
@@ -103,3 +103,65 @@ def test_dmd_backward_float64_torch_path():
         torch.testing.assert_close(stats.norm, rnorm, atol=1e-14, rtol=1e-12)
         torch.testing.assert_close(gx, rgx, atol=1e-16, rtol=1e-12)
         torch.testing.assert_close(gx, s * rgrad / rgrad.numel(), atol=1e-16, rtol=1e-12)
+
+
+# ------------------------------------------------------------------ launches, determinism, the final reduction
+
+# The torch path's aten ops for float32 inputs (kernels/dmd.py docstring): forward sub, abs, mean | sub, div,
+# nan_to_num | square, mean, mul, sqrt; backward one scalar divide and one multiply (grad is kept from the forward).
+TORCH_OPS = {"fwd": 10, "bwd": 2}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmd_loss_launches(impl, monkeypatch):
+    """A property, not a timing: the Triton path is 2 kernels forward and 1 backward with no other op (the old
+    path was 4 + 4 allocations forward, and 2 zero fills backward), the torch path at most TORCH_OPS aten ops."""
+    x0hat, x0_real, x0_fake = inputs(3, (4, 33, 17), torch.float32)
+    fwd, (loss, stats) = count_launches(monkeypatch, lambda: kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl))
+    grad_out = torch.tensor(0.7, device=loss.device)
+    bwd, _ = count_launches(monkeypatch, lambda: torch.autograd.grad(loss, x0hat, grad_out))
+    if impl == "triton":
+        assert dict(fwd.kernels) == {"_dmd_norm_kernel": 1, "_dmd_fwd_kernel": 1} and not fwd.ops, fwd.ops
+        assert dict(bwd.kernels) == {"_dmd_bwd_kernel": 1} and not bwd.ops, bwd.ops
+    else:
+        assert not fwd.kernels and fwd.total() <= TORCH_OPS["fwd"], fwd.ops
+        assert bwd.total() <= TORCH_OPS["bwd"], bwd.ops
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dmd_loss_is_deterministic(impl):
+    """Bit-exact across calls (same inputs, same path): the partial sums are added in a fixed order, whichever
+    program of the Triton path draws the last ticket; exact resume relies on it."""
+    x0hat, x0_real, x0_fake = inputs(3, (16, 40, 40), torch.float32)
+    runs = []
+    for _ in range(2):
+        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+        runs.append((loss, stats.norm, stats.grad_rms, *torch.autograd.grad(loss, x0hat)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_dmd_loss_many_partials(monkeypatch):
+    """Tiles of 16 elements: launch 1 loops over several tiles per program (P = 2 programs of 7 tiles per row), and
+    the last ticket's program adds 39 partials in two steps of 32; the result still matches the reference."""
+    from kernels import dmd
+    monkeypatch.setattr(dmd, "block_for", lambda n: 16)
+    monkeypatch.setattr(dmd, "FINAL_BLOCK", 32)
+    assert dmd._split(3, 5 * 41, torch.device(DEVICE))[:2] == ((2, 112) if DEVICE == "cpu" else (13, 16))
+    check(*inputs(3, (5, 41), torch.float32), torch.float32, "triton")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with compiled Triton (TRITON_INTERPRET=0)")
+def test_dmd_loss_last_ticket_on_gpu():
+    """On a GPU the programs of launch 2 (128 here, on every SM) race for the last ticket: the memory ordering
+    (barrier, acq_rel atomic) must let its program see every partial. 50 calls are bit-identical and agree with the
+    torch path; the interpreter runs programs one after another and cannot show a race."""
+    x0hat, x0_real, x0_fake = (t.detach() for t in inputs(8, (4, 128, 128), torch.float32))
+    want, want_stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
+    first = None
+    for _ in range(50):
+        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="triton")
+        got = torch.stack([loss, stats.grad_rms, *stats.norm])
+        first = got if first is None else first
+        assert torch.equal(got, first)
+    assert_close(first, torch.stack([want, want_stats.grad_rms, *want_stats.norm]), torch.float32, tol=LOSS_TOL)

@@ -3,8 +3,12 @@
 The Triton path runs interpreted on CPU tensors (TRITON_INTERPRET=1, which tests/conftest.py sets
 where CUDA is absent, before anything imports triton) or compiled on CUDA tensors on a GPU.
 """
+import collections
+
 import pytest
 import torch
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import kernels
 from kernels import _utils
@@ -79,34 +83,49 @@ def f64(*ts):
 
 
 def test_auto_dispatch_cpu_is_torch(monkeypatch):
-    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)
     assert _utils.resolve_impl(None, torch.zeros(2, 3)) == "torch"
     # float64 never takes the Triton path by itself
     assert _utils.resolve_impl(None, torch.zeros(2, 3, dtype=torch.float64)) == "torch"
 
 
-def test_env_forces_path(monkeypatch):
+def test_default_impl_forces_path(monkeypatch):
+    """DMD2_KERNELS is read once, at import (`_utils.DEFAULT_IMPL`); set_default_impl changes it, validated."""
     x = torch.zeros(2, 3, device=DEVICE)
-    monkeypatch.setenv("DMD2_KERNELS", "torch")
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)  # restored after the test
+    assert kernels.set_default_impl("torch") is None
     assert _utils.resolve_impl(None, x) == "torch"
-    monkeypatch.setenv("DMD2_KERNELS", "triton")
+    assert kernels.set_default_impl("triton") == "torch"  # returns the previous value
     assert _utils.resolve_impl(None, x) == "triton"
     assert _utils.resolve_impl("torch", x) == "torch"  # the explicit argument wins
-    monkeypatch.setenv("DMD2_KERNELS", "cuda")
+    assert kernels.set_default_impl("auto") == "triton" and _utils.DEFAULT_IMPL is None
+    with pytest.raises(kernels.KernelError, match="DMD2_KERNELS='cuda': expected one of 'triton', 'torch' or 'auto'"):
+        kernels.set_default_impl("cuda")
+    assert _utils.DEFAULT_IMPL is None  # a bad value changes nothing
+
+
+def test_env_is_parsed_at_import_not_per_call(monkeypatch):
+    """The import-time parse: "" / "auto" -> None, case and spaces ignored, a bad value one clear error; setting the
+    variable later changes no call."""
+    assert _utils.parse_default_impl(None) is None and _utils.parse_default_impl(" Auto ") is None
+    assert _utils.parse_default_impl(" TRITON") == "triton" and _utils.parse_default_impl("torch") == "torch"
     with pytest.raises(kernels.KernelError, match="DMD2_KERNELS"):
-        _utils.resolve_impl(None, x)
+        _utils.parse_default_impl("cuda")
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)
+    monkeypatch.setenv("DMD2_KERNELS", "cuda")  # read at import only: no effect, no error
+    assert _utils.resolve_impl(None, torch.zeros(2, 3)) == "torch"
 
 
-def test_env_triton_runs_kernel(monkeypatch):
-    """DMD2_KERNELS=triton routes a public op through the Triton launcher."""
+def test_default_triton_runs_kernel(monkeypatch):
+    """DEFAULT_IMPL "triton" routes a public op through the Triton path (its custom op)."""
     calls = []
     from kernels import x0_projection
     real = x0_projection._fwd_triton
     monkeypatch.setattr(x0_projection, "_fwd_triton", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("DMD2_KERNELS", "triton")
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", "triton")
     x = torch.randn(2, 3, device=DEVICE)
     kernels.x0_from_velocity(x, x, 0.5)
-    monkeypatch.setenv("DMD2_KERNELS", "torch")
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", "torch")
     kernels.x0_from_velocity(x, x, 0.5)
     assert calls == [1]
 
@@ -148,27 +167,80 @@ def test_non_contiguous_input(impl):
     assert_close(kernels.x0_from_velocity(x, v, s, impl=impl), x - s[:, None, None] * v, torch.float32)
 
 
-# ------------------------------------------------------------- second-stage reductions (Triton)
+# ------------------------------------------------------------- per-sample scalars
 
 
-@pytest.mark.parametrize("nb", [1, 37, 3000])  # 3000 > one 1024-wide block: the loop runs 3 times
-def test_row_sum(nb):
-    from kernels._reduce import row_sum
-    part = randn(3, (nb,), torch.float32, 0)
-    sigma = rand_sigma(3, 1)
-    want = part.double().sum(1) * 0.25
-    assert_close(row_sum(part, 0.25), want, torch.float32, tol=(1e-5, 1e-6))
-    assert_close(row_sum(part, 0.25, sigma), want * sigma.double() ** 2, torch.float32, tol=(1e-5, 1e-6))
+def test_per_sample_makes_no_tensor_from_a_number_and_no_copy_of_a_tensor():
+    """A Python number stays a float (no torch.full per call); a float32 tensor on the device is viewed, not copied:
+    [B] as it is, one element expanded (stride 0), [B, 1, 1] and a strided [B] viewed as [B]."""
+    assert _utils.per_sample(3, 4, torch.device(DEVICE), "g") == 3.0
+    assert isinstance(_utils.per_sample(0.25, 4, torch.device(DEVICE), "g"), float)
+    base = torch.rand(4, 2, device=DEVICE)
+    for t, stride in ((base[:, 0].contiguous(), 1), (base[:1, 0], 0), (base[:, :1, None], 2), (base[:, 0], 2)):
+        s = _utils.per_sample(t, 4, torch.device(DEVICE), "g")
+        assert s.shape == (4,) and s.stride(0) == stride and s.data_ptr() == t.data_ptr()
+    with pytest.raises(kernels.KernelError, match="g must be a number or a \\[B\\] tensor, got bool"):
+        _utils.per_sample(True, 4, torch.device(DEVICE), "g")
 
 
-def test_dmd_finalize_many_partials():
-    from kernels.dmd import _dmd_finalize_kernel
-    part = randn(1, (2500,), torch.float32, 0).abs()
-    loss, rms = torch.empty((), device=DEVICE), torch.empty((), device=DEVICE)
-    _dmd_finalize_kernel[(1,)](part, loss, rms, 2500, 1.0 / 1e4, BLOCK=1024)
-    mean_sq = part.double().sum() / 1e4
-    assert_close(loss, 0.5 * mean_sq, torch.float32, tol=(1e-7, 1e-6))
-    assert_close(rms, mean_sq.sqrt(), torch.float32, tol=(1e-7, 1e-6))
+# ------------------------------------------------------------- launch counts (property tests, not timings)
+
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view"}
+
+
+class Launches(TorchDispatchMode):
+    """What a block of code launches: the aten ops that reach the dispatcher, less views and bare allocations (as
+    benchmarks/count_launches.py counts them), in ``ops``, and the Triton kernels, by name, in ``kernels``. A dmd2
+    custom op is not counted itself: its implementation runs under the mode, so the ops and kernels inside it are.
+    Under the interpreter a launch is counted at `_utils._Interpreted` (the host copies the interpreter makes are
+    not launches and are not counted); on CUDA through triton's launch hook."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.ops, self.kernels, self.depth = collections.Counter(), collections.Counter(), 0
+        if _utils.INTERPRET:
+            real = _utils._Interpreted.__call__
+
+            def launch(wrapper, *args, **kwargs):
+                if not self.depth:
+                    return real(wrapper, *args, **kwargs)
+                self.kernels[wrapper.kernel.fn.__name__] += 1
+                with _disable_current_modes():
+                    return real(wrapper, *args, **kwargs)
+            monkeypatch.setattr(_utils._Interpreted, "__call__", launch)
+        else:  # compiled kernels report their launches to triton's hook (its metadata: the kernel's name)
+            import triton
+            chain = triton.knobs.runtime.launch_enter_hook
+            hook = lambda meta: self.depth and self.kernels.update([meta.get()["name"]])  # noqa: E731
+            monkeypatch.setattr(chain, "calls", chain.calls + [hook])  # the hook is gone after the test
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "dmd2":
+            with self:
+                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+        if not func.is_view and func.overloadpacket.__name__ not in NO_LAUNCH:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):  # entered again for each dmd2 op inside: launches count while any entry is open
+        self.depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return super().__exit__(*exc)
+
+    def total(self) -> int:
+        return sum(self.ops.values()) + sum(self.kernels.values())
+
+
+def count_launches(monkeypatch, fn):
+    """(Launches of one call of fn, its result)."""
+    counter = Launches(monkeypatch)
+    with counter:
+        out = fn()
+    return counter, out
 
 
 # ---------------------------------------------------------------------------- GPU only
@@ -178,7 +250,7 @@ def test_dmd_finalize_many_partials():
 def test_cuda_auto_dispatch_matches_torch_path_at_sdxl_size(monkeypatch):
     """On CUDA the default path is Triton; at an SDXL latent batch in bfloat16 it agrees with the
     torch path on every op (values and gradients)."""
-    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)  # DMD2_KERNELS unset
     shape, dt = (4, 128, 128), torch.bfloat16
     x = randn(8, shape, dt, 0)
     assert _utils.resolve_impl(None, x) == "triton"
@@ -241,7 +313,7 @@ def test_fused_from_override_parses_per_op_and_direction():
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA with compiled Triton (TRITON_INTERPRET=0)")
 def test_cuda_default_dispatch_follows_the_thresholds(monkeypatch):
     """On CUDA without DMD2_KERNELS: x0 at a cycle's size takes the torch path, CFG the Triton one."""
-    monkeypatch.delenv("DMD2_KERNELS", raising=False)
+    monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)  # DMD2_KERNELS unset
     x = torch.zeros(8, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
     assert _utils.resolve_impl(None, x, x, op="x0") == "torch"
     assert _utils.resolve_impl(None, x, x, x, op="cfg") == "triton"

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kernels
-from test_kernels_utils import IMPLS, TOL, assert_close, cases, f64, rand_sigma, randn
+from test_kernels_utils import DEVICE, IMPLS, TOL, assert_close, cases, count_launches, f64, rand_sigma, randn
 
 
 def bview(s, ndim):
@@ -72,3 +72,35 @@ def test_cfg_is_forward_only():
         kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
     with torch.no_grad():  # the same call is fine without grad mode
         kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cfg_guidance_as_number_or_device_tensor(impl, monkeypatch):
+    """guidance and sigma as Python numbers, one-element device tensors, [B] tensors or a strided [B] view give one
+    result (bit-exact: the same float32 arithmetic), with no host work: no tensor is built from a number and no
+    tensor is copied, so a call is the CFG itself: the one kernel (Triton) or lerp + addcmul (torch, float32; add for a
+    number sigma)."""
+    x_s, v_pos, v_neg = (randn(3, (4, 6), torch.float32, i) for i in range(3))
+    cols = torch.tensor([[0.25, 9.0], [0.25, 9.0], [0.25, 9.0]], device=DEVICE)
+    forms = [(0.25, 4.5), (torch.tensor(0.25, device=DEVICE), torch.tensor([4.5], device=DEVICE)),
+             (cols[:, 0].contiguous(), torch.full((3,), 4.5, device=DEVICE)), (cols[:, 0], cols[:, 1] / 2)]
+    with torch.no_grad():
+        want = kernels.cfg_x0(x_s, v_pos, v_neg, *forms[0], impl=impl)
+        for sigma, guidance in forms:
+            counted, out = count_launches(monkeypatch, lambda: kernels.cfg_x0(x_s, v_pos, v_neg, sigma, guidance,
+                                                                               impl=impl))
+            assert torch.equal(out, want)
+            if impl == "triton":
+                assert dict(counted.kernels) == {"_cfg_x0_fwd_kernel": 1} and not counted.ops, counted.ops
+            else:
+                assert counted.ops["lerp"] == 1 and counted.total() == 2, counted.ops  # and add or addcmul
+    assert_close(want, x_s - 0.25 * (v_neg + 4.5 * (v_pos - v_neg)), torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_x0_number_sigma_is_one_op(impl, monkeypatch):
+    """A Python-number sigma: the torch path is one add (no tensor for sigma), the Triton path one kernel."""
+    x_s, v = randn(3, (4, 6), torch.float32, 0), randn(3, (4, 6), torch.float32, 1)
+    counted, out = count_launches(monkeypatch, lambda: kernels.x0_from_velocity(x_s, v, 0.25, impl=impl))
+    assert counted.total() == 1, (counted.ops, counted.kernels)
+    assert_close(out, x_s - 0.25 * v, torch.float32)

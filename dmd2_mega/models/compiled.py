@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+import kernels
 from dmd2_mega.errors import ConfigError
 
 GRAPHS: collections.Counter = collections.Counter()
@@ -93,6 +94,7 @@ def _counting_backend(name: str):
 
 def compile_blocks(blocks: Iterable[torch.nn.Module]) -> int:
     """Compile each block in place (`nn.Module.compile`); returns how many. Blocks of one class share their graphs."""
+    kernels.register_ops()  # the fused ops as torch.ops.dmd2.* before any trace (they register lazily otherwise)
     n = 0
     for blk in blocks:
         blk.compile(backend=_backend(type(blk).__name__))
@@ -104,6 +106,7 @@ def function(fn: Callable, name: str) -> Callable:
     """`fn` (a family's method, taking the model first) under torch.compile, one compiled function per `fn` for the
     process: every model of the class shares its graphs (`FamilyModel.region`)."""
     if fn not in _FUNCTIONS:
+        kernels.register_ops()
         _FUNCTIONS[fn] = torch.compile(fn, backend=_backend(name))
     return _FUNCTIONS[fn]
 
