@@ -9,9 +9,9 @@
 What is timed is the product's own code, through the family contract only (nothing here names a family): the
 teacher trainer (`teacher_trainer.FlowTrainer`) builds a random `--model-size` model on `--data`, perturbs its
 weights by N(0, 0.02^2) (adaLN-Zero gates open) and saves it as the teacher checkpoint; the DMD2 trainer
-(`methods.dmd2.method.DMD2Trainer`, M = 1, no DDP) loads it into its three roles, and a cycle is
-`methods.dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings (what `DMD2Trainer.cycle`
-runs), its phases timed through the cycle's hook. Critic grid, shift and score range are the trainer's defaults.
+(`methods.trainer.StudentTrainer` running the --distill-method, DMD2 here; M = 1, no DDP) loads it into its three
+roles, and a cycle is `methods.dmd2.cycle.run_cycle` on the trainer's roles, micro-batch records and settings
+(what `DMD2Trainer.cycle` runs), its phases timed through the cycle's hook. Critic grid, shift and score range are the trainer's defaults.
 The standalone pieces are the same steps (`methods.dmd2.cycle.steps`, run alone by `benchmarks.pieces.Pieces` on the
 micro-batch records and inputs they have inside a cycle: the same draws), the scoring piece the critic phase's own
 `score_kept`, and the plain flow-matching baseline is `FlowTrainer.train_step`.
@@ -49,7 +49,9 @@ from dmd2_mega.data import write_shards  # noqa: E402
 from dmd2_mega.methods.base import phase_needs  # noqa: E402
 from dmd2_mega.methods.dmd2.critic import critic_steps, score_kept  # noqa: E402
 from dmd2_mega.methods.dmd2.cycle import run_cycle, steps  # noqa: E402
-from dmd2_mega.methods.dmd2.method import DMD2Trainer  # noqa: E402
+from dmd2_mega.methods.dmd2.method import DMD2Method  # noqa: E402
+from dmd2_mega.methods.self_forcing.method import SelfForcingMethod  # noqa: E402
+from dmd2_mega.methods.trainer import StudentTrainer  # noqa: E402
 from dmd2_mega.models import get_size  # noqa: E402
 from dmd2_mega.teacher_trainer import FlowTrainer  # noqa: E402
 
@@ -93,6 +95,14 @@ def synthetic_shards(a, root: str, n: int) -> str:
     return os.path.join(root, "data")
 
 
+METHODS = {"dmd2": DMD2Method, "self-forcing": SelfForcingMethod}
+"""--distill-method -> the method (as launch/pretrain_dmd2.py maps it): count_launches' --extra may ask for either."""
+
+
+def trainer(cfg) -> StudentTrainer:
+    return StudentTrainer(cfg, METHODS[cfg.dmd2.distill_method])
+
+
 class Harness:
     def __init__(self, a, tmp: str, extra: tuple = (), shared: tuple = ()):
         """`extra`: further pretrain_dmd2.py flags of the DMD2 trainer (benchmarks/bench_gan_cycle.py: the GAN head);
@@ -111,7 +121,7 @@ class Harness:
         with torch.no_grad():
             [p.add_(0.02 * torch.randn(p.shape, generator=g).to(p)) for p in self.plain.model.parameters()]
         self.plain.save()
-        self.tr = DMD2Trainer(parse_dmd2_args(common + [
+        self.tr = trainer(parse_dmd2_args(common + [
             "--teacher-load", teacher, "--no-offload-inactive", "--dmd2-denoising-steps", str(a.dmd2_denoising_steps),
             "--dmd2-critic-steps-per-rollout", str(self.k),
             "--dmd2-teacher-guidance-scale", str(a.dmd2_teacher_guidance_scale), *extra]))
