@@ -105,6 +105,20 @@ def test_dit_regions_compiled_with_its_blocks():
     assert dict(compiled.GRAPHS) == {"DiTBlock": 1, "DiT_embed": 1, "DiT_final": 1}, dict(compiled.GRAPHS)
 
 
+def test_kv_cache_streaming_runs_its_blocks_eager():
+    """A causal Wan's chunk-by-chunk pass against its KV cache (a stateful mixer) runs the blocks eager: it compiles
+    no graph (compiled, each chunk's write flag and positions would be graphs of their own) and equals the eager
+    model's pass."""
+    (eager, comp), (x, _, c) = pair(causal_wan, torch.float32)
+    caches = [m.new_cache() for m in (eager, comp)]
+    with torch.no_grad():
+        for first, end in eager.causal_layout.chunks(x.shape[2]):
+            chunk, level = x[:, :, first:end], torch.full((x.shape[0],), 0.5)
+            want, got = (m.stream_forward(chunk, level, c, cache, write=True) for m, cache in zip((eager, comp), caches))
+            assert torch.equal(got, want)
+    assert compiled.graphs() == 0, dict(compiled.GRAPHS)
+
+
 def test_one_graph_serves_every_layer():
     """A model of 2 blocks and one of 4 compile the same one graph per grad mode: a per-layer compilation fails."""
     from dataclasses import replace

@@ -15,9 +15,12 @@ default with the reason on the start-up line, asked for with `--compile` a Confi
 in the environment (torch.compile a no-op there; the tests set it).
 
 Graphs: one per (block class, grad mode, input shapes) seen, a dynamic one after a second size of a dim (torch's
-automatic dynamic shapes). `GRAPHS` counts every graph compiled in this process; `seal()`, called by the trainers
-after their first (warm-up) cycle, makes each later compilation print one line naming the block and the count: a
-recompile inside a run is a shape or mode the warm-up did not see, and costs seconds each time.
+automatic dynamic shapes); past torch's `recompile_limit` (8) graphs of one block a new signature runs eager, and a
+line says so. A stateful KV-cache pass (a causal student streaming chunk by chunk) runs its blocks eager: its
+write flag and positions change per chunk and layer (`Wan._block`). `GRAPHS` counts every graph compiled in this
+process; `seal()`, called by the trainers after their first (warm-up) cycle, makes each later compilation print one
+line naming the block and the count: a recompile inside a run is a shape or mode the warm-up did not see, and costs
+seconds each time.
 """
 from __future__ import annotations
 
@@ -84,6 +87,10 @@ def _counting_backend(name: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
         GRAPHS[name] += 1
+        limit = torch._dynamo.config.recompile_limit
+        if GRAPHS[name] == limit:
+            print(f"> compile: {name} has {limit} graphs, torch's limit (torch._dynamo.config.recompile_limit): a "
+                  f"later new shape or mode of it runs eager", file=sys.stderr, flush=True)
         if _SEALED["on"]:
             print(f"> compile: a new graph of {name} after the first cycle ({sum(GRAPHS.values())} graphs in all): "
                   f"a shape or grad mode not run before (an evaluation, a new rollout batch); each costs a "

@@ -457,6 +457,10 @@ class Wan(NegativePrompt, FamilyModel):
 
     def _block(self, i: int, h, ctx, mod, rope, split, mixer=None):
         blk, mixer = self.blocks[i], mixer.layer(i) if mixer is not None else None
+        if mixer is not None and not mixer.stateless:
+            # a KV cache's write flag, positions and lengths change per chunk and per layer: compiled, each would be a
+            # graph of its own (past torch's limit the block ran eager for every caller); the streaming pass is eager
+            return blk.forward(h, ctx, mod, rope, split, mixer)
         # a stateful mixer (a KV cache being read and filled) is not re-run in backward: the recompute would differ
         if self.options.recompute and self.training and torch.is_grad_enabled() and (mixer is None or mixer.stateless):
             # the context's tensors as arguments of their own: the checkpoint keeps them, as it keeps h
