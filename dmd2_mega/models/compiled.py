@@ -5,7 +5,7 @@ block code, and with torch's inlining of built-in modules (`torch._dynamo.config
 default) a block's parameters are graph inputs, so the graph compiled for layer 0 serves every layer. The embeddings
 and the final layer stay eager unless the family names them as regions of their own (`FamilyModel.region`: the DiT's
 embedding and final layer); the methods' maths around the model stays eager. Inside a compiled region the TP = 1
-linears trace megatron-core's arithmetic without its autograd Functions (`linears.AdaptableLinear._traced`) and the
+linears run without megatron-core's autograd Functions (`linears.AdaptableLinear._whole`, eager too) and the
 fused kernels are custom ops (`kernels`), so nothing breaks the graph.
 
 Choice (`choose`): `--compile` / `--no-compile`; neither: on with CUDA, off on a CPU (where inductor's C++ compile of

@@ -4,7 +4,9 @@
 `row(...)` splits the input dim (weight [out, in/TP], partition_dim 1) and all-reduces its output.
 Weights are initialised on the CPU as the full TP=1 master matrix from the default RNG and then
 sliced (megatron-core's `use_cpu_initialization`), so a TP=2 model starts from exactly the TP=1
-weights. Both return a plain tensor (bias added), unlike megatron's (output, bias) tuple.
+weights. Both return a plain tensor (bias added), unlike megatron's (output, bias) tuple. At TP = 1 (the whole
+matrix on the rank) the forward is one `F.linear` (`AdaptableLinear._whole`): megatron-core's layer holds the weights,
+its autograd Functions run only where there is TP communication.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class AdaptableLinear(torch.nn.Module):
         self.inner, self.gather, self.kind, self.impl = inner, gather, kind, impl
         self.in_features, self.out_features = in_features, out_features
         self.lora = None
-        # the whole matrix on this rank (TP = 1): no TP communication, so a compiled region takes `_traced`
+        # the whole matrix on this rank (TP = 1): no TP communication, so the forward is `_whole`
         self.whole = impl == "local" and tuple(inner.weight.shape) == (out_features, in_features)
 
     @property
@@ -76,20 +78,19 @@ class AdaptableLinear(torch.nn.Module):
         return out if self.lora is None else out + self.lora.delta(x)
 
     def forward(self, x):
-        if self.whole and torch.compiler.is_compiling():
-            return self._traced(x)
+        if self.whole:
+            return self._whole(x)
         if self.lora is not None:
             return self._adapted(x)
         out, bias = self.inner(x)
         out = out if bias is None else out + bias
         return gather_from_tp(out) if self.gather else out
 
-    def _traced(self, x: torch.Tensor) -> torch.Tensor:
-        """The TP = 1 forward as torch.compile traces it: megatron-core's arithmetic (x @ W^T, then the bias; the
-        adapter's delta last) without its autograd Functions, whose host-side group lookups break a graph."""
-        w, b = self.inner.weight, self.inner.bias
-        out = torch.matmul(x, w.t())
-        out = out if b is None else out + b
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The TP = 1 forward: x @ W^T + b in one `F.linear` (one addmm; its backward two matmuls and the bias's
+        sum), the adapter's delta last. megatron-core's autograd Functions add nothing at TP = 1 but a separate bias
+        add, a copy in backward and host-side group lookups, which also break a torch.compile graph."""
+        out = torch.nn.functional.linear(x, self.inner.weight, self.inner.bias)
         return out if self.lora is None else out + self.lora.delta(x)
 
     def _adapted(self, x: torch.Tensor) -> torch.Tensor:
