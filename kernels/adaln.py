@@ -308,11 +308,11 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     if shift.dtype != scale.dtype:
         raise KernelError(f"shift ({shift.dtype}) and scale ({scale.dtype}) must share a dtype")
     impl = resolve_impl(impl, x, shift, scale, op="adaln")
-    # contiguous on both paths: the torch path saves scale for backward, and a view would keep its whole base (a
-    # Wan block's [B, 6, D] modulation) alive, which the memory plan does not count (tests/test_plan_memory.py)
-    shift, scale = shift.reshape(B, H).contiguous(), scale.reshape(B, H).contiguous()
-    if impl == "triton":
-        return _fwd_triton(x, shift, scale, float(eps))[0]
+    shift, scale = shift.reshape(B, H), scale.reshape(B, H)
+    if impl == "triton":  # the kernels read rows of H: contiguous [B, H]
+        return _fwd_triton(x, shift.contiguous(), scale.contiguous(), float(eps))[0]
+    # the torch path takes the views (a chunk of a block's modulation): no copy; the view it saves for backward keeps
+    # that modulation alive (counted so by models/wan/plan.py)
     return AdaLNModulateFunction.apply(x, shift, scale, float(eps))
 
 

@@ -29,12 +29,12 @@ Activations a training forward of n samples keeps for backward, per block (c = 1
                             self-attention; q before / after the norm and the output of cross-attention;
                             fc1 and GELU outputs
     + n L 3D w / t          cross-attention k before / after the norm, v on the text tokens
-    + 4 n S (7 + 2c + 2a/t) + 4 n L + 4 n 8D     fp32 norm statistics, the two attention log-sum-exps,
-                            the block's modulation [n, 6, D] and two scale copies (+ 8D c under
+    + 4 n S (7 + 2c + 2a/t) + 4 n L + 4 n 6D     fp32 norm statistics, the two attention log-sum-exps,
+                            the block's modulation [n, 6, D] (its scale rows saved as views of it) (+ 8D c under
                             --bf16: norm2's weight and bias upcast to fp32)
-    outside the blocks:     n (f + 4D) w + n L (E + 3D) w + n S (CP + 2D) w + 8 n S + 4 n D + 4 S d
-                            (timestep MLP, text MLP and ctx, patches, final norm and projection input, rope
-                            tables). --recompute-granularity full keeps each block's input n S D w (and the
+    outside the blocks:     n (f + 4D) w + n L (E + 3D) w + n S (CP + 2D) w + 8 n S + 8 n D + 4 S d
+                            (timestep MLP, text MLP and ctx, patches, final norm and projection input, the final
+                            modulation [n, 2, D] that its scale is a view of, rope tables). --recompute-granularity full keeps each block's input n S D w (and the
                             modulation n 6D w once, no rope tables), plus one block's full set while that
                             block is recomputed in backward.
     An I2V Wan adds per block n Li 3D w / t + 4 n Li (image k / v, norm statistics) + 2 n S D w / t + 4 n S a / t
@@ -148,7 +148,7 @@ def layer_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: boo
     image = n * Li * 3 * D // tp * w + 4 * n * Li + 2 * n * Sc * D // tp * w + 4 * n * Sc * s.num_heads // tp
     return (n * Ss * D * (6 * w + 4 + 4 * c) + n * Sc * (9 * D + 2 * F) // tp * w + exchanged
             + n * L * 3 * D // tp * w + 4 * n * Ss * (7 + 2 * c) + 4 * n * Sc * 2 * s.num_heads // tp
-            + 4 * n * L + 4 * n * 8 * D + (8 * D * c if bf16 else 0)  # norm2's weight and bias upcast to fp32
+            + 4 * n * L + 4 * n * 6 * D + (8 * D * c if bf16 else 0)  # norm2's weight and bias upcast to fp32
             + (image if Li else 0))
 
 
@@ -158,7 +158,7 @@ def outside_activation_bytes(ms, n: int, tp: int, bf16: bool, recompute: bool, c
     w = 2 if bf16 else 4
     CPi, Li, Di = _image(ms)
     out = (n * (s.freq_dim + 4 * D) * w + n * L * (s.text_dim + 3 * D) * w + n * Ss * (CPi + 2 * D) * w
-           + 8 * n * Ss + 4 * n * D)
+           + 8 * n * Ss + 8 * n * D)
     out += n * Li * (4 * Di + 3 * Di * w + 2 * D * w + 16)  # the CLIP embedder: input, MLP, image tokens, LN stats
     return out + (n * 6 * D * w if recompute else 4 * Sc * s.head_dim)
 
