@@ -5,12 +5,16 @@ setup(
     name="dmd2-mega",
     version="0.1.0",
     description="Tensor/data-parallel DMD2 distillation of flow-matching DiTs on megatron-core",
-    packages=find_packages(include=["dmd2_mega", "dmd2_mega.*", "kernels", "kernels.*"]),
+    # The Triton kernels' folder is kernels/ (the repository's layout); their import name is dmd2_kernels, the
+    # package in kernels/dmd2_kernels/. The name `kernels` is Hugging Face's (transformers >= 5.25 requires and imports
+    # it): kernels/ itself has no __init__.py, so even from the repository root `import kernels` finds theirs.
+    packages=find_packages(include=["dmd2_mega", "dmd2_mega.*"]) + ["dmd2_kernels"],
+    package_dir={"dmd2_kernels": "kernels/dmd2_kernels"},
     python_requires=">=3.10",
     install_requires=[
         # 2.13.0 is the CPU build on local disk; keep the range so it satisfies without a download.
         "torch>=2.4,<2.15",
-        "triton>=3.4",  # kernels/_utils.py reads triton.knobs (3.4+)
+        "triton>=3.4",  # kernels/dmd2_kernels/_utils.py reads triton.knobs (3.4+)
         "megatron-core>=0.16.1,<0.17",  # 0.17+ needs Python 3.12
         "psutil",
         "numpy",
@@ -25,10 +29,7 @@ setup(
         # the ecosystem's formats: diffusers checkpoints in and out, VAEs and text encoders for prepare_data.py and
         # decoded media; accelerate is what diffusers' from_pretrained needs to load a folder
         "diffusers>=0.35",
-        # < 5.25: transformers 5.25 requires Hugging Face's `kernels` package and imports it whenever it is installed,
-        # and this repository's top-level `kernels/` (our Triton kernels) shadows that import name: every diffusers
-        # model import then fails with "cannot import name 'CUDAProperties' from 'kernels'"
-        "transformers<5.25",
+        "transformers",
         "accelerate",
         "ftfy",  # diffusers' WanImageToVideoPipeline cleans prompts with it unconditionally (WanPipeline if present)
     ],

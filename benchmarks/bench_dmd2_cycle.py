@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
+import dmd2_kernels  # noqa: E402
 from benchmarks.pieces import Pieces  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.arguments import parse_dmd2_args, parse_flow_args  # noqa: E402
@@ -176,7 +176,7 @@ class Harness:
                 "actor step": lambda mark: pieces.run("actor"),
                 "scoring": lambda mark: score_kept(t, kept, st),
                 "critic_fwd": no_grad(
-                    lambda mark: kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
+                    lambda mark: dmd2_kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
                                                           sigma)),
                 "F": no_grad(lambda mark: t.model(x_s, sigma, b.cond)),
                 "F_KB": no_grad(lambda mark: t.model(r0.x, r0.sigma, r0.cond)),

@@ -12,7 +12,7 @@ Cost model, in F = one forward of B samples, a backward 2F (bench_dmd2_cycle's):
 `memory_plan.cycle_passes`; the head adds, with d = (l + 1) / L the share of the critic's L blocks run up to its
 feature block l, the real samples' forward and backward on r K ~ B samples per cycle, 3 d r K / B F, and the actor's
 generator term through the frozen critic, 3 d F at most (its backward reaches the input only); the fakes' logits
-come from the critic's own forward. The kernel path in use (`kernels.resolve_impl`) is printed.
+come from the critic's own forward. The kernel path in use (`dmd2_kernels.resolve_impl`) is printed.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
+import dmd2_kernels  # noqa: E402
 from benchmarks.bench_dmd2_cycle import Harness, add_flags  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
                 ms = h.timed(lambda mark, h=h: h.cycle("shared", mark))["all"]
                 if rnd >= a.warmup:
                     runs[name].append(ms)
-        path = kernels.resolve_impl(None, torch.zeros(1, device=dmd.dev))
+        path = dmd2_kernels.resolve_impl(None, torch.zeros(1, device=dmd.dev))
         model = expected(a, gan)
     med = {k: statistics.median(v) for k, v in runs.items()}
     paired = statistics.median(g / d for g, d in zip(runs["gan"], runs["dmd"]))

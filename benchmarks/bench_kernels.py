@@ -13,7 +13,7 @@ and a large sweep (2^26 and, on CUDA, 2^28 elements), it reports the fused time 
 ms), the eager-torch time of the same maths (the package's ``*_ref``, autograd through plain torch
 ops), the ``torch.compile`` time of that reference, the bytes the fused op must move (model below),
 its GB/s, the percentage of the device-to-device copy bandwidth measured in the same run, and the path the
-default dispatch takes on CUDA at that op, mode and size (`cuda_dispatch`: `kernels._utils.FUSED_FROM`).
+default dispatch takes on CUDA at that op, mode and size (`cuda_dispatch`: `dmd2_kernels._utils.FUSED_FROM`).
 
 Bytes moved (N = elements, s = bytes per element; small [B] / [B, H] tensors ignored):
   x0 fwd 3Ns, fwd+bwd 5Ns (backward: read grad, write grad_v; grad_x_s is grad itself);
@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import _utils as kernel_utils  # noqa: E402
+import dmd2_kernels  # noqa: E402
+from dmd2_kernels import _utils as kernel_utils  # noqa: E402
 
 
 @dataclass
@@ -101,24 +101,24 @@ def _qknorm_inputs(shape, dtype, device):
 
 OPS = {
     "x0": Op("x0_from_velocity", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 5}, _latent_inputs(["x_s", "v"]),
-             ("x_s", "v"), lambda i, impl: kernels.x0_from_velocity(i["x_s"], i["v"], i["sigma"], impl=impl),
-             lambda i: kernels.x0_from_velocity_ref(i["x_s"], i["v"], i["sigma"])),
+             ("x_s", "v"), lambda i, impl: dmd2_kernels.x0_from_velocity(i["x_s"], i["v"], i["sigma"], impl=impl),
+             lambda i: dmd2_kernels.x0_from_velocity_ref(i["x_s"], i["v"], i["sigma"])),
     "cfg": Op("cfg_x0", ("fwd",), {"fwd": 4}, _latent_inputs(["x_s", "v_pos", "v_neg"]), (),
-              lambda i, impl: kernels.cfg_x0(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"], impl=impl),
-              lambda i: kernels.cfg_x0_ref(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"])),
+              lambda i, impl: dmd2_kernels.cfg_x0(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"], impl=impl),
+              lambda i: dmd2_kernels.cfg_x0_ref(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"])),
     "fm": Op("flow_matching_loss", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 7},
              _latent_inputs(["v_pred", "x0", "eps"]), ("v_pred",),
-             lambda i, impl: kernels.flow_matching_loss(i["v_pred"], i["x0"], i["eps"], i["sigma"], impl=impl),
-             lambda i: kernels.flow_matching_loss_ref(i["v_pred"], i["x0"], i["eps"], i["sigma"])),
+             lambda i, impl: dmd2_kernels.flow_matching_loss(i["v_pred"], i["x0"], i["eps"], i["sigma"], impl=impl),
+             lambda i: dmd2_kernels.flow_matching_loss_ref(i["v_pred"], i["x0"], i["eps"], i["sigma"])),
     "dmd": Op("dmd_loss", ("fwd", "fwd+bwd"), {"fwd": 4, "fwd+bwd": 7}, _dmd_inputs, ("x0hat",),
-              lambda i, impl: kernels.dmd_loss(i["x0hat"], i["x0_real"], i["x0_fake"], impl=impl),
-              lambda i: kernels.dmd_loss_ref(i["x0hat"], i["x0_real"], i["x0_fake"])),
+              lambda i, impl: dmd2_kernels.dmd_loss(i["x0hat"], i["x0_real"], i["x0_fake"], impl=impl),
+              lambda i: dmd2_kernels.dmd_loss_ref(i["x0hat"], i["x0_real"], i["x0_fake"])),
     "adaln": Op("adaln_modulate", ("fwd", "fwd+bwd"), {"fwd": 2, "fwd+bwd": 5}, _adaln_inputs, ("x", "shift", "scale"),
-                lambda i, impl: kernels.adaln_modulate(i["x"], i["shift"], i["scale"], impl=impl),
-                lambda i: kernels.adaln_modulate_ref(i["x"], i["shift"], i["scale"])),
+                lambda i, impl: dmd2_kernels.adaln_modulate(i["x"], i["shift"], i["scale"], impl=impl),
+                lambda i: dmd2_kernels.adaln_modulate_ref(i["x"], i["shift"], i["scale"])),
     "qknorm": Op("qk_norm_rope", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 8}, _qknorm_inputs, ("x", "weight"),
-                 lambda i, impl: kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM, impl=impl),
-                 lambda i: kernels.qk_norm_rope_ref(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM)),
+                 lambda i, impl: dmd2_kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM, impl=impl),
+                 lambda i: dmd2_kernels.qk_norm_rope_ref(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM)),
 }
 KIND = {"adaln": "tokens", "qknorm": "qk"}  # op -> its sizes below; the others take "latent"
 REALISTIC = {"latent": [("sdxl B8", (8, 4, 128, 128)), ("wan480p B1", (1, 16, 21, 60, 104))],
@@ -208,7 +208,7 @@ def parse_args(argv=None):
 
 COLUMNS = ["op", "mode", "size", "shape", "dtype", "elements", "fused_p50_ms", "fused_p20_ms", "fused_p80_ms",
            "eager_ms", "compile_ms", "x_eager", "x_compile", "MB", "GB_s", "pct_copy", "cuda_dispatch"]
-# each benchmark op's name in the dispatcher (`kernels._utils.FUSED_FROM`)
+# each benchmark op's name in the dispatcher (`dmd2_kernels._utils.FUSED_FROM`)
 DISPATCH_OP = {"x0": "x0", "cfg": "cfg", "fm": "flow_matching", "dmd": "dmd", "adaln": "adaln",
                "qknorm": "qk_norm_rope"}
 

@@ -138,7 +138,8 @@ if ((MEGATRON == 0)) && compgen -G ".whl/*.whl" >/dev/null; then
     tail -n "$TAIL_LINES" "$LOGS/wheels.log" | cut -c1-240
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 fi
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the project is not pip-installed on the lent machine
+# the project is not pip-installed on the lent machine: the root (dmd2_mega) and kernels/ (dmd2_kernels)
+export PYTHONPATH="$REPO:$REPO/kernels${PYTHONPATH:+:$PYTHONPATH}"
 DRY=${DRY_RUN:-$((1 - CUDA))}
 
 PEAK=""

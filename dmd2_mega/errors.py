@@ -2,7 +2,7 @@
 
 Each message names the flag, file, shard or argument to fix and what was expected. This module
 imports nothing from the package, so any layer may raise these. `resilience.run_main` turns the
-user-facing ones into one `<ErrorType>: <message>` line and exit code 1. (`kernels.KernelError`
+user-facing ones into one `<ErrorType>: <message>` line and exit code 1. (`dmd2_kernels.KernelError`
 lives with the kernels, which import nothing from `dmd2_mega`; `offload.RoleAsleepError` is a
 programming error, not bad input.)
 """

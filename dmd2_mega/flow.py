@@ -5,7 +5,7 @@ sample) broadcast over D by `expand_like` to [B, 1, ..., 1].
 
     x_sigma = (1 - sigma) * x0 + sigma * eps          (sigma = 0: data, sigma = 1: noise)
     v       = eps - x0                                (= d x_sigma / d sigma)
-    x0      = x_sigma - sigma * v                      (the fused `kernels.x0_from_velocity`)
+    x0      = x_sigma - sigma * v                      (the fused `dmd2_kernels.x0_from_velocity`)
     eps     = x_sigma + (1 - sigma) * v
     shift_k(s) = k s / (1 + (k - 1) s) = k s / (k s + 1 - s)      (k > 0; k > 1 pushes toward noise)
     CFG:    v = v_neg + g * (v_pos - v_neg)           (g = 1: no guidance, no negative forward)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kernels
+import dmd2_kernels
 from dmd2_mega import flow
 from dmd2_mega.errors import CheckpointError, ConfigError
 
@@ -94,7 +94,7 @@ def few_step_sample(model, noise: torch.Tensor, cond: torch.Tensor, sigmas: torc
     b = x.shape[0]
     for i, s in enumerate(sigmas.tolist()):
         sig = torch.full((b,), s, device=x.device, dtype=torch.float32)
-        x0 = kernels.x0_from_velocity(x, model(x, sig, cond).to(x.dtype), sig)
+        x0 = dmd2_kernels.x0_from_velocity(x, model(x, sig, cond).to(x.dtype), sig)
         if i + 1 < len(sigmas):
             x = flow.add_noise(x0, noise[i + 1], sigmas[i + 1].expand(b).to(x.device))
     return x0

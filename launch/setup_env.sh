@@ -5,8 +5,8 @@
 # imported on first import instead.
 # Without a .venv, an interpreter that already imports what the project and its tests need ($PYTHON, else python3,
 # else python) is used as it is and nothing is installed: the lent GPU machine, which has no package registry, once
-# benchmarks/gpu_check.sh has put the carried wheels on PYTHONPATH. The repository root then goes on PYTHONPATH (the
-# project is not pip-installed there) and `python` on PATH runs that interpreter.
+# benchmarks/gpu_check.sh has put the carried wheels on PYTHONPATH. The repository root and kernels/ (where the
+# dmd2_kernels package lives) then go on PYTHONPATH (the project is not pip-installed there) and `python` on PATH runs that interpreter.
 _dmd2_needs="torch, triton, megatron.core, diffusers, pytest, xdist, pytest_timeout"
 _dmd2_py=""
 if [ ! -x .venv/bin/python ]; then
@@ -25,7 +25,7 @@ if [ -n "$_dmd2_py" ]; then
         chmod +x "$_dmd2_dir/python"
     fi
     export PATH="$_dmd2_dir:$(dirname "$_dmd2_py"):$PATH"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
     echo "> no .venv: using $_dmd2_py as it is (it imports $_dmd2_needs); nothing installed" >&2
 else
     if [ ! -x .venv/bin/python ]; then

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import dmd2_kernels
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.methods.dmd2.actor import actor_phase
@@ -45,7 +45,7 @@ def make_scores(student: torch.nn.Module) -> list[Scores]:
         x0_fake = x0_real + 0.3 * torch.randn(B, *SHAPE, generator=g, dtype=F64)
         if j == 0:  # sample 1: x0_fake = x0_real = x0hat -> 0 / 0 (built with the kernel the actor
             with torch.no_grad():  # uses, so that it is bit-identical to the actor's x0hat)
-                x0hat = kernels.x0_from_velocity(x, student(x, sigma, cond), sigma)
+                x0hat = dmd2_kernels.x0_from_velocity(x, student(x, sigma, cond), sigma)
             x0_real[1] = x0hat[1]
             x0_fake[1] = x0hat[1]
         out.append(Scores(sample_id=torch.arange(B) + 10 * j, x=x, sigma=sigma, cond=cond,
@@ -92,7 +92,7 @@ def test_reference_exercises_nan_to_num(actor):
     assert torch.equal(x0_real[1], actor["scores"][0].x0_fake[1])
     sc = actor["scores"][0]
     with torch.no_grad():
-        x0hat = kernels.x0_from_velocity(sc.x, actor["init"](sc.x, sc.sigma, sc.cond), sc.sigma)
+        x0hat = dmd2_kernels.x0_from_velocity(sc.x, actor["init"](sc.x, sc.sigma, sc.cond), sc.sigma)
     assert float((x0hat[1] - x0_real[1]).abs().max()) == 0.0
 
 

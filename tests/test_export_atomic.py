@@ -13,7 +13,10 @@ trained on (latents [4, 3, 2, 4]).
   * `staging.staged_output` for a file and a folder: a second writer on the same path is refused while the
     first holds it; a folder at the temporary name that is not ours is refused, never deleted;
   * README.md's snippet, run as written (paths substituted) on CPU: the trained frame count and size, the
-    student's own sigmas, and the same video twice under torch.manual_seed.
+    student's own sigmas, and the same video twice under torch.manual_seed;
+  * the README's seed recipe in diffusers' own WanPipeline (issue 53 item 3): the same seed is the same video after
+    other draws, another seed another video, and generator= alone does not repeat one (the scheduler's re-noise
+    between steps draws from torch's global RNG: WanPipeline passes no generator to scheduler.step).
 """
 import contextlib
 import io
@@ -181,6 +184,41 @@ def test_readme_snippet_runs_as_written_at_the_trained_size_and_sigmas(made, tmp
     np.testing.assert_array_equal(first["video"], second["video"])  # torch.manual_seed makes it repeatable
     unpinned = _run_snippet("\n".join(ln for ln in code.splitlines() if "set_timesteps = functools" not in ln))
     assert unpinned["pipe"].scheduler.sigmas[:-1].tolist() != pytest.approx(SIGMAS, abs=1e-3)  # the pin is needed
+
+
+def test_the_readmes_seed_repeats_a_video_and_generator_alone_does_not(made, tmp_path):
+    """Issue 53 item 3: the student's sampler re-noises between steps (the exported scheduler's
+    stochastic_sampling), and WanPipeline calls scheduler.step without its generator, so that noise comes from
+    torch's global RNG; no diffusers scheduler that re-noises can be handed the pipeline's generator, and an
+    ODE scheduler is not the student's sampler. The README's recipe, torch.manual_seed right before the call,
+    gives the same video twice (bit-exact: the same draws and arithmetic) even after other draws, and another seed
+    another video; `generator=` alone fixes only the starting noise, as the README says."""
+    out = tmp_path / "export"
+    rc, _, err = convert(["--load", made["student"], "--to-diffusers", out])
+    assert rc == 0 and err == [], err
+    code = _snippet((out / "README.md").read_text(), str(out), made["base"])
+    assert code.count("torch.manual_seed(0)\n") == 1, code
+    build, call = code.split("torch.manual_seed(0)\n")
+    assert call.startswith("video = pipe(") and call.count("\n") == 1, call  # the seed is the line before the call
+    ns = _run_snippet(build)
+    ns["pipe"].set_progress_bar_config(disable=True)
+
+    def video(seed: int, generator_seed=None) -> np.ndarray:
+        """The README's call after torch.manual_seed(seed), with generator=<a generator of generator_seed>."""
+        torch.manual_seed(seed)
+        given = call if generator_seed is None else call.replace(
+            "pipe(", f"pipe(generator=torch.Generator().manual_seed({generator_seed}), ", 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exec(compile(given, "README.md", "exec"), ns)
+        return ns["video"]
+
+    first, other, again = video(0), video(1), video(0)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other), "another torch.manual_seed gave the same video: the test cannot fail"
+    assert not np.array_equal(video(1, generator_seed=0), video(2, generator_seed=0)), (
+        "generator= alone now repeats the video: WanPipeline hands it to scheduler.step, so the README "
+        "(dmd2_mega/models/wan/export.py, readme) can offer generator= in place of torch.manual_seed")
 
 
 @pytest.mark.parametrize("folder", [True, False], ids=["folder", "file"])

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import kernels
+import dmd2_kernels
 from dmd2_mega import flow
 from dmd2_mega.errors import FlowError
 
@@ -21,7 +21,7 @@ def test_roundtrips_float64(B):
     g = torch.Generator().manual_seed(B)
     x0 = torch.randn(B, 3, 5, 7, generator=g, dtype=torch.float64)
     eps = torch.randn(B, 3, 5, 7, generator=g, dtype=torch.float64)
-    # float32-representable sigma: kernels.x0_from_velocity takes sigma as [B] float32 (its documented
+    # float32-representable sigma: dmd2_kernels.x0_from_velocity takes sigma as [B] float32 (its documented
     # contract), so the float64 round trip is exact only for sigmas that fp32 holds exactly
     sigma = torch.rand(B, generator=g, dtype=torch.float32).double()
     x_s = flow.add_noise(x0, eps, sigma)
@@ -30,7 +30,7 @@ def test_roundtrips_float64(B):
         torch.testing.assert_close(x_s[n], ref, rtol=0, atol=1e-14)
     v = flow.velocity_target(x0, eps)
     torch.testing.assert_close(v, eps - x0, rtol=0, atol=0)
-    torch.testing.assert_close(kernels.x0_from_velocity(x_s, v, sigma), x0, rtol=0, atol=1e-13)
+    torch.testing.assert_close(dmd2_kernels.x0_from_velocity(x_s, v, sigma), x0, rtol=0, atol=1e-13)
 
 
 def test_endpoints_and_dtype():
@@ -41,7 +41,7 @@ def test_endpoints_and_dtype():
     xb = torch.randn(3, 2, 2, dtype=torch.bfloat16)
     s32 = torch.rand(3)
     assert flow.add_noise(xb, xb, s32).dtype == torch.bfloat16
-    assert kernels.x0_from_velocity(xb, xb, s32).dtype == torch.bfloat16
+    assert dmd2_kernels.x0_from_velocity(xb, xb, s32).dtype == torch.bfloat16
 
 
 def test_expand_like():
@@ -157,7 +157,7 @@ def test_euler_one_step_is_x0_prediction():
     cond = torch.tensor([1, 0, 1])
     v = _gauss_velocity(z, torch.ones(3), cond)
     out = flow.euler_sampler(_gauss_velocity, z, cond, steps=1, shift=3.0)
-    torch.testing.assert_close(out, kernels.x0_from_velocity(z, v, torch.ones(3, dtype=torch.float64)))
+    torch.testing.assert_close(out, dmd2_kernels.x0_from_velocity(z, v, torch.ones(3, dtype=torch.float64)))
 
 
 # --------------------------------------------------------------------------- CFG batching

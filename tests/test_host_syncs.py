@@ -38,7 +38,7 @@ from tests.utils import world_of_one
 
 pytestmark = pytest.mark.timeout(120)
 ROOTS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
-              for d in ("dmd2_mega", "kernels"))
+              for d in ("dmd2_mega", os.path.join("kernels", "dmd2_kernels")))
 K, M = 2, 2
 
 

@@ -1,8 +1,8 @@
-"""kernels.adaln_modulate (LayerNorm without affine + adaLN shift/scale) against a float64 reference."""
+"""dmd2_kernels.adaln_modulate (LayerNorm without affine + adaLN shift/scale) against a float64 reference."""
 import pytest
 import torch
 
-import kernels
+import dmd2_kernels
 from test_kernels_utils import BATCHES, DTYPES, IMPLS, SHAPES, TOL, assert_close, case_id, f64, randn
 
 EPS = 1e-6
@@ -32,7 +32,7 @@ def test_adaln_modulate(B, shape, dtype, impl):
     x = (2.0 + 3.0 * randn(B, shape, torch.float32, 0)).to(dtype).requires_grad_()  # off-centre, wide
     shift = randn(B, (H,), dtype, 1).requires_grad_()
     scale = randn(B, (H,), dtype, 2, scale=0.5).requires_grad_()
-    y = kernels.adaln_modulate(x, shift, scale, eps=EPS, impl=impl)
+    y = dmd2_kernels.adaln_modulate(x, shift, scale, eps=EPS, impl=impl)
     assert y.dtype == dtype and y.shape == x.shape
     dy = randn(B, shape, dtype, 3)
     gx, gshift, gscale = torch.autograd.grad(y, (x, shift, scale), dy)
@@ -55,8 +55,8 @@ def test_adaln_broadcast_layout(impl):
     """shift/scale given as [B, 1, H] (as a DiT's chunked adaLN output) equal the [B, H] result."""
     x = randn(3, (10, 24), torch.float32, 0)
     shift, scale = randn(3, (1, 24), torch.float32, 1), randn(3, (1, 24), torch.float32, 2)
-    a = kernels.adaln_modulate(x, shift, scale, impl=impl)
-    b = kernels.adaln_modulate(x, shift[:, 0], scale[:, 0], impl=impl)
+    a = dmd2_kernels.adaln_modulate(x, shift, scale, impl=impl)
+    b = dmd2_kernels.adaln_modulate(x, shift[:, 0], scale[:, 0], impl=impl)
     assert_close(a, b, torch.float32, tol=(0, 0))
     assert_close(a, reference(*f64(x, shift, scale)), torch.float32)
 
@@ -66,14 +66,14 @@ def test_adaln_gradcheck_torch_path():
     x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
     shift = torch.randn(2, 5, dtype=torch.float64, generator=g, requires_grad=True)
     scale = torch.randn(2, 5, dtype=torch.float64, generator=g, requires_grad=True)
-    fn = lambda a, b, c: kernels.adaln_modulate(a, b, c, impl="torch")  # noqa: E731
+    fn = lambda a, b, c: dmd2_kernels.adaln_modulate(a, b, c, impl="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, shift, scale))
 
 
 def test_tiles_leave_at_most_an_eighth_of_the_lanes_idle():
     """Non-power-of-two hidden sizes are tiled, not padded (DiT-XL's 1152 padded to 2048 idled 44% of the lanes);
     the test shapes above (H = 17, 96) run the tiled kernels, H = 5, 1024 the one-tile ones."""
-    from kernels.adaln import _tile
+    from dmd2_kernels.adaln import _tile
     assert _tile(1152)[1:] == (256, 8, 5)
     assert _tile(1024)[3] == _tile(5)[3] == 1 and _tile(17)[3] == 2 and _tile(96)[3] == 3
     for h in list(range(128, 3000, 7)) + [768, 1152, 1536, 3072, 5120]:  # below 128 the 16-lane floor binds

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import _utils
+import dmd2_kernels
+from dmd2_kernels import _utils
 from test_kernels_utils import DEVICE, IMPLS, assert_close
 
 HEAD_DIM = 8
@@ -28,7 +28,7 @@ HEAD_DIM = 8
 def dynamo():
     """torch.compile on for the test (tests/conftest.py sets TORCH_COMPILE_DISABLE for the suite), caches reset."""
     torch._dynamo.reset()
-    kernels.register_ops()  # what models/compiled.py does before it compiles (ops register lazily otherwise)
+    dmd2_kernels.register_ops()  # what models/compiled.py does before it compiles (ops register lazily otherwise)
     with torch._dynamo.config.patch(disable=False):
         yield
     torch._dynamo.reset()
@@ -37,9 +37,9 @@ def dynamo():
 def block_fn(impl):
     """What a DiT / Wan block calls: adaLN modulation of the tokens, q/k norm with and without rotary."""
     def fn(x, shift, scale, q, w, cos, sin):
-        return (kernels.adaln_modulate(x, shift, scale, impl=impl),
-                kernels.qk_norm_rope(q, w, cos, sin, HEAD_DIM, impl=impl),
-                kernels.qk_norm_rope(q, w, None, None, HEAD_DIM, impl=impl))
+        return (dmd2_kernels.adaln_modulate(x, shift, scale, impl=impl),
+                dmd2_kernels.qk_norm_rope(q, w, cos, sin, HEAD_DIM, impl=impl),
+                dmd2_kernels.qk_norm_rope(q, w, None, None, HEAD_DIM, impl=impl))
     return fn
 
 
@@ -57,11 +57,11 @@ def block_inputs():
 def loss_fn(impl):
     """The critic's and the actor's ops: x0 projection, CFG (no grad), the flow-matching mean, the DMD loss."""
     def fn(x_s, v, x0, eps, sigma, v_pos, v_neg):
-        x0hat = kernels.x0_from_velocity(x_s, v, sigma, impl=impl)
+        x0hat = dmd2_kernels.x0_from_velocity(x_s, v, sigma, impl=impl)
         with torch.no_grad():
-            x0_real = kernels.cfg_x0(x_s, v_pos, v_neg, sigma, 4.5, impl=impl)
-        fm = kernels.flow_matching_loss(v, x0, eps, sigma, space="x0", impl=impl, reduction="mean")
-        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0, impl=impl)
+            x0_real = dmd2_kernels.cfg_x0(x_s, v_pos, v_neg, sigma, 4.5, impl=impl)
+        fm = dmd2_kernels.flow_matching_loss(v, x0, eps, sigma, space="x0", impl=impl, reduction="mean")
+        loss, stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0, impl=impl)
         return loss + fm, stats.norm, stats.grad_rms, x0_real
     return fn
 
@@ -146,10 +146,10 @@ def test_custom_ops_pass_opcheck(dynamo):
 TRACE_SCRIPT = r"""
 import importlib, torch
 from functorch.compile import aot_function
-from kernels import _utils
+from dmd2_kernels import _utils
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 assert not _utils.INTERPRET
-m = {n: importlib.import_module("kernels." + n) for n in
+m = {n: importlib.import_module("dmd2_kernels." + n) for n in
      ("adaln", "qk_norm_rope", "x0_projection", "flow_matching", "dmd", "cfg")}
 R = lambda *shape: torch.randn(shape, device="meta")
 graphs = []

@@ -1,4 +1,4 @@
-"""kernels.dmd_loss against a float64 reference written in tianweiy/DMD2's form.
+"""dmd2_kernels.dmd_loss against a float64 reference written in tianweiy/DMD2's form.
 
 Reference (sd_guidance.py): under no_grad, p_real = x - x0_real, p_fake = x - x0_fake,
 norm = mean_n |p_real|, grad = nan_to_num((p_real - p_fake) / norm); loss = 0.5 * mse(x, (x - grad).detach()).
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import dmd2_kernels
 from test_kernels_utils import (DEVICE, DTYPES, IMPLS, LOSS_TOL, assert_close, cases, count_launches, dtype_id,
                                 f64, grad_tol, randn)
 
@@ -35,7 +35,7 @@ def inputs(B, shape, dtype):
 
 
 def check(x0hat, x0_real, x0_fake, dtype, impl, grad_scale=0.7):
-    loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+    loss, stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
     assert loss.shape == () and loss.dtype == torch.float32
     assert stats.norm.shape == (x0hat.shape[0],) and stats.grad_rms.shape == ()
     (gx,) = torch.autograd.grad(loss, x0hat, torch.tensor(grad_scale, device=loss.device))
@@ -83,7 +83,7 @@ def test_dmd_nan_inf_and_zero_norm(dtype, impl):
 def test_dmd_targets_get_no_grad(impl):
     x0hat, x0_real, x0_fake = inputs(2, (3, 4), torch.float32)
     x0_real.requires_grad_()
-    loss, _ = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+    loss, _ = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
     loss.backward()
     assert x0hat.grad is not None and x0_real.grad is None
 
@@ -95,7 +95,7 @@ def test_dmd_backward_float64_torch_path():
     x0hat, x0_real, x0_fake = (t.detach().double() for t in inputs(3, (2, 3, 5), torch.float32))
     x0hat.requires_grad_()
     for s in (1.0, -2.5, 0.0):
-        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
+        loss, stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
         (gx,) = torch.autograd.grad(loss, x0hat, torch.tensor(s, dtype=torch.float64, device=loss.device))
         rloss, rnorm, _, rgrad = reference(x0hat, x0_real, x0_fake, torch.float64)
         (rgx,) = torch.autograd.grad(rloss, x0hat, torch.tensor(s, dtype=torch.float64, device=loss.device))
@@ -107,7 +107,7 @@ def test_dmd_backward_float64_torch_path():
 
 # ------------------------------------------------------------------ launches, determinism, the final reduction
 
-# The torch path's aten ops for float32 inputs (kernels/dmd.py docstring): forward sub, abs, mean | sub, div,
+# The torch path's aten ops for float32 inputs (kernels/dmd2_kernels/dmd.py docstring): forward sub, abs, mean | sub, div,
 # nan_to_num | square, mean, mul, sqrt; backward one scalar divide and one multiply (grad is kept from the forward).
 TORCH_OPS = {"fwd": 10, "bwd": 2}
 
@@ -117,7 +117,7 @@ def test_dmd_loss_launches(impl, monkeypatch):
     """A property, not a timing: the Triton path is 2 kernels forward and 1 backward with no other op (the old
     path was 4 + 4 allocations forward, and 2 zero fills backward), the torch path at most TORCH_OPS aten ops."""
     x0hat, x0_real, x0_fake = inputs(3, (4, 33, 17), torch.float32)
-    fwd, (loss, stats) = count_launches(monkeypatch, lambda: kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl))
+    fwd, (loss, stats) = count_launches(monkeypatch, lambda: dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl))
     grad_out = torch.tensor(0.7, device=loss.device)
     bwd, _ = count_launches(monkeypatch, lambda: torch.autograd.grad(loss, x0hat, grad_out))
     if impl == "triton":
@@ -135,7 +135,7 @@ def test_dmd_loss_is_deterministic(impl):
     x0hat, x0_real, x0_fake = inputs(3, (16, 40, 40), torch.float32)
     runs = []
     for _ in range(2):
-        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
+        loss, stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl=impl)
         runs.append((loss, stats.norm, stats.grad_rms, *torch.autograd.grad(loss, x0hat)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -144,7 +144,7 @@ def test_dmd_loss_is_deterministic(impl):
 def test_dmd_loss_many_partials(monkeypatch):
     """Tiles of 16 elements: launch 1 loops over several tiles per program (P = 2 programs of 7 tiles per row), and
     the last ticket's program adds 39 partials in two steps of 32; the result still matches the reference."""
-    from kernels import dmd
+    from dmd2_kernels import dmd
     monkeypatch.setattr(dmd, "block_for", lambda n: 16)
     monkeypatch.setattr(dmd, "FINAL_BLOCK", 32)
     assert dmd._split(3, 5 * 41, torch.device(DEVICE))[:2] == ((2, 112) if DEVICE == "cpu" else (13, 16))
@@ -157,10 +157,10 @@ def test_dmd_loss_last_ticket_on_gpu():
     (barrier, acq_rel atomic) must let its program see every partial. 50 calls are bit-identical and agree with the
     torch path; the interpreter runs programs one after another and cannot show a race."""
     x0hat, x0_real, x0_fake = (t.detach() for t in inputs(8, (4, 128, 128), torch.float32))
-    want, want_stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
+    want, want_stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="torch")
     first = None
     for _ in range(50):
-        loss, stats = kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="triton")
+        loss, stats = dmd2_kernels.dmd_loss(x0hat, x0_real, x0_fake, impl="triton")
         got = torch.stack([loss, stats.grad_rms, *stats.norm])
         first = got if first is None else first
         assert torch.equal(got, first)

@@ -1,8 +1,8 @@
-"""kernels.flow_matching_loss (per-sample or batch mean, velocity or x0 space) against a float64 reference."""
+"""dmd2_kernels.flow_matching_loss (per-sample or batch mean, velocity or x0 space) against a float64 reference."""
 import pytest
 import torch
 
-import kernels
+import dmd2_kernels
 from test_kernels_utils import (DEVICE, IMPLS, LOSS_TOL, assert_close, cases, count_launches, dtype_id, f64,
                                 grad_tol, rand_sigma, randn)
 
@@ -23,7 +23,7 @@ def test_flow_matching_loss(B, shape, dtype, impl, space):
     v_pred = randn(B, shape, dtype, 0).requires_grad_()
     x0, eps = randn(B, shape, dtype, 1), randn(B, shape, dtype, 2)
     sigma = rand_sigma(B, 3)
-    loss = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space=space, impl=impl)
+    loss = dmd2_kernels.flow_matching_loss(v_pred, x0, eps, sigma, space=space, impl=impl)
     assert loss.shape == (B,) and loss.dtype == torch.float32
     grad_out = rand_sigma(B, 4)  # per-sample weights of the loss
     (gv,) = torch.autograd.grad(loss, v_pred, grad_out)
@@ -42,16 +42,16 @@ def test_flow_matching_loss(B, shape, dtype, impl, space):
 def test_x0_space_is_sigma_squared_velocity(B, impl):
     v_pred, x0, eps = (randn(B, (4, 33, 17), torch.float32, i) for i in range(3))
     sigma = rand_sigma(B, 3)
-    lv = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="velocity", impl=impl)
-    lx = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="x0", impl=impl)
+    lv = dmd2_kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="velocity", impl=impl)
+    lx = dmd2_kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="x0", impl=impl)
     assert_close(lx, sigma ** 2 * lv, torch.float32, tol=LOSS_TOL)
     assert not torch.allclose(lx, lv)  # sigma < 1: the two spaces differ
 
 
 def test_targets_are_not_differentiated():
     x = randn(2, (3, 4), torch.float32, 0)
-    with pytest.raises(kernels.KernelError, match="x0 and eps are targets"):
-        kernels.flow_matching_loss(x, x.clone().requires_grad_(), x, 0.5)
+    with pytest.raises(dmd2_kernels.KernelError, match="x0 and eps are targets"):
+        dmd2_kernels.flow_matching_loss(x, x.clone().requires_grad_(), x, 0.5)
 
 
 @pytest.mark.parametrize("space", ["velocity", "x0"])
@@ -60,7 +60,7 @@ def test_flow_matching_gradcheck_torch_path(space):
     v, x0, eps = (torch.randn(3, 2, 5, dtype=torch.float64, generator=g) for _ in range(3))
     v.requires_grad_()
     sigma = torch.tensor([0.2, 0.5, 0.9])
-    fn = lambda a: kernels.flow_matching_loss(a, x0, eps, sigma, space=space, impl="torch")  # noqa: E731
+    fn = lambda a: dmd2_kernels.flow_matching_loss(a, x0, eps, sigma, space=space, impl="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (v,))
 
 
@@ -69,7 +69,7 @@ def test_backward_through_mean(impl):
     """loss.mean().backward() hands the Function a stride-0 (expanded) grad_out."""
     v_pred = randn(3, (4, 5), torch.float32, 0).requires_grad_()
     x0, eps = randn(3, (4, 5), torch.float32, 1), randn(3, (4, 5), torch.float32, 2)
-    kernels.flow_matching_loss(v_pred, x0, eps, rand_sigma(3, 3), space="x0", impl=impl).mean().backward()
+    dmd2_kernels.flow_matching_loss(v_pred, x0, eps, rand_sigma(3, 3), space="x0", impl=impl).mean().backward()
     v64, x64, e64 = f64(v_pred, x0, eps)
     reference(v64, x64, e64, rand_sigma(3, 3), "x0").mean().backward()
     assert_close(v_pred.grad, v64.grad, torch.float32, tol=grad_tol(torch.float32, v64.grad))
@@ -87,7 +87,7 @@ def test_reduction_mean(space, impl, dtype):
     v_pred = randn(B, shape, dtype, 0).requires_grad_()
     x0, eps = randn(B, shape, dtype, 1), randn(B, shape, dtype, 2)
     for sigma in (rand_sigma(B, 3), 0.3):
-        loss = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space=space, impl=impl, reduction="mean")
+        loss = dmd2_kernels.flow_matching_loss(v_pred, x0, eps, sigma, space=space, impl=impl, reduction="mean")
         assert loss.shape == () and loss.dtype == torch.float32
         (gv,) = torch.autograd.grad(loss, v_pred, torch.tensor(0.7, device=loss.device))
         v64, x64, e64 = f64(v_pred, x0, eps)
@@ -96,11 +96,11 @@ def test_reduction_mean(space, impl, dtype):
         (rv,) = torch.autograd.grad(ref, v64, torch.tensor(0.7, dtype=torch.float64, device=ref.device))
         assert_close(loss, ref, dtype, tol=LOSS_TOL, msg="loss")
         assert_close(gv, rv, dtype, tol=grad_tol(dtype, rv), msg="grad v_pred")
-    with pytest.raises(kernels.KernelError, match="reduction='sum'"):
-        kernels.flow_matching_loss(v_pred, x0, eps, 0.3, reduction="sum")
+    with pytest.raises(dmd2_kernels.KernelError, match="reduction='sum'"):
+        dmd2_kernels.flow_matching_loss(v_pred, x0, eps, 0.3, reduction="sum")
 
 
-# The torch path's aten ops for float32 inputs (kernels/flow_matching.py docstring), forward and backward:
+# The torch path's aten ops for float32 inputs (kernels/dmd2_kernels/flow_matching.py docstring), forward and backward:
 # sub, mse_loss, mean (x0 space: and the square and multiply of the weights; "mean": mse_loss's own mean for the
 # velocity space, one more mean for x0); backward mse_loss_backward and the means' and weights' scalings.
 TORCH_OPS = {("velocity", "none"): (3, 2), ("velocity", "mean"): (2, 1), ("x0", "none"): (5, 3), ("x0", "mean"): (6, 4)}
@@ -116,7 +116,7 @@ def test_flow_matching_loss_launches(impl, space, reduction, monkeypatch):
     v_pred = randn(3, (4, 33, 17), torch.float32, 0).requires_grad_()
     x0, eps = randn(3, (4, 33, 17), torch.float32, 1), randn(3, (4, 33, 17), torch.float32, 2)
     sigma = rand_sigma(3, 3)
-    fwd, loss = count_launches(monkeypatch, lambda: kernels.flow_matching_loss(
+    fwd, loss = count_launches(monkeypatch, lambda: dmd2_kernels.flow_matching_loss(
         v_pred, x0, eps, sigma, space=space, impl=impl, reduction=reduction))
     grad_out = torch.ones_like(loss)
     bwd, _ = count_launches(monkeypatch, lambda: torch.autograd.grad(loss, v_pred, grad_out))
@@ -131,12 +131,12 @@ def test_flow_matching_loss_launches(impl, space, reduction, monkeypatch):
 
 def test_final_program_loops_over_many_partials(monkeypatch):
     """Tiles of 16 elements: 141 partials per sample, added 16 at a time by the one final program."""
-    from kernels import flow_matching
+    from dmd2_kernels import flow_matching
     monkeypatch.setattr(flow_matching, "block_for", lambda n: 16)
     monkeypatch.setattr(flow_matching, "FINAL_BLOCK", 16)
     v_pred, x0, eps = (randn(3, (4, 33, 17), torch.float32, i) for i in range(3))
     sigma = rand_sigma(3, 3)
     ref = reference(*f64(v_pred, x0, eps), sigma, "x0")
     for reduction, want in (("none", ref), ("mean", ref.mean())):
-        got = kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="x0", impl="triton", reduction=reduction)
+        got = dmd2_kernels.flow_matching_loss(v_pred, x0, eps, sigma, space="x0", impl="triton", reduction=reduction)
         assert_close(got, want, torch.float32, tol=LOSS_TOL, msg=reduction)

@@ -1,4 +1,4 @@
-"""kernels.qk_norm_rope (Wan's q/k RMSNorm across heads + interleaved RoPE, TP-aware) against a float64
+"""dmd2_kernels.qk_norm_rope (Wan's q/k RMSNorm across heads + interleaved RoPE, TP-aware) against a float64
 reference, diffusers' WanAttention, and its own G = 1 result at TP = 2 (tests/mp_scripts/qk_norm_rope_tp.py)."""
 import json
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-import kernels
-from kernels import _utils
+import dmd2_kernels
+from dmd2_kernels import _utils
 from test_kernels_utils import DEVICE, IMPLS, TOL, assert_close, dtype_id, f64
 from tests.utils import MP_SCRIPTS, torchrun
 
@@ -53,7 +53,7 @@ def qk_cases():
 def test_qk_norm_rope(shape, dtype, rope, impl):
     B, S, heads, D = shape
     x, w, cos, sin, dy = make_inputs(B, S, heads, D, dtype, rope)
-    y = kernels.qk_norm_rope(x, w, cos, sin, D, eps=EPS, impl=impl)
+    y = dmd2_kernels.qk_norm_rope(x, w, cos, sin, D, eps=EPS, impl=impl)
     assert y.dtype == dtype and y.shape == x.shape
     gx, gw = torch.autograd.grad(y, (x, w), dy)
 
@@ -70,7 +70,7 @@ def test_qk_norm_rope(shape, dtype, rope, impl):
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "norope"])
 def test_ref_matches_definition(rope):
     x, w, cos, sin, dy = make_inputs(3, 7, 3, 12, torch.float64, rope)
-    y = kernels.qk_norm_rope_ref(x, w, cos, sin, 12, eps=EPS)
+    y = dmd2_kernels.qk_norm_rope_ref(x, w, cos, sin, 12, eps=EPS)
     assert_close(y, reference(x, w, cos, sin, 12), torch.float32, tol=(1e-12, 1e-12))
     g = torch.autograd.grad(y, (x, w), dy)
     r = torch.autograd.grad(reference(x, w, cos, sin, 12), (x, w), dy)
@@ -107,7 +107,7 @@ def test_matches_diffusers_wan_attention(impl, monkeypatch):
         attn(h, rotary_emb=(freqs_cos[None, :, None], freqs_sin[None, :, None]))
         cos, sin = freqs_cos[:, 0::2], freqs_sin[:, 0::2]
         for proj, norm, key in ((attn.to_q, attn.norm_q, "q"), (attn.to_k, attn.norm_k, "k")):
-            y = kernels.qk_norm_rope(proj(h), norm.weight, cos, sin, D, eps=norm.eps, impl=impl)
+            y = dmd2_kernels.qk_norm_rope(proj(h), norm.weight, cos, sin, D, eps=norm.eps, impl=impl)
             assert_close(y, captured[key].flatten(2), torch.float32, msg=key)
             assert float((captured[key].flatten(2) - norm(proj(h))).abs().max()) > 0.1  # the rotary is not a no-op
 
@@ -117,14 +117,14 @@ def test_gradcheck_torch_path():
     x = torch.randn(2, 3, 12, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(12, dtype=torch.float64, generator=g, requires_grad=True)
     ang = torch.rand(3, 3, dtype=torch.float64, generator=g) * 6
-    fn = lambda a, b: kernels.qk_norm_rope(a, b, ang.cos(), ang.sin(), 6, impl="torch")  # noqa: E731
+    fn = lambda a, b: dmd2_kernels.qk_norm_rope(a, b, ang.cos(), ang.sin(), 6, impl="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w))
 
 
 def test_tiles_cover_wan_widths():
     """Column tiles are whole pairs, and non-power-of-two widths (Wan2.1-1.3B's HL = 1536 = 12 heads of 128, its
     TP slices, 14B's 5120) leave at most 1/8 of the lanes idle; the test shapes above run 3 column tiles."""
-    from kernels.qk_norm_rope import _tile
+    from dmd2_kernels.qk_norm_rope import _tile
     assert _tile(1536)[1] == 512 and _tile(36)[1] == 16 and _tile(192)[1] == 64 and _tile(128)[1] == 128
     for hl in [640, 768, 1536, 2560, 3072, 5120] + list(range(128, 6000, 22)):  # below 128 the 16-lane floor binds
         rows, block, _ = _tile(hl)
@@ -137,20 +137,20 @@ def test_bad_arguments():
     x = torch.randn(2, 3, 16, device=DEVICE)
     w = torch.ones(16, device=DEVICE)
     cs = torch.ones(3, 4, device=DEVICE)
-    with pytest.raises(kernels.KernelError, match="multiple of head_dim"):
-        kernels.qk_norm_rope(x, w, None, None, 6)
-    with pytest.raises(kernels.KernelError, match="even"):
-        kernels.qk_norm_rope(torch.randn(2, 3, 15, device=DEVICE), torch.ones(15, device=DEVICE), None, None, 5)
-    with pytest.raises(kernels.KernelError, match="weight must be"):
-        kernels.qk_norm_rope(x, torch.ones(8, device=DEVICE), None, None, 8)
-    with pytest.raises(kernels.KernelError, match="both"):
-        kernels.qk_norm_rope(x, w, cs, None, 8)
-    with pytest.raises(kernels.KernelError, match=r"cos must be a float \[S, head_dim // 2\]"):
-        kernels.qk_norm_rope(x, w, torch.ones(3, 8, device=DEVICE), cs, 8)
-    with pytest.raises(kernels.KernelError, match=r"\[B, S, heads \* head_dim\]"):
-        kernels.qk_norm_rope(x[0], w, None, None, 8)
-    with pytest.raises(kernels.KernelError, match="requires grad|require grad"):
-        kernels.qk_norm_rope(x, w, cs.clone().requires_grad_(), cs, 8)
+    with pytest.raises(dmd2_kernels.KernelError, match="multiple of head_dim"):
+        dmd2_kernels.qk_norm_rope(x, w, None, None, 6)
+    with pytest.raises(dmd2_kernels.KernelError, match="even"):
+        dmd2_kernels.qk_norm_rope(torch.randn(2, 3, 15, device=DEVICE), torch.ones(15, device=DEVICE), None, None, 5)
+    with pytest.raises(dmd2_kernels.KernelError, match="weight must be"):
+        dmd2_kernels.qk_norm_rope(x, torch.ones(8, device=DEVICE), None, None, 8)
+    with pytest.raises(dmd2_kernels.KernelError, match="both"):
+        dmd2_kernels.qk_norm_rope(x, w, cs, None, 8)
+    with pytest.raises(dmd2_kernels.KernelError, match=r"cos must be a float \[S, head_dim // 2\]"):
+        dmd2_kernels.qk_norm_rope(x, w, torch.ones(3, 8, device=DEVICE), cs, 8)
+    with pytest.raises(dmd2_kernels.KernelError, match=r"\[B, S, heads \* head_dim\]"):
+        dmd2_kernels.qk_norm_rope(x[0], w, None, None, 8)
+    with pytest.raises(dmd2_kernels.KernelError, match="requires grad|require grad"):
+        dmd2_kernels.qk_norm_rope(x, w, cs.clone().requires_grad_(), cs, 8)
 
 
 # ---- TP = 2 (gloo, CPU tensors): each rank holds half of the heads ------------------------------

@@ -10,8 +10,8 @@ import torch
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-import kernels
-from kernels import _utils
+import dmd2_kernels
+from dmd2_kernels import _utils
 
 if _utils.INTERPRET:
     DEVICE = "cpu"
@@ -93,14 +93,14 @@ def test_default_impl_forces_path(monkeypatch):
     """DMD2_KERNELS is read once, at import (`_utils.DEFAULT_IMPL`); set_default_impl changes it, validated."""
     x = torch.zeros(2, 3, device=DEVICE)
     monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)  # restored after the test
-    assert kernels.set_default_impl("torch") is None
+    assert dmd2_kernels.set_default_impl("torch") is None
     assert _utils.resolve_impl(None, x) == "torch"
-    assert kernels.set_default_impl("triton") == "torch"  # returns the previous value
+    assert dmd2_kernels.set_default_impl("triton") == "torch"  # returns the previous value
     assert _utils.resolve_impl(None, x) == "triton"
     assert _utils.resolve_impl("torch", x) == "torch"  # the explicit argument wins
-    assert kernels.set_default_impl("auto") == "triton" and _utils.DEFAULT_IMPL is None
-    with pytest.raises(kernels.KernelError, match="DMD2_KERNELS='cuda': expected one of 'triton', 'torch' or 'auto'"):
-        kernels.set_default_impl("cuda")
+    assert dmd2_kernels.set_default_impl("auto") == "triton" and _utils.DEFAULT_IMPL is None
+    with pytest.raises(dmd2_kernels.KernelError, match="DMD2_KERNELS='cuda': expected one of 'triton', 'torch' or 'auto'"):
+        dmd2_kernels.set_default_impl("cuda")
     assert _utils.DEFAULT_IMPL is None  # a bad value changes nothing
 
 
@@ -109,7 +109,7 @@ def test_env_is_parsed_at_import_not_per_call(monkeypatch):
     variable later changes no call."""
     assert _utils.parse_default_impl(None) is None and _utils.parse_default_impl(" Auto ") is None
     assert _utils.parse_default_impl(" TRITON") == "triton" and _utils.parse_default_impl("torch") == "torch"
-    with pytest.raises(kernels.KernelError, match="DMD2_KERNELS"):
+    with pytest.raises(dmd2_kernels.KernelError, match="DMD2_KERNELS"):
         _utils.parse_default_impl("cuda")
     monkeypatch.setattr(_utils, "DEFAULT_IMPL", None)
     monkeypatch.setenv("DMD2_KERNELS", "cuda")  # read at import only: no effect, no error
@@ -119,35 +119,35 @@ def test_env_is_parsed_at_import_not_per_call(monkeypatch):
 def test_default_triton_runs_kernel(monkeypatch):
     """DEFAULT_IMPL "triton" routes a public op through the Triton path (its custom op)."""
     calls = []
-    from kernels import x0_projection
+    from dmd2_kernels import x0_projection
     real = x0_projection._fwd_triton
     monkeypatch.setattr(x0_projection, "_fwd_triton", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(_utils, "DEFAULT_IMPL", "triton")
     x = torch.randn(2, 3, device=DEVICE)
-    kernels.x0_from_velocity(x, x, 0.5)
+    dmd2_kernels.x0_from_velocity(x, x, 0.5)
     monkeypatch.setattr(_utils, "DEFAULT_IMPL", "torch")
-    kernels.x0_from_velocity(x, x, 0.5)
+    dmd2_kernels.x0_from_velocity(x, x, 0.5)
     assert calls == [1]
 
 
 def test_bad_arguments():
     x = torch.randn(2, 3, 4, device=DEVICE)
-    with pytest.raises(kernels.KernelError, match="impl"):
-        kernels.x0_from_velocity(x, x, 0.5, impl="cuda")
-    with pytest.raises(kernels.KernelError, match="float64"):
-        kernels.x0_from_velocity(x.double(), x.double(), 0.5, impl="triton")
-    with pytest.raises(kernels.KernelError, match="v has shape"):
-        kernels.x0_from_velocity(x, x[:, :2], 0.5)
-    with pytest.raises(kernels.KernelError, match="v has dtype"):
-        kernels.x0_from_velocity(x, x.half(), 0.5)
-    with pytest.raises(kernels.KernelError, match="sigma must be a number or a \\[B\\] tensor with B=2"):
-        kernels.x0_from_velocity(x, x, torch.rand(3, device=DEVICE))
-    with pytest.raises(kernels.KernelError, match="sigma must not require grad"):
-        kernels.x0_from_velocity(x, x, torch.rand(2, device=DEVICE, requires_grad=True))
-    with pytest.raises(kernels.KernelError, match="space"):
-        kernels.flow_matching_loss(x, x, x, 0.5, space="eps")
-    with pytest.raises(kernels.KernelError, match="scale must be"):
-        kernels.adaln_modulate(x, torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 3, device=DEVICE))
+    with pytest.raises(dmd2_kernels.KernelError, match="impl"):
+        dmd2_kernels.x0_from_velocity(x, x, 0.5, impl="cuda")
+    with pytest.raises(dmd2_kernels.KernelError, match="float64"):
+        dmd2_kernels.x0_from_velocity(x.double(), x.double(), 0.5, impl="triton")
+    with pytest.raises(dmd2_kernels.KernelError, match="v has shape"):
+        dmd2_kernels.x0_from_velocity(x, x[:, :2], 0.5)
+    with pytest.raises(dmd2_kernels.KernelError, match="v has dtype"):
+        dmd2_kernels.x0_from_velocity(x, x.half(), 0.5)
+    with pytest.raises(dmd2_kernels.KernelError, match="sigma must be a number or a \\[B\\] tensor with B=2"):
+        dmd2_kernels.x0_from_velocity(x, x, torch.rand(3, device=DEVICE))
+    with pytest.raises(dmd2_kernels.KernelError, match="sigma must not require grad"):
+        dmd2_kernels.x0_from_velocity(x, x, torch.rand(2, device=DEVICE, requires_grad=True))
+    with pytest.raises(dmd2_kernels.KernelError, match="space"):
+        dmd2_kernels.flow_matching_loss(x, x, x, 0.5, space="eps")
+    with pytest.raises(dmd2_kernels.KernelError, match="scale must be"):
+        dmd2_kernels.adaln_modulate(x, torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 3, device=DEVICE))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -156,7 +156,7 @@ def test_per_sample_scalar_layouts(impl):
     x, v = randn(3, (2, 5, 5), torch.float32, 0), randn(3, (2, 5, 5), torch.float32, 1)
     want = x - 0.25 * v
     for sigma in (0.25, torch.tensor(0.25), torch.full((3,), 0.25), torch.full((3, 1, 1, 1), 0.25)):
-        assert_close(kernels.x0_from_velocity(x, v, sigma, impl=impl), want, torch.float32)
+        assert_close(dmd2_kernels.x0_from_velocity(x, v, sigma, impl=impl), want, torch.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -164,7 +164,7 @@ def test_non_contiguous_input(impl):
     x = randn(3, (5, 7), torch.float32, 0).transpose(1, 2)
     v = randn(3, (5, 7), torch.float32, 1).transpose(1, 2)
     s = rand_sigma(3, 2)
-    assert_close(kernels.x0_from_velocity(x, v, s, impl=impl), x - s[:, None, None] * v, torch.float32)
+    assert_close(dmd2_kernels.x0_from_velocity(x, v, s, impl=impl), x - s[:, None, None] * v, torch.float32)
 
 
 # ------------------------------------------------------------- per-sample scalars
@@ -179,7 +179,7 @@ def test_per_sample_makes_no_tensor_from_a_number_and_no_copy_of_a_tensor():
     for t, stride in ((base[:, 0].contiguous(), 1), (base[:1, 0], 0), (base[:, :1, None], 2), (base[:, 0], 2)):
         s = _utils.per_sample(t, 4, torch.device(DEVICE), "g")
         assert s.shape == (4,) and s.stride(0) == stride and s.data_ptr() == t.data_ptr()
-    with pytest.raises(kernels.KernelError, match="g must be a number or a \\[B\\] tensor, got bool"):
+    with pytest.raises(dmd2_kernels.KernelError, match="g must be a number or a \\[B\\] tensor, got bool"):
         _utils.per_sample(True, 4, torch.device(DEVICE), "g")
 
 
@@ -257,28 +257,17 @@ def test_cuda_auto_dispatch_matches_torch_path_at_sdxl_size(monkeypatch):
     a, b, c = randn(8, shape, dt, 1), randn(8, shape, dt, 2), randn(8, shape, dt, 3)
     sigma = rand_sigma(8, 4)
     with torch.no_grad():
-        assert_close(kernels.cfg_x0(x, a, b, sigma, 4.5), kernels.cfg_x0(x, a, b, sigma, 4.5, impl="torch"), dt)
+        assert_close(dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5), dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5, impl="torch"), dt)
     outs = {}
     for impl in ("triton", "torch"):
         v = a.clone().requires_grad_()
-        fm = kernels.flow_matching_loss(v, b, c, sigma, space="x0", impl=impl)
-        loss, stats = kernels.dmd_loss(v, b, c, impl=impl)
-        y = kernels.x0_from_velocity(x, v, sigma, impl=impl)
+        fm = dmd2_kernels.flow_matching_loss(v, b, c, sigma, space="x0", impl=impl)
+        loss, stats = dmd2_kernels.dmd_loss(v, b, c, impl=impl)
+        y = dmd2_kernels.x0_from_velocity(x, v, sigma, impl=impl)
         total = fm.sum() + loss + y.float().square().mean()
         outs[impl] = (fm, loss, stats.norm, stats.grad_rms, *torch.autograd.grad(total, v))
     for got, want in zip(outs["triton"], outs["torch"]):
         assert_close(got, want, dt, tol=(1e-2 * want.abs().max().item() + 1e-6, 1e-2))
-
-
-def test_a_hub_kernels_name_is_one_clear_error():
-    """transformers >= 5.25 imports Hugging Face's `kernels` package, which ours shadows: the names it asks for
-    raise one ImportError naming the pin; any other missing name stays an AttributeError."""
-    with pytest.raises(ImportError, match=r"cannot import name 'CUDAProperties' from 'kernels': this is dmd2-mega's "
-                                          r"kernels/.*install transformers<5.25"):
-        exec("from kernels import CUDAProperties", {})
-    with pytest.raises(AttributeError, match="module 'kernels' has no attribute 'no_such_op'"):
-        getattr(kernels, "no_such_op")
-    assert kernels.dmd_loss is not None
 
 
 # ---------------------------------------------------------------------------- where a fused kernel pays

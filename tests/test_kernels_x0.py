@@ -1,8 +1,8 @@
-"""kernels.x0_from_velocity (x0 = x_s - sigma * v) and kernels.cfg_x0 against float64 references."""
+"""dmd2_kernels.x0_from_velocity (x0 = x_s - sigma * v) and dmd2_kernels.cfg_x0 against float64 references."""
 import pytest
 import torch
 
-import kernels
+import dmd2_kernels
 from test_kernels_utils import DEVICE, IMPLS, TOL, assert_close, cases, count_launches, f64, rand_sigma, randn
 
 
@@ -15,7 +15,7 @@ def test_x0_from_velocity(B, shape, dtype, impl):
     x_s = randn(B, shape, dtype, 0).requires_grad_()
     v = randn(B, shape, dtype, 1).requires_grad_()
     sigma = rand_sigma(B, 2)
-    out = kernels.x0_from_velocity(x_s, v, sigma, impl=impl)
+    out = dmd2_kernels.x0_from_velocity(x_s, v, sigma, impl=impl)
     assert out.dtype == dtype and out.shape == x_s.shape
     grad_out = randn(B, shape, dtype, 3)
     gx, gv = torch.autograd.grad(out, (x_s, v), grad_out)
@@ -34,7 +34,7 @@ def test_x0_gradcheck_torch_path():
     x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
     sigma = torch.tensor([0.3, 0.8])
-    assert torch.autograd.gradcheck(lambda a, b: kernels.x0_from_velocity(a, b, sigma, impl="torch"), (x, v))
+    assert torch.autograd.gradcheck(lambda a, b: dmd2_kernels.x0_from_velocity(a, b, sigma, impl="torch"), (x, v))
 
 
 @pytest.mark.parametrize("B,shape,dtype,impl", cases())
@@ -43,7 +43,7 @@ def test_cfg_x0(B, shape, dtype, impl):
     sigma = rand_sigma(B, 3)
     guidance = 1.0 + 6.0 * rand_sigma(B, 4)  # per-sample guidance in (1, 7)
     with torch.no_grad():
-        out = kernels.cfg_x0(x_s, v_pos, v_neg, sigma, guidance, impl=impl)
+        out = dmd2_kernels.cfg_x0(x_s, v_pos, v_neg, sigma, guidance, impl=impl)
     assert out.dtype == dtype and out.shape == x_s.shape
 
     x64, p64, n64 = f64(x_s, v_pos, v_neg)
@@ -61,17 +61,17 @@ def test_cfg_guidance_one_is_positive_branch(impl):
     v_neg = randn(3, (4, 6), torch.float32, 2, scale=1e3)
     sigma = rand_sigma(3, 3)
     with torch.no_grad():
-        out = kernels.cfg_x0(x_s, v_pos, v_neg, sigma, 1.0, impl=impl)
-        want = kernels.x0_from_velocity(x_s, v_pos, sigma, impl=impl)
+        out = dmd2_kernels.cfg_x0(x_s, v_pos, v_neg, sigma, 1.0, impl=impl)
+        want = dmd2_kernels.x0_from_velocity(x_s, v_pos, sigma, impl=impl)
     assert_close(out, want, torch.float32, tol=(1e-4, 1e-5))
 
 
 def test_cfg_is_forward_only():
     x = randn(2, (3, 4), torch.float32, 0)
-    with pytest.raises(kernels.KernelError, match="forward-only"):
-        kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
+    with pytest.raises(dmd2_kernels.KernelError, match="forward-only"):
+        dmd2_kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
     with torch.no_grad():  # the same call is fine without grad mode
-        kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
+        dmd2_kernels.cfg_x0(x, x.clone().requires_grad_(), x, 0.5, 3.0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -85,9 +85,9 @@ def test_cfg_guidance_as_number_or_device_tensor(impl, monkeypatch):
     forms = [(0.25, 4.5), (torch.tensor(0.25, device=DEVICE), torch.tensor([4.5], device=DEVICE)),
              (cols[:, 0].contiguous(), torch.full((3,), 4.5, device=DEVICE)), (cols[:, 0], cols[:, 1] / 2)]
     with torch.no_grad():
-        want = kernels.cfg_x0(x_s, v_pos, v_neg, *forms[0], impl=impl)
+        want = dmd2_kernels.cfg_x0(x_s, v_pos, v_neg, *forms[0], impl=impl)
         for sigma, guidance in forms:
-            counted, out = count_launches(monkeypatch, lambda: kernels.cfg_x0(x_s, v_pos, v_neg, sigma, guidance,
+            counted, out = count_launches(monkeypatch, lambda: dmd2_kernels.cfg_x0(x_s, v_pos, v_neg, sigma, guidance,
                                                                                impl=impl))
             assert torch.equal(out, want)
             if impl == "triton":
@@ -101,6 +101,6 @@ def test_cfg_guidance_as_number_or_device_tensor(impl, monkeypatch):
 def test_x0_number_sigma_is_one_op(impl, monkeypatch):
     """A Python-number sigma: the torch path is one add (no tensor for sigma), the Triton path one kernel."""
     x_s, v = randn(3, (4, 6), torch.float32, 0), randn(3, (4, 6), torch.float32, 1)
-    counted, out = count_launches(monkeypatch, lambda: kernels.x0_from_velocity(x_s, v, 0.25, impl=impl))
+    counted, out = count_launches(monkeypatch, lambda: dmd2_kernels.x0_from_velocity(x_s, v, 0.25, impl=impl))
     assert counted.total() == 1, (counted.ops, counted.kernels)
     assert_close(out, x_s - 0.25 * v, torch.float32)

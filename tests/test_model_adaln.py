@@ -1,12 +1,12 @@
-"""The DiT's LayerNorm + adaLN modulation is the fused `kernels.adaln_modulate` (forward and backward):
+"""The DiT's LayerNorm + adaLN modulation is the fused `dmd2_kernels.adaln_modulate` (forward and backward):
 every block calls it twice and the final layer once per forward, and in float64 the model's output and
 every parameter gradient equal the eager path (F.layer_norm, then x * (1 + scale) + shift:
-`kernels.adaln_modulate_ref`), with all weights perturbed off the adaLN-Zero init so that shift, scale
+`dmd2_kernels.adaln_modulate_ref`), with all weights perturbed off the adaLN-Zero init so that shift, scale
 and gates are non-zero."""
 import pytest
 import torch
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.models import DataShape, build_model
 from dmd2_mega.models.dit import model as dit_module
 from tests.utils import world_of_one
@@ -46,12 +46,12 @@ def forward_backward(model, cond: str):
 def test_dit_modulation_is_the_kernel_and_equals_eager_in_float64(cond, monkeypatch):
     model = perturbed_dit(cond)
     calls = []
-    fused = kernels.adaln_modulate
-    monkeypatch.setattr(kernels, "adaln_modulate", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
+    fused = dmd2_kernels.adaln_modulate
+    monkeypatch.setattr(dmd2_kernels, "adaln_modulate", lambda *a, **k: (calls.append(1), fused(*a, **k))[1])
     v, grads = forward_backward(model, cond)
-    assert len(calls) == 2 * model.spec.num_layers + 1, "the DiT does not call kernels.adaln_modulate"
+    assert len(calls) == 2 * model.spec.num_layers + 1, "the DiT does not call dmd2_kernels.adaln_modulate"
     monkeypatch.setattr(dit_module, "modulate",
-                        lambda x, shift, scale, eps=1e-6: kernels.adaln_modulate_ref(x, shift, scale, eps))
+                        lambda x, shift, scale, eps=1e-6: dmd2_kernels.adaln_modulate_ref(x, shift, scale, eps))
     v_ref, grads_ref = forward_backward(model, cond)
     assert len(calls) == 2 * model.spec.num_layers + 1  # the eager run did not go through the kernel
     torch.testing.assert_close(v, v_ref, rtol=1e-10, atol=1e-12)

@@ -12,6 +12,7 @@ Checks:
     files are in report.json and the printed summary; ShardDataset opens the output.
   * --sample-posterior: one draw per clip, the same whatever the shard and batch sizes, not the mean.
   * image shards == AutoencoderKL mode, (x - shift_factor) * scaling_factor.
+  * report.json's keys (its lists' entries' too) == the fields docs/prepare_data.md's table documents.
   * LatentVAE.decode == diffusers decode of WanPipeline's un-normalised latents; a posterior draw.
   * resize + centre crop vs Pillow; frame indices at --fps.
   * bad flags / captions exit 1 with one line naming the flag, before any model loads or file is written.
@@ -19,9 +20,12 @@ Checks:
   * one 2-rank job (gloo, torchrun's environment) whose rank 1 is SIGKILLed halfway through writing its shard:
     no partial shard, the stale temp file is removed, and a 1-rank resume equals the uninterrupted run.
 """
+import contextlib
 import csv
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +43,7 @@ from dmd2_mega.data.prompts import read_prompts
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.prep import media
 from dmd2_mega.prep.text import DEFAULT_NEGATIVE
+from dmd2_mega.prep.writer import build_report, read_shard_headers
 from dmd2_mega.prep.vae import LatentVAE
 from launch import prepare_data
 
@@ -47,6 +52,7 @@ INTEGRATION_FIXTURES = ("setup", "video_run",)  # they encode media with ffmpeg,
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "prepare_data.py")
+DOCS = os.path.join(ROOT, "docs", "prepare_data.md")
 WORDS = ["a", "cat", "dog", "runs", "on", "the", "grass", "red", "ball", "&", "sky", "blue", "jumps", "over"]
 L = 8  # --max-text-len: the long caption below is truncated
 CAPTIONS = {"a.gif": "a  cat &amp;amp; dog\n runs", "b.mp4": "the red ball", "c.gif": "a dog jumps over the "
@@ -60,7 +66,9 @@ def _gif(path, colours, size=(20, 16)):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def tiny_models(tmp_path_factory):
+    """The tiny VAEs, tokenizer and text encoder, and the PNGs with their captions.jsonl: no process runs, so the
+    tests that need no video stay in the fast tier."""
     from diffusers import AutoencoderKL, AutoencoderKLWan
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
@@ -83,6 +91,20 @@ def setup(tmp_path_factory):
     UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=16, d_kv=4, num_heads=2, d_ff=32, num_layers=1,
                                 relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
                                 decoder_start_token_id=0)).save_pretrained(pipe / "text_encoder")
+    imgs = d / "images"
+    imgs.mkdir()
+    rng = np.random.default_rng(0)
+    for name, hw in (("p1.png", (16, 16)), ("p2.png", (16, 24)), ("p3.png", (40, 16))):
+        Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)).save(imgs / name)
+    (imgs / "captions.jsonl").write_text("".join(json.dumps({"path": p, "caption": c}) + "\n" for p, c in
+                                                 (("p2.png", "blue sky"), ("p1.png", "a cat"), ("p3.png", "dog"))))
+    return d
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models):
+    """`tiny_models` plus the videos and their captions.csv (the mp4 is encoded by ffmpeg, a process)."""
+    d = tiny_models
     vids = d / "videos"
     vids.mkdir()
     _gif(vids / "a.gif", [(10 * i, 255 - 20 * i, 7 * i) for i in range(9)])   # 9 frames, 20 x 16 (h x w)
@@ -94,13 +116,6 @@ def setup(tmp_path_factory):
     (vids / "corrupt.mp4").write_bytes(os.urandom(3000))
     with open(d / "captions.csv", "w", newline="") as f:  # unsorted, a quoted multi-line caption
         csv.writer(f).writerows([("path", "caption"), *reversed(CAPTIONS.items())])
-    imgs = d / "images"
-    imgs.mkdir()
-    rng = np.random.default_rng(0)
-    for name, hw in (("p1.png", (16, 16)), ("p2.png", (16, 24)), ("p3.png", (40, 16))):
-        Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)).save(imgs / name)
-    (imgs / "captions.jsonl").write_text("".join(json.dumps({"path": p, "caption": c}) + "\n" for p, c in
-                                                 (("p2.png", "blue sky"), ("p1.png", "a cat"), ("p3.png", "dog"))))
     return d
 
 
@@ -239,6 +254,53 @@ def test_image_shards_match_autoencoder_kl(setup, tmp_path):
         torch.testing.assert_close(rows[name][0], want[0], atol=1e-5, rtol=1e-5)
     assert rows["p3.png"][0].shape == (4, 2, 2)
     assert ShardDataset(str(out)).spatial == (2, 2)
+
+
+def _documented_report_fields() -> set:
+    """The first column of docs/prepare_data.md's report.json table: the fields a user is told exist."""
+    text = open(DOCS, encoding="utf-8").read()
+    at = text.find("`report.json` has these fields")
+    table = re.search(r"\n\| field \| value \|\n\|---\|---\|\n((?:\|.*\n)+)", text[at:]) if at >= 0 else None
+    assert table, f"{DOCS}: no '| field | value |' table after '`report.json` has these fields'"
+    rows = table.group(1).splitlines()
+    names = [re.match(r"\| `([^`]+)` \| [^|]+ \|$", row) for row in rows]
+    assert all(names), f"{DOCS}: report.json rows not of the form '| `name` | value |': " \
+                       f"{[r for r, n in zip(rows, names) if not n]}"
+    return {n.group(1) for n in names}
+
+
+def _report_keys(report: dict) -> set:
+    """report.json's keys, plus `name[].key` for each key of the entries of a list (`settings` is one field)."""
+    keys = set(report)
+    for name, value in report.items():
+        if isinstance(value, list):
+            keys |= {f"{name}[].{k}" for entry in value if isinstance(entry, dict) for k in entry}
+    return keys
+
+
+def test_report_json_fields_are_the_documented_ones(tiny_models, tmp_path):
+    """Every key a run writes to report.json is in docs/prepare_data.md's table and every field there is written,
+    so a field added, renamed or dropped without the docs fails here (issue 53 item 4). The run leaves out a
+    malformed caption row and a missing file, so both lists have entries and their keys are compared too; a run
+    without captions (class folders, prepare_trajectories: `build_report` with no source) writes all but the
+    caption_rows_* fields, as the docs say."""
+    captions = tmp_path / "captions.csv"
+    captions.write_text("path,caption\np1.png,a cat\np2.png,a cat, runs\nmissing.png,a dog\n")  # line 3: 3 fields
+    out = tmp_path / "out"
+    args = ["--vae", str(tiny_models / "klvae"), "--text-encoder", str(tiny_models / "pipe" / "text_encoder"),
+            "--media", str(tiny_models / "images"), "--captions", str(captions), "--out", str(out),
+            "--height", "16", "--width", "16", "--max-text-len", str(L), "--workers", "0", "--dtype", "fp32",
+            "--skip-bad-captions"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert prepare_data.run(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [b["line"] for b in report["caption_rows_skipped"]] == [3]
+    assert [(s["path"], s["reason"]) for s in report["skipped"]] == [("missing.png", "missing file")]
+    written, documented = _report_keys(report), _documented_report_fields()
+    assert written == documented, (f"report.json keys missing from {DOCS}'s table: {sorted(written - documented)}; "
+                                   f"documented but not written: {sorted(documented - written)}")
+    no_captions = build_report(read_shard_headers(str(out), report["shards"]), set(), 1.0, 1, {})  # skipped too
+    assert _report_keys(no_captions) == {f for f in documented if not f.startswith("caption_rows_")}
 
 
 @pytest.mark.integration

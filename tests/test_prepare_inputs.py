@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from dmd2_mega.errors import DataError
 from dmd2_mega.prep.clips import Clip, read_captions
 from launch import prepare_data
-from tests.test_prepare_data import L, ROOT, setup  # noqa: F401  (setup: the tiny models and media)
+from tests.test_prepare_data import L, ROOT, setup, tiny_models  # noqa: F401  (setup: the tiny models and media)
 
 pytestmark = pytest.mark.timeout(120)
 INTEGRATION_FIXTURES = ("setup",)  # it encodes an mp4 with ffmpeg, a process

@@ -53,7 +53,7 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RAN
 def child_env(extra: Optional[dict] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     env.update(OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.path.join(REPO, "kernels"), env.get("PYTHONPATH")) if p)
     env.update(extra or {})
     return env
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import kernels
+import dmd2_kernels
 from dmd2_mega import flow
 from dmd2_mega.errors import RolloutError
 from dmd2_mega.distributed.parallel import to_device
@@ -183,7 +183,7 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
         if c > 0:
             s_i = sig[i].repeat(c)
             v = _forward(student, x[:c], s_i, cond_sorted[:c], max_batch).to(dtype)
-            x0[:c] = kernels.x0_from_velocity(x[:c], v, s_i)
+            x0[:c] = dmd2_kernels.x0_from_velocity(x[:c], v, s_i)
         if i + 1 < steps:
             eps = noise()                    # fresh draw of the full batch, used or not
             if c_next > 0:

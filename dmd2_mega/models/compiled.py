@@ -6,7 +6,7 @@ default) a block's parameters are graph inputs, so the graph compiled for layer 
 and the final layer stay eager unless the family names them as regions of their own (`FamilyModel.region`: the DiT's
 embedding and final layer); the methods' maths around the model stays eager. Inside a compiled region the TP = 1
 linears run without megatron-core's autograd Functions (`linears.AdaptableLinear._whole`, eager too) and the
-fused kernels are custom ops (`kernels`), so nothing breaks the graph.
+fused kernels are custom ops (`dmd2_kernels`), so nothing breaks the graph.
 
 Choice (`choose`): `--compile` / `--no-compile`; neither: on with CUDA, off on a CPU (where inductor's C++ compile of
 each graph costs seconds and eager CPU kernels gain little). A layout the compiled linears do not trace (TP, CP or
@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.errors import ConfigError
 
 GRAPHS: collections.Counter = collections.Counter()
@@ -101,7 +101,7 @@ def _counting_backend(name: str):
 
 def compile_blocks(blocks: Iterable[torch.nn.Module]) -> int:
     """Compile each block in place (`nn.Module.compile`); returns how many. Blocks of one class share their graphs."""
-    kernels.register_ops()  # the fused ops as torch.ops.dmd2.* before any trace (they register lazily otherwise)
+    dmd2_kernels.register_ops()  # the fused ops as torch.ops.dmd2.* before any trace (they register lazily otherwise)
     n = 0
     for blk in blocks:
         blk.compile(backend=_backend(type(blk).__name__))
@@ -113,7 +113,7 @@ def function(fn: Callable, name: str) -> Callable:
     """`fn` (a family's method, taking the model first) under torch.compile, one compiled function per `fn` for the
     process: every model of the class shares its graphs (`FamilyModel.region`)."""
     if fn not in _FUNCTIONS:
-        kernels.register_ops()
+        dmd2_kernels.register_ops()
         _FUNCTIONS[fn] = torch.compile(fn, backend=_backend(name))
     return _FUNCTIONS[fn]
 

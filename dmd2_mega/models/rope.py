@@ -8,7 +8,7 @@ width a, pair k turns at the angle pos * theta^(-2k / a). For a latent grid of F
 
     cos, sin [F * H * W, d / 2] float32   (angles in float64, rounded once, as diffusers does)
 
-and the rotation itself is `kernels.qk_norm_rope`'s (fused with the q / k RMSNorm).
+and the rotation itself is `dmd2_kernels.qk_norm_rope`'s (fused with the q / k RMSNorm).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""kernels.qk_norm_rope under tensor parallelism: each rank holds a contiguous block of heads.
+"""dmd2_kernels.qk_norm_rope under tensor parallelism: each rank holds a contiguous block of heads.
 
     torchrun --standalone --nproc-per-node 2 tests/mp_scripts/qk_norm_rope_tp.py --out DIR [--impls torch,triton]
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import kernels  # noqa: E402
+import dmd2_kernels  # noqa: E402
 
 B, S, HEADS, D = 3, 7, 6, 12
 
@@ -32,7 +32,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run(x, w, cos, sin, dy, group, impl):
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    y = kernels.qk_norm_rope(x, w, cos, sin, D, group=group, impl=impl)
+    y = dmd2_kernels.qk_norm_rope(x, w, cos, sin, D, group=group, impl=impl)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     return y.detach(), dx, dw
 

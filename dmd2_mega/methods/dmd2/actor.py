@@ -5,7 +5,7 @@ For each scored micro-batch j (gradient accumulation over j, DP all-reduce on th
             condition fixes, a first-frame I2V image, is put back, as in x0_real and x0_fake: no gradient there)
     norm_n = mean_{sample n} |x0hat - x0_real|,  grad = nan_to_num((x0_fake - x0_real) / norm_n)
     loss = 0.5 * mean((x0hat - stopgrad(x0hat - grad))^2),   d loss / d x0hat = grad / numel
-(kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics); with the GAN head on, + gen_weight *
+(dmd2_kernels.dmd_loss, tianweiy/DMD2 `sd_guidance.py` semantics); with the GAN head on, + gen_weight *
 softplus(-D(noised x0hat)) through the frozen critic (`gan.GANSettings.actor_term`). Then TP/DP-aware clip and step,
 skipped when the loss or the gradient norm is non-finite (`optim.Optimizer`).
 Shapes: x_i, x0hat, x0_real, x0_fake [B, C, H, W]; sigma_i [B] fp32.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.methods.base import MicroBatch
 from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings
 from dmd2_mega.methods.dmd2.records import Scores
@@ -44,8 +44,8 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
     for j, sc in enumerate(scores):
         with student.accumulating(last=j == m - 1):
             v = student.model(sc.x, sc.sigma, sc.cond).to(sc.x.dtype)  # bf16 models: maths in the data dtype
-            x0hat = student.model.pin_given(kernels.x0_from_velocity(sc.x, v, sc.sigma), sc.cond)
-            loss, stats = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
+            x0hat = student.model.pin_given(dmd2_kernels.x0_from_velocity(sc.x, v, sc.sigma), sc.cond)
+            loss, stats = dmd2_kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
             added, more = head.actor_term(critic, x0hat, batches[j].actor_gen if batches else None, sc.cond)
             obj = loss if added is None else loss + added
             for key, value in more.items():

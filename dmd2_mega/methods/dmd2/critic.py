@@ -14,7 +14,7 @@ Scoring, `shared` (default): the last step's forward also yields, detached, x_s,
 A step whose loss or gradient norm is non-finite is skipped (`optim.Optimizer`; the trainer counts it).
 After the K steps the frozen teacher scores x_s (`teacher_scores`) with CFG g over the null condition, both
 conditions in one batched forward (g = 1: the positive one only):
-    x0_real = x_s - sigma * (v_neg + g (v_pos - v_neg))                  kernels.cfg_x0
+    x0_real = x_s - sigma * (v_neg + g (v_pos - v_neg))                  dmd2_kernels.cfg_x0
 Random draws of micro-batch j come, in order, from one generator keyed (seed, cycle, j, CRITIC).
 Shapes: x_s, x0_fake, x0_real [B, C, H, W]; sigma [B] fp32.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import kernels
+import dmd2_kernels
 from dmd2_mega import flow
 from dmd2_mega.methods.base import MicroBatch
 from dmd2_mega.methods.dmd2.gan import NO_GAN
@@ -64,7 +64,7 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
                     b = r.micro_batch(k, size)
                     x_s, sigma, _ = flow.noise_on_grid(b.x0hat, mb.critic_gen, score_choices)
                     v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
-                    kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v, sigma))
+                    kept[j] = (b, x_s, sigma, dmd2_kernels.x0_from_velocity(x_s, v, sigma))
         choices = score_choices if last and shared else full
         total = torch.zeros((), device=dev)
         objective = torch.zeros((), device=dev)
@@ -73,7 +73,7 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
             with critic.accumulating(last=j == m - 1):
                 v, added, stats = head.critic_forward(critic.model, x_s, sigma, b, mb, k, size)
-                loss = kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space, reduction="mean")
+                loss = dmd2_kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space, reduction="mean")
                 obj = loss if added is None else loss + added
                 (obj / m).backward()
             for key, value in stats.items():
@@ -82,7 +82,7 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
             objective = objective + obj.detach() / m
             if last and shared:
                 with torch.no_grad():
-                    kept[j] = (b, x_s, sigma, kernels.x0_from_velocity(x_s, v.detach(), sigma))
+                    kept[j] = (b, x_s, sigma, dmd2_kernels.x0_from_velocity(x_s, v.detach(), sigma))
         norm = step_optimizer(critic.optimizer, objective)  # skipped if it or the norm is non-finite
         critic.optimizer.zero_grad()
         losses.append(total)
@@ -102,11 +102,11 @@ def teacher_scores(teacher, b: Rollout, x_s: Tensor, sigma: Tensor, x0_fake: Ten
     what the condition fixes put back (`FamilyModel.pin_given`)."""
     n = x_s.shape[0]
     if guidance == 1.0:
-        x0_real = kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
+        x0_real = dmd2_kernels.x0_from_velocity(x_s, teacher.model(x_s, sigma, b.cond).to(x_s.dtype), sigma)
     else:
         neg = teacher.model.negative_for(b.cond)
         v = teacher.model(torch.cat([x_s, x_s]), torch.cat([sigma, sigma]), torch.cat([b.cond, neg])).to(x_s.dtype)
-        x0_real = kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
+        x0_real = dmd2_kernels.cfg_x0(x_s, v[:n], v[n:], sigma, guidance)
     pin = teacher.model.pin_given  # what the condition fixes (a first-frame I2V image) scores no difference
     return Scores(sample_id=b.sample_id, x=b.x, sigma=b.sigma, cond=b.cond, x0_fake=pin(x0_fake, b.cond),
                   x0_real=pin(x0_real, b.cond))

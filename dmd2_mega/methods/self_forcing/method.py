@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import ConfigError, RolloutError
 from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
@@ -118,7 +118,7 @@ class SelfForcingMethod(DMD2Method):
         return CycleResult(metrics, resident, forwards)
 
     def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch], windows: list) -> dict:
-        """One student step: the DMD loss (`kernels.dmd_loss`) on each scored video's window replayed with grad (plus
+        """One student step: the DMD loss (`dmd2_kernels.dmd_loss`) on each scored video's window replayed with grad (plus
         the GAN head's generator term), gradients accumulated over the micro-batches."""
         dev, m, head = scores[0].x.device, len(scores), self.settings.gan or NO_GAN
         inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
@@ -126,7 +126,7 @@ class SelfForcingMethod(DMD2Method):
         for j, (b, sc) in enumerate(zip(scored, scores)):
             with student.accumulating(last=j == m - 1):
                 x0hat = replay(student.model, b, self.context_noise, self.grad_chunks, windows[j])
-                loss, _ = kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
+                loss, _ = dmd2_kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
                 added, _ = head.actor_term(critic, x0hat, batches[j].actor_gen, sc.cond)
                 obj = loss if added is None else loss + added
                 (obj / m).backward(inputs=inputs)

@@ -10,7 +10,7 @@ Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
     shift1, scale1, gate1, shift2, scale2, gate2 = adaLN(silu(c))        # column, gathered
     h = h + gate1 * proj(attn(qkv(LN(h) * (1 + scale1) + shift1)))    # qkv column, proj row
     h = h + gate2 * fc2(gelu(fc1(LN(h) * (1 + scale2) + shift2))))    # fc1 column, fc2 row
-LN + modulation is the fused `kernels.adaln_modulate` (Triton on CUDA, fwd + bwd). The qkv
+LN + modulation is the fused `dmd2_kernels.adaln_modulate` (Triton on CUDA, fwd + bwd). The qkv
 projection's output is laid out per head as [heads, 3, d], so its column split gives each TP rank
 whole heads. adaLN and the final projection start at zero (adaLN-Zero).
 `--recompute-granularity full` recomputes each block in backward with torch's NON-reentrant checkpoint
@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
@@ -84,7 +84,7 @@ class DiTSpec:
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """layer_norm(x) * (1 + scale) + shift; x [B, S, H], shift/scale [B, H] (fused kernel)."""
-    return kernels.adaln_modulate(x, shift, scale, eps=eps)
+    return dmd2_kernels.adaln_modulate(x, shift, scale, eps=eps)
 
 
 class DiTBlock(nn.Module):

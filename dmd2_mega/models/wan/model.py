@@ -20,10 +20,10 @@ x_s = (1 - s) x0 + s eps: DESIGN section 1's convention, no adapter).
 
 Tensor parallelism: heads are split over TP (to_q / to_k / to_v / fc1 column, to_out / fc2 row). Wan's
 q / k RMSNorm spans ALL heads (the full hidden size), so under TP each rank holds its slice of the norm
-weight and the row's mean square is all-reduced over the TP group inside `kernels.qk_norm_rope` (forward:
+weight and the row's mean square is all-reduced over the TP group inside `dmd2_kernels.qk_norm_rope` (forward:
 sum of x^2; backward: sum of du * u). The embeddings, the output projection and the modulation tables are
 replicated; time_proj (D -> 6D) is column-parallel and gathered. LayerNorm + modulation is the fused
-`kernels.adaln_modulate`; RMSNorm + 3-D rotary (`models/rope.py`) is the fused `kernels.qk_norm_rope`.
+`dmd2_kernels.adaln_modulate`; RMSNorm + 3-D rotary (`models/rope.py`) is the fused `dmd2_kernels.qk_norm_rope`.
 
 Context / sequence parallelism (`models/token_parallel.py`): the patches are split over the CP ranks (and the TP
 ranks under --sequence-parallel) before the patch embedding, self-attention exchanges sequence for heads with an
@@ -44,7 +44,7 @@ import torch.utils.checkpoint
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
-import kernels
+import dmd2_kernels
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import linears
 from dmd2_mega.models.attention import attention
@@ -176,7 +176,7 @@ def _tp_group(tp_size: int):
 
 class QKNorm(nn.Module):
     """RMSNorm across all heads (+ optional rotary): the local slice [HL] of the full-width weight; the mean
-    square is reduced over the TP group (`kernels.qk_norm_rope`)."""
+    square is reduced over the TP group (`dmd2_kernels.qk_norm_rope`)."""
 
     def __init__(self, width_local: int, head_dim: int, eps: float, tp_size: int):
         super().__init__()
@@ -186,7 +186,7 @@ class QKNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         cos, sin = rope if rope is not None else (None, None)
-        return kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
+        return dmd2_kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
@@ -290,13 +290,13 @@ class WanBlock(nn.Module):
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """LN(h) (1 + scale) + shift of tokens h [B, L, D] (`kernels.adaln_modulate`): shift / scale [B, D] per sample,
+    """LN(h) (1 + scale) + shift of tokens h [B, L, D] (`dmd2_kernels.adaln_modulate`): shift / scale [B, D] per sample,
     or [B, R, D] per row of L / R consecutive tokens (a causal model's frames), the same fused kernel on
     [B R, L / R, D]."""
     if shift.dim() == 2:
-        return kernels.adaln_modulate(h, shift, scale, eps=eps)
+        return dmd2_kernels.adaln_modulate(h, shift, scale, eps=eps)
     b, r, d = shift.shape
-    out = kernels.adaln_modulate(h.reshape(b * r, -1, d), shift.reshape(b * r, d), scale.reshape(b * r, d), eps=eps)
+    out = dmd2_kernels.adaln_modulate(h.reshape(b * r, -1, d), shift.reshape(b * r, d), scale.reshape(b * r, d), eps=eps)
     return out.view(h.shape)
 
 

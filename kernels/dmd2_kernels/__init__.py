@@ -14,9 +14,9 @@ forces one (see _utils.py). Each Triton path is a custom op ``torch.ops.dmd2.*``
 the ops sit in a torch.compile graph without breaking it. The ``*_ref`` functions are the eager multi-op
 baselines (autograd through plain torch ops).
 
-The import name `kernels` is also Hugging Face's kernel-hub package, which transformers >= 5.25 requires and imports;
-this package shadows it (setup.py asks for transformers < 5.25). A name of that package asked of this one is one
-ImportError saying so (`__getattr__`), instead of Python's bare "cannot import name".
+Import name: `dmd2_kernels` (the folder kernels/dmd2_kernels/ of the repository, mapped by setup.py). The name
+`kernels` is Hugging Face's kernel-hub package, which transformers >= 5.25 requires and imports; nothing of ours
+takes it (kernels/ has no __init__.py), so theirs is found from anywhere, the repository root included.
 """
 from ._utils import KernelError, register_ops, resolve_impl, set_default_impl
 from .adaln import adaln_modulate, adaln_modulate_ref
@@ -31,18 +31,3 @@ __all__ = [
     "KernelError", "register_ops", "resolve_impl", "set_default_impl", "x0_from_velocity_ref", "cfg_x0_ref", "flow_matching_loss_ref",
     "dmd_loss_ref", "adaln_modulate_ref", "qk_norm_rope_ref",
 ]
-
-HUB_NAMES = frozenset({
-    "CUDAProperties", "Device", "KernelizeFallback", "LayerRepository", "LocalLayerRepository", "Mode",
-    "ROCMProperties", "register_kernel_mapping", "replace_kernel_forward_from_hub", "use_kernel_forward_from_hub",
-    "use_kernel_mapping", "get_kernel", "kernelize", "use_kernelized_func",
-})
-"""What transformers imports from Hugging Face's `kernels` package (its integrations.hub_kernels)."""
-
-
-def __getattr__(name: str):
-    if name in HUB_NAMES:
-        raise ImportError(f"cannot import name {name!r} from 'kernels': this is dmd2-mega's kernels/ (fused Triton "
-                          f"kernels), which shadows Hugging Face's `kernels` package that transformers >= 5.25 "
-                          f"imports; install transformers<5.25 (pip install 'transformers<5.25'; setup.py asks for it)")
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
