@@ -225,6 +225,9 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="self-forcing: roll out F frames (default: the data's T) and score one window of T per micro-batch")
     _flag(g, "--causal-grad-chunks", D, "causal_grad_chunks", type=int,
           help="self-forcing: the DMD gradient reaches the last M chunks only (default: all)")
+    _flag(g, "--cuda-graphs", D, "cuda_graphs", action="store_true",
+          help="replay each model call of a cycle from a CUDA graph captured once per shape (CUDA; no offload, "
+               "TP = CP = 1)")
     _flag(g, "--student-load", D, "student_load", help="student init (default: --teacher-load)")
     _flag(g, "--critic-load", D, "critic_load", help="critic init (default: --teacher-load)")
     _planned(g, "--dmd2-denoising-steps", "--dmd2-student-sigmas", "--dmd2-critic-steps-per-rollout")

@@ -473,6 +473,9 @@ class DMD2Config:
     """--allow-student-teacher: accept a student checkpoint as --teacher-load (distilling a distilled model)."""
     gpu_memory_gb: Optional[float] = None
     """--gpu-memory-gb: GiB of device memory the offload plan may use per rank (default: the device's)."""
+    cuda_graphs: bool = False
+    """--cuda-graphs: each model call of a cycle replayed from a CUDA graph captured once per signature
+    (`models/cuda_graphs.py`); CUDA only, not with offload or TP / CP / SP > 1."""
 
     SWITCHED: ClassVar[tuple] = (
         Needs("distill_method", "--distill-method", "--causal",

@@ -131,12 +131,19 @@ def bucket_stop_steps(n: int, steps: int) -> Tensor:
 
 
 def _forward(student: StudentFn, x: Tensor, sigma: Tensor, cond: Tensor, max_batch: Optional[int]) -> Tensor:
-    """student(x, sigma, cond), in chunks of at most `max_batch` rows (one call when they fit)."""
+    """student(x, sigma, cond), in chunks of at most `max_batch` rows (one call when they fit). Each chunk's output is
+    copied out before the next call: under --cuda-graphs chunks of one size replay one graph, which writes every
+    output into the same buffer (models/cuda_graphs.py)."""
     c = x.shape[0]
     if not max_batch or max_batch >= c:
         return student(x, sigma, cond)
-    return torch.cat([student(x[a:a + max_batch], sigma[a:a + max_batch], cond[a:a + max_batch])
-                      for a in range(0, c, max_batch)])
+    out = None
+    for a in range(0, c, max_batch):
+        v = student(x[a:a + max_batch], sigma[a:a + max_batch], cond[a:a + max_batch])
+        if out is None:
+            out = v.new_empty((c, *v.shape[1:]))
+        out[a:a + v.shape[0]] = v
+    return out
 
 
 @torch.no_grad()

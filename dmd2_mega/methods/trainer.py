@@ -37,7 +37,7 @@ from dmd2_mega.data import build_dataset
 from dmd2_mega.data.loader import MicroBatchLoader
 from dmd2_mega.data.sampler import GlobalBatchSampler
 from dmd2_mega.data.trajectories import TrajectoryDataset
-from dmd2_mega.models import compiled
+from dmd2_mega.models import compiled, cuda_graphs
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.errors import CheckpointError, ConfigError
 from dmd2_mega.eval.media import EvalMedia
@@ -123,12 +123,16 @@ class StudentTrainer(RunStateTrainer):
         self.offload, offload_note = self._offload_plan()
         self.roles = {name: self._role(name, model, tuple(self.ema.tensors()) if self.ema and name == "student"
                                        else ()) for name, model in models.items()}
+        self.graphs, graphs_note = cuda_graphs.choose(cfg.dmd2.cuda_graphs, ps.device, offload=self.offload,
+                                                      tp=ps.tp_size, cp=ps.cp_size, sp=ps.sequence_parallel)
+        if self.graphs:
+            graphs_note += f", {cuda_graphs.install({name: r.model for name, r in self.roles.items()})}"
         nparams = count_parameters(student, ps.tp_group, ps.device)
         ema_note = f"student EMA {cfg.ema.decay} from cycle {cfg.ema.start_iter}" if self.ema else "EMA off"
         print_rank0(f"> {method.name}: {cfg.model.size} ({nparams:,} parameters per role, {len(self.roles)} roles); "
                     f"{ps.layout} megatron-jit={fuser_state()}; compile "
                     f"{cfg.model.compile_choice(ps.device, ps.tp_size, ps.cp_size, ps.sequence_parallel)[1]}; "
-                    f"B={t.micro_batch_size} "
+                    f"cuda graphs {graphs_note}; B={t.micro_batch_size} "
                     f"{method.describe(self.num_micro_batches, self.dataset.null_note)}; "
                     f"offload {'+'.join(sorted(self.offload)) or 'none'} "
                     f"({offload_note}); {method.describe_parts(self.roles)}; {ema_note}", ps.rank)
@@ -303,8 +307,12 @@ class StudentTrainer(RunStateTrainer):
         lrs = {phase: trained[name].schedule.apply(trained[name].optimizer, self.iteration)
                for phase, name in self.trained_in.items()}
         skipped = {name: r.optimizer.skip_counters[0] for name, r in trained.items()}  # device tensors: no sync
-        result = self.method.cycle(self.roles, self.micro_batches(), hook=self.clock)
+        with cuda_graphs.capturing() if self.graphs else contextlib.nullcontext():
+            result = self.method.cycle(self.roles, self.micro_batches(), hook=self.clock)
         compiled.seal()  # the first cycle compiled the blocks' graphs: a later compilation is logged
+        if self.graphs:
+            cuda_graphs.seal()  # likewise the captured graphs: a later capture (a new rollout count) is logged
+            cuda_graphs.report_new(self.ps.rank)
         self.clock.end_cycle()
         self.peak.update(result.resident)
         self.state = replace(self.state, iteration=self.iteration + 1)
