@@ -129,7 +129,8 @@ class Harness:
         self.cuda = self.dev.type == "cuda"
         self.shape = self.tr.shape
         self.ms = mp.model_shape_from_info(a.model_size, self.tr.info)
-        self.roles = {False: self.tr.roles, True: {n: r.with_offload(self.dev) for n, r in self.tr.roles.items()}}
+        self.roles = {False: self.tr.roles, True: {n: r.with_offload(self.dev, self.tr.method.phases)
+                                                for n, r in self.tr.roles.items()}}
         self.sleepers = {n: r.sleeper for n, r in self.roles[True].items()}
         self.probe, self.on_step, self.forwards = None, None, []
         for n in ("student", "critic"):  # before a step grads and optimizer state are alive: the in-phase peak

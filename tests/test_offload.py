@@ -233,3 +233,118 @@ def test_frozen_role_copies_to_the_host_once():
     trained.wake()
     assert torch.equal(other.weight, before)  # the latest values came back, not the first sleep's
     trained.close()
+
+
+def role_of(model, bf16: bool, table=None, name="student"):
+    """A trained role as the trainers build it (a GradBuffer, the optimizer over it) with its Sleeper."""
+    from dmd2_mega.methods.roles import Role
+    from dmd2_mega.train.grad_buffer import GradBuffer
+    grads = GradBuffer(model)
+    opt = Optimizer(model, optim_cfg(bf16), grads=grads)
+    return Role(name, model, opt, grads=grads).with_offload(torch.device("cpu"), table)
+
+
+def _table(weights_alone: bool):
+    from dmd2_mega.methods.base import Phase
+    return (Phase("rollout", {"student": "all"}), Phase("critic", {"critic": "all"}, trains="critic"),
+            Phase("actor", {"student": "all", **({"critic": "weights"} if weights_alone else {})}, trains="student"))
+
+
+def trainer_step(role, step):
+    """The trainers' order: backward, step, zero the grads; a phase boundary (sleep, wake) only after that."""
+    x, y = data(step)
+    dtype = next(role.model.parameters()).dtype
+    loss = ((role.model(x.to(dtype)) + role.model.offset - y.to(dtype)).float() ** 2).mean()
+    loss.backward()
+    role.optimizer.step(loss)
+    role.optimizer.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_trained_role_moves_12_bytes_per_parameter_each_way(bf16):
+    """Issue 52 item 3: the main_grad buffer (zero at a phase boundary) is not copied but zeroed on a wake, and under
+    --bf16 the bf16 weights are rebuilt from the fp32 masters: masters (the fp32 weights) and two Adam moments move,
+    4 bytes each per parameter, plus Adam's step counter (4 bytes per tensor). The training is the same, bit for bit,
+    as without offload."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    ref, role = role_of(tiny(dtype=dtype), bf16), role_of(tiny(dtype=dtype), bf16, _table(False))
+    sl = role.sleeper
+    assert bool(sl.derived) == bf16 and len(sl.zeroed) == 1
+    for s in range(4):
+        assert torch.equal(trainer_step(ref, s), trainer_step(role, s))
+        sl.sleep()
+        assert sl.resident_bytes() == 0
+        sl.wake()
+    params = [p for p in role.model.parameters()]
+    n, tensors = sum(p.numel() for p in params), len(params)
+    buffers = role.model.offset.nbytes
+    c = sl.counters()
+    want = 4 * (12 * n + 4 * tensors + buffers)  # 4 sleeps and 4 wakes
+    assert c["d2h_bytes"] == c["h2d_bytes"] == want, (c, want)
+    assert c["zeroed_bytes"] == 4 * sl.zeroed[0].untyped_storage().nbytes()
+    # storages copied per sleep: bf16 the module buffer, the flat masters, moments and steps (`train/flat.py`);
+    # fp32 each parameter (not flattened here: the trainers flatten a sleeping role's) and the buffer, moments, steps
+    assert c["d2h_copies"] == c["h2d_copies"] == 4 * (4 if bf16 else tensors + 3)
+    for a, b in zip(ref.model.parameters(), role.model.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad) and not b.grad.any()
+    for a, b in zip(ref.optimizer.master_params, role.optimizer.master_params):
+        assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref.optimizer.inner.state[a][k], role.optimizer.inner.state[b][k])
+
+
+def test_weights_alone_keep_their_copy_and_a_derived_role_refuses_them():
+    """A phase table that asks for a trained bf16 role's weights without its state (the GAN head's frozen critic)
+    keeps copying them; where they are derived, asking for them alone is a clear error, never stale weights."""
+    alone = role_of(tiny(dtype=torch.bfloat16), True, _table(True), "critic").sleeper  # the actor reads its weights
+    assert alone.derived == [] and alone.derive is None
+    alone.sleep()
+    alone.set_resident("weights")
+    assert alone.level == "weights"
+    alone.wake()
+    assert role_of(tiny(dtype=torch.bfloat16), True, _table(True), "student").sleeper.derived  # not the student
+    derived = role_of(tiny(dtype=torch.bfloat16), True, _table(False)).sleeper
+    derived.sleep()
+    with pytest.raises(ValueError, match="derived from its optimizer state, which is asleep"):
+        derived.set_resident("weights")
+    assert derived.asleep
+    derived.wake()
+    unknown = role_of(tiny(dtype=torch.bfloat16), True, None).sleeper  # no table: copy, never derive
+    assert unknown.derived == [] and unknown.derive is None
+
+
+def test_a_time_sliced_dmd2_run_copies_a_few_storages_of_at_most_12_bytes_per_parameter(debug_teacher):
+    """The trainer with --offload-inactive --bf16: a cycle moves, per trained role and direction, 12 bytes per
+    trained parameter (plus Adam's 4-byte step per tensor and the module's buffers) in a handful of copies (its parameters flattened:
+    `flat.flatten_parameters`), and its metrics and weights equal the run without offload, bit for bit."""
+    from dmd2_mega.arguments import parse_dmd2_args
+    from dmd2_mega.methods.dmd2.method import DMD2Trainer
+    from tests.utils import world_of_one
+    runs = {}
+    for flag in ("--no-offload-inactive", "--offload-inactive"):
+        with world_of_one():
+            tr = DMD2Trainer(parse_dmd2_args([
+                "--model-size", "debug", "--teacher-load", debug_teacher, "--micro-batch-size", "2",
+                "--global-batch-size", "2", "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "3", "--bf16",
+                flag]))
+            tr.cycle()
+            before = {n: r.sleeper.counters() for n, r in tr.roles.items() if r.sleeper is not None}
+            metrics = tr.cycle()["metrics"]
+            moved = {n: {k: v - before[n][k] for k, v in r.sleeper.counters().items()}
+                     for n, r in tr.roles.items() if r.sleeper is not None}
+            for r in tr.roles.values():  # the critic sleeps after a cycle: reading it needs it awake
+                if r.sleeper is not None:
+                    r.sleeper.wake()
+            runs[flag] = ({k: v.clone() for k, v in metrics.items()},
+                          [p.detach().clone() for n in ("student", "critic") for p in tr.roles[n].model.parameters()],
+                          moved, {n: ([p for p in r.model.parameters() if p.requires_grad],
+                                      sum(b.nbytes for b in r.model.buffers())) for n, r in tr.roles.items()})
+    (m0, w0, _, _), (m1, w1, moved, params) = runs["--no-offload-inactive"], runs["--offload-inactive"]
+    assert all(torch.equal(m0[k], m1[k]) for k in m0) and all(torch.equal(a, b) for a, b in zip(w0, w1))
+    for name in ("student", "critic"):
+        n, tensors, buffers = sum(p.numel() for p in params[name][0]), len(params[name][0]), params[name][1]
+        c = moved[name]  # the module's buffers (the DiT's fixed position table) are copied as they are
+        assert c["d2h_bytes"] == c["h2d_bytes"] == 12 * n + 4 * tensors + buffers, (name, c, n)
+        assert c["d2h_copies"] == c["h2d_copies"] <= 4, (name, c)
+    assert moved["teacher"]["d2h_bytes"] == 0 and moved["teacher"]["h2d_copies"] <= 2, moved["teacher"]

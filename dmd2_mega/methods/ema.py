@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from dmd2_mega.errors import CheckpointError
+from dmd2_mega.train.flat import flat_copies
 
 
 class Scratch:
@@ -51,7 +52,7 @@ class StudentEMA:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a LoRA student: its adapters
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.shadow = flat_copies(self.params, torch.float32)  # views of one buffer (`train/flat.py`)
         self._scratch = None if all(p.dtype == torch.float32 for p in self.params) else Scratch(self.shadow)
 
     @torch.no_grad()

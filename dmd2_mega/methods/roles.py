@@ -33,15 +33,23 @@ class Role:
     sleeper: Optional[Sleeper] = None
     lora: Optional[dict] = None  # a LoRA role's adapters and base (`train/lora_checkpoint.py`); None: full weights
 
-    def with_offload(self, device: torch.device) -> "Role":
+    def with_offload(self, device: torch.device, table: Optional[PhaseTable] = None) -> "Role":
         """This role with a Sleeper over its model, optimizer and extra tensors (time-slicing); a role without
         an optimizer (the teacher) is frozen: its host copy is made once, and a model of experts (Wan 2.2) gets
-        an ExpertSleeper that keeps only the expert a forward runs resident."""
+        an ExpertSleeper that keeps only the expert a forward runs resident. A trained role's main_grad buffer is
+        never copied (all zero when it sleeps: the trainers zero it after each step) and, under --bf16, neither are
+        its weights, rebuilt from the fp32 masters on a wake, unless a phase of `table` (the method's; None: not
+        known) needs its weights without its state (`offload.Sleeper`: zeroed, derived)."""
         experts = self.model.expert_modules() if hasattr(self.model, "expert_modules") else ()
         if experts and not self.trainable:
             return replace(self, sleeper=ExpertSleeper(self.name, experts, device=device))
-        return replace(self, sleeper=Sleeper(self.name, [self.model], [self.optimizer] if self.optimizer else [],
-                                             list(self.extra), device=device, frozen=not self.trainable))
+        opt = self.optimizer
+        alone = table is None or any(phase_needs(table, p.name).get(self.name) == "weights" for p in table)
+        derived = list(opt.model_params) if opt is not None and opt.mixed and not alone else []
+        return replace(self, sleeper=Sleeper(
+            self.name, [self.model], [opt] if opt else [], list(self.extra), device=device, frozen=not self.trainable,
+            zeroed=[self.grads.buffer] if self.grads is not None else [], derived=derived,
+            derive=opt.copy_to_model if derived else None))
 
     @property
     def trainable(self) -> bool:

@@ -55,6 +55,7 @@ from dmd2_mega.sampling import eval_conditions, generate_student
 from dmd2_mega.train.builders import build_grads_and_optimizer, build_model, cast_model, data_info, enable_determinism
 from dmd2_mega.train.checkpoint import RunState, check_writable, load_model_weights, load_payload, model_size_hint
 from dmd2_mega.train.checkpoint_guard import check_family, check_fresh_save, check_role, check_save_dirs
+from dmd2_mega.train.flat import flatten_parameters
 from dmd2_mega.train import memory_record
 from dmd2_mega.train.lora_checkpoint import merged_payload, state_fingerprint
 from dmd2_mega.train.logger import TrainLogger, print_rank0
@@ -227,7 +228,11 @@ class StudentTrainer(RunStateTrainer):
                     f"({','.join(targets)}; {count:,} adapter parameters) over {base}", self.ps.rank)
 
     def _role(self, name: str, model: torch.nn.Module, extra: tuple = ()) -> Role:
+        """Role `name` over `model`; one that sleeps between phases gets its parameters in a few flat buffers first
+        (`flat.flatten_parameters`: a sleep and a wake then copy a few storages, not one per parameter)."""
         cfg, ps = self.cfg, self.ps
+        if name in self.offload:
+            flatten_parameters(model)
         if name not in self.trained_in.values():  # frozen: the teacher
             model.requires_grad_(False)
             model.eval()
@@ -238,7 +243,7 @@ class StudentTrainer(RunStateTrainer):
             save = (cfg.train.save and role_dir(cfg.train.save, name)) or None
             role = Role(name, model, optimizer,
                         LRSchedule(optim_cfg, cfg.train.train_iters), grads, save, extra, lora=self.lora_meta.get(name))
-        return role.with_offload(ps.device) if name in self.offload else role
+        return role.with_offload(ps.device, self.method.phases) if name in self.offload else role
 
     def _offload_plan(self) -> tuple[frozenset, str]:
         """(the roles that sleep in the phases that do not use them, why): the flags (--offload-roles,

@@ -112,5 +112,9 @@ def write_model_folder(out: str, tensors: dict, config: dict, dtype: torch.dtype
 
 
 def _save(tensors: dict, path: str) -> None:
+    """safetensors refuses tensors that share a storage (a checkpoint of a time-sliced role holds its weights as views
+    of one buffer, `train/flat.py`): such a tensor is written from a copy of its own."""
+    alone = {k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone()
+             for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_file(alone, tmp, metadata={"format": "pt"})

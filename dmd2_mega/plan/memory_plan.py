@@ -386,8 +386,9 @@ def choose_offload(plan: CyclePlan, budget: float) -> tuple[frozenset, dict, boo
         totals = phase_bytes(plan, ())
         return frozenset(), totals, max(totals.values()) <= budget
 
-    def cost(roles) -> int:
-        return sum(sum(plan.roles[r].values()) * (2 if r in plan.trained else 1) for r in roles)
+    def cost(roles) -> int:  # a sleeping role's main_grad is zero and never copied (`train/offload.py`)
+        return sum((sum(plan.roles[r].values()) - plan.roles[r].get("grads", 0)) * (2 if r in plan.trained else 1)
+                   for r in roles)
     for roles in sorted((frozenset(c) for k in range(len(names) + 1) for c in combinations(names, k)), key=cost):
         totals = phase_bytes(plan, roles)
         if max(totals.values()) <= budget:

@@ -39,7 +39,21 @@ Experts (`ExpertSleeper`): a frozen role whose model is several experts of which
 expert wakes in a forward-pre-hook of its own module, after every other expert has been put to sleep, so at most
 one expert is resident at a time (a frozen expert's sleep only frees; its wake is one host-to-device copy).
 
-Accounting: `resident_bytes(tensors)` sums nbytes of the unique storages; a sleeping role has 0.
+What is not copied (`Role.with_offload` names these for a trained role):
+    zeroed   storages that are all zero whenever the role sleeps: its fp32 main_grad buffer (the trainers zero it
+             after every optimizer step, and a role sleeps only at a phase boundary, after its step). Freed without
+             a copy; a wake re-allocates and zeroes them (a memset, no host-to-device bytes).
+    derived  weights the state part determines: a --bf16 role's bf16 parameters are its fp32 masters rounded
+             (`optim.Optimizer.copy_to_model`, after every step). Freed without a copy; a wake of the whole role
+             wakes the state first and rebuilds them on the device (`derive`). Such a role cannot wake its weights
+             alone (a "weights" level), so a role whose phase table asks for that keeps copying them.
+So a trained role moves at most 12 bytes per trained parameter each way: its fp32 masters (the fp32 weights
+without --bf16) and the two Adam moments, 4 bytes each (plus its `extra` tensors: the student's EMA, 4 more).
+Host side: one pinned buffer per part, every storage of the part at an offset in it (allocated at the first sleep
+and again only when the part's storages change, e.g. when the optimizer's state first appears).
+
+Accounting: `resident_bytes(tensors)` sums nbytes of the unique storages; a sleeping role has 0. `counters()`: the
+copies made and bytes moved so far, per direction (device-to-host, host-to-device), and the bytes zeroed.
 
 Calls: `sleep()` while asleep and `wake()` while awake are no-ops (the phase table may wake a role
 that is already awake). A tensor created after `sleep()` (none should be: the role is idle) is not
@@ -55,7 +69,7 @@ wake the role first.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -148,21 +162,29 @@ class Sleeper:
                 everything is on the CPU and moves.
     frozen:     the role's tensors never change while it is awake (the teacher): sleeps after the first
                 free without copying.
+    zeroed:     tensors whose storages are all zero whenever the role sleeps (never copied: module docstring).
+    derived, derive: weights whose storages `derive()` rebuilds on the device from the awake state part (never
+                copied; both or neither).
     """
 
     def __init__(self, name: str, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence = (),
-                 tensors: Sequence[Tensor] = (), device: Optional[torch.device] = None, frozen: bool = False):
+                 tensors: Sequence[Tensor] = (), device: Optional[torch.device] = None, frozen: bool = False,
+                 zeroed: Sequence[Tensor] = (), derived: Sequence[Tensor] = (),
+                 derive: Optional[Callable[[], None]] = None):
+        if bool(derived) != (derive is not None):
+            raise ValueError("derived tensors and their derive() come together")
         self.name, self.frozen = name, frozen
+        self.zeroed, self.derived, self.derive = list(zeroed), list(derived), derive
         self.modules, self.optimizers, self.extra = list(modules), list(optimizers), list(tensors)
         if device is None:
             first = next(iter(self.tensors()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
-        self._saved: dict = {}  # part -> [(storage, nbytes, host copy)] while that part sleeps
-        self._host: dict = {}   # storage key -> its persistent host buffer
-        self._clean: set = set()  # storage keys whose host buffer equals the device bytes (frozen roles)
+        self._saved: dict = {}  # part -> [(storage, nbytes, how, host view or None)] while that part sleeps
+        self._host: dict = {}   # part -> (layout ((storage key, nbytes), ...), its pinned flat host buffer)
+        self._clean: set = set()  # storage keys whose host bytes equal the device bytes (frozen roles)
         self._slept: dict = {}  # part -> CUDA event: the end of that part's device-to-host copies
-        self.copied_bytes = 0   # device <-> host bytes moved so far (both directions)
+        self._counts = {"d2h_copies": 0, "d2h_bytes": 0, "h2d_copies": 0, "h2d_bytes": 0, "zeroed_bytes": 0}
         self._handles = [m.register_forward_pre_hook(self._forward_guard) for m in self.modules]
         self._unwrap = []
         for opt in self.optimizers:
@@ -237,20 +259,44 @@ class Sleeper:
         held = {st.data_ptr() for st in weights}
         return [st for st in _unique_storages(self.state_tensors(), self.device) if st.data_ptr() not in held]
 
-    def _host_buffer(self, key: int, nbytes: int) -> Tensor:
-        host = self._host.get(key)
-        if host is None or host.numel() != nbytes:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-            self._host[key] = host
-            self._clean.discard(key)
-        return host
+    @property
+    def copied_bytes(self) -> int:
+        """Device <-> host bytes moved so far (both directions)."""
+        return self._counts["d2h_bytes"] + self._counts["h2d_bytes"]
+
+    def counters(self) -> dict:
+        """Copies made and bytes moved so far per direction, and bytes zeroed on wakes (module docstring)."""
+        return dict(self._counts)
+
+    def _how(self, part: str) -> dict:
+        """{storage key: "zero" | "derive"} of this part's storages that are not copied."""
+        how = {t.untyped_storage()._cdata: "zero" for t in self.zeroed}
+        if part == "weights":
+            how.update({t.untyped_storage()._cdata: "derive" for t in self.derived})
+        return how
+
+    def _host_views(self, part: str, copied: list) -> list:
+        """A view of the part's one pinned host buffer per copied storage, in order (a new buffer when the part's
+        storages changed since the last sleep)."""
+        layout = tuple((st._cdata, st.nbytes()) for st in copied)
+        held = self._host.get(part)
+        if held is None or held[0] != layout:
+            buf = torch.empty(sum(n for _, n in layout), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            held = self._host[part] = (layout, buf)
+            self._clean.difference_update(key for key, _ in layout)
+        offsets = [0]
+        for _, n in layout:
+            offsets.append(offsets[-1] + n)
+        return [held[1][a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
     def _sleep_part(self, part: str) -> int:
         if part in self._saved:
             return 0
-        storages = self._storages(part)
-        saved = [(st, st.nbytes(), self._host_buffer(st._cdata, st.nbytes())) for st in storages]
-        todo = [(st, host) for st, _, host in saved if st._cdata not in self._clean]
+        storages, how = self._storages(part), self._how(part)
+        copied = [st for st in storages if st._cdata not in how]
+        hosts = dict(zip((st._cdata for st in copied), self._host_views(part, copied)))
+        saved = [(st, st.nbytes(), how.get(st._cdata, "copy"), hosts.get(st._cdata)) for st in storages]
+        todo = [(st, hosts[st._cdata]) for st in copied if st._cdata not in self._clean]
         if self.device.type == "cuda":
             d2h, _ = _side_streams(self.device)
             d2h.wait_stream(torch.cuda.current_stream(self.device))
@@ -263,37 +309,53 @@ class Sleeper:
         else:
             for st, host in todo:
                 host.copy_(_bytes_of(st))
-        self.copied_bytes += sum(st.nbytes() for st, _ in todo)
+        self._counts["d2h_copies"] += len(todo)
+        self._counts["d2h_bytes"] += sum(st.nbytes() for st, _ in todo)
         if self.frozen:
             self._clean.update(st._cdata for st, _ in todo)
-        for st, _, _ in saved:
+        for st, _, _, _ in saved:
             st.resize_(0)
         self._saved[part] = saved
-        return sum(n for _, n, _ in saved)
+        return sum(n for _, n, _, _ in saved)
 
     def _wake_part(self, part: str) -> int:
         saved = self._saved.pop(part, None)
         if saved is None:
             return 0
+        if any(how == "derive" for _, _, how, _ in saved) and "state" in self._saved:
+            self._saved[part] = saved
+            raise ValueError(f"role {self.name}: its weights are derived from its optimizer state, which is asleep: "
+                             f"wake the whole role (level 'all'), not its weights alone")
+        copies = [(st, nbytes, host) for st, nbytes, how, host in saved if how == "copy"]
+        zeros = [(st, nbytes) for st, nbytes, how, _ in saved if how == "zero"]
         if self.device.type == "cuda":
             _, h2d = _side_streams(self.device)
             compute = torch.cuda.current_stream(self.device)
             if part in self._slept:
                 h2d.wait_event(self._slept.pop(part))  # this role's host buffers are complete
             with torch.cuda.stream(h2d):
-                for st, nbytes, host in saved:
+                for st, nbytes, _, _ in saved:
                     st.resize_(nbytes)
+                for st, _, host in copies:
                     _bytes_of(st).copy_(host, non_blocking=True)
+                for st, _ in zeros:
+                    _bytes_of(st).zero_()
             compute.wait_stream(h2d)
-            for st, _, _ in saved:
+            for st, _, _, _ in saved:
                 _bytes_of(st).record_stream(compute)
         else:
-            for st, nbytes, host in saved:
+            for st, nbytes, _, _ in saved:
                 st.resize_(nbytes)
+            for st, _, host in copies:
                 _bytes_of(st).copy_(host)
-        moved = sum(n for _, n, _ in saved)
-        self.copied_bytes += moved
-        return moved
+            for st, _ in zeros:
+                _bytes_of(st).zero_()
+        if len(copies) + len(zeros) < len(saved):
+            self.derive()  # on the compute stream, which waits for the state's copies
+        self._counts["h2d_copies"] += len(copies)
+        self._counts["h2d_bytes"] += sum(n for _, n, _ in copies)
+        self._counts["zeroed_bytes"] += sum(n for _, n in zeros)
+        return sum(n for _, n, _, _ in saved)
 
     def set_resident(self, level: str) -> int:
         """Make exactly the parts of `level` ("all", "weights", "none") resident; returns the bytes
@@ -301,7 +363,9 @@ class Sleeper:
         if level not in LEVELS:
             raise ValueError(f"residency level must be one of {sorted(LEVELS)}, got {level!r}")
         moved = sum(self._sleep_part(p) for p in reversed(PARTS) if p not in LEVELS[level])
-        return moved + sum(self._wake_part(p) for p in PARTS if p in LEVELS[level])
+        # derived weights are rebuilt from the state: the state wakes first
+        order = reversed(PARTS) if self.derive is not None else PARTS
+        return moved + sum(self._wake_part(p) for p in order if p in LEVELS[level])
 
     def sleep(self) -> int:
         """Copy every storage to the host and free it on the device; returns the bytes freed."""
@@ -314,7 +378,7 @@ class Sleeper:
 
 class ExpertSleeper:
     """Time-slicing of a frozen role of several experts (module docstring, "Experts"); the Sleeper interface the
-    roles use: set_resident / sleep / wake / held / resident_bytes / asleep / close / copied_bytes."""
+    roles use: set_resident / sleep / wake / held / resident_bytes / asleep / close / copied_bytes / counters."""
 
     def __init__(self, name: str, experts: Sequence[torch.nn.Module], device: Optional[torch.device] = None):
         self.name = name
@@ -354,6 +418,10 @@ class ExpertSleeper:
     @property
     def copied_bytes(self) -> int:
         return sum(s.copied_bytes for s in self.sleepers)
+
+    def counters(self) -> dict:
+        per = [s.counters() for s in self.sleepers]
+        return {k: sum(c[k] for c in per) for k in per[0]}
 
     def held(self) -> list[Tensor]:
         return [t for s in self.sleepers for t in s.held()]

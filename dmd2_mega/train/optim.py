@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.train.flat import FlatAdamState, flat_copies
 from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.distributed.parallel import tp_partition_dim
 
@@ -136,9 +137,10 @@ class Optimizer:
         groups = param_groups(model, cfg.weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
         self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model_params)
-        if self.mixed:
+        if self.mixed:  # the fp32 masters, views of one buffer (`flat`)
+            masters = iter(flat_copies(self.model_params, torch.float32))
             for g in groups:
-                g["params"] = [self._master(p) for p in g["params"]]
+                g["params"] = [self._master(p, next(masters)) for p in g["params"]]
         self.master_params = [p for g in groups for p in g["params"]]
         self._fixed = None
         if grads is not None:  # the stepped grads are the fp32 main_grads, for good (grad_buffer)
@@ -149,14 +151,16 @@ class Optimizer:
         self.lr_mults = [g.get("lr_mult") for g in groups]
         self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
         self.device_skips = self.inner.__class__ is torch.optim.AdamW  # fused AdamW takes found_inf
+        self._flat = FlatAdamState(self.inner) if self.device_skips else None  # its state in two buffers
         dev = self.model_params[0].device
         self._lrs = device_lrs(self.inner.param_groups, dev) if self.device_skips else []
         self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
         self._consecutive = torch.zeros((), dtype=torch.int64, device=dev)
 
     @staticmethod
-    def _master(p: torch.nn.Parameter) -> torch.nn.Parameter:
-        m = torch.nn.Parameter(p.detach().float().clone())
+    def _master(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+        """p's fp32 master over `data` (p's value in fp32), with p's TP attributes."""
+        m = torch.nn.Parameter(data)
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             if hasattr(p, attr):
                 setattr(m, attr, getattr(p, attr))
@@ -221,10 +225,15 @@ class Optimizer:
         if self.device_skips:
             self.inner.found_inf = bad.float()  # 1: the fused kernel leaves params, moments and steps as they are
         self.inner.step()
-        if self.mixed:
-            with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.master_params)
+        self.copy_to_model()
         return norm
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """bf16 model: its parameters = the fp32 masters rounded (after each step; and what a waking role rebuilds its
+        weights from instead of copying them, `offload.Sleeper`'s derived weights). fp32: nothing (they are one)."""
+        if self.mixed:
+            torch._foreach_copy_(self.model_params, self.master_params)
 
     @torch.no_grad()
     def sync_masters(self) -> None:
@@ -257,6 +266,8 @@ class Optimizer:
                              f"but this run is {'with' if self.mixed else 'without'} it; pass --no-load-optim")
         check_group_count(state["inner"]["param_groups"], self.inner.param_groups)
         self.inner.load_state_dict(state["inner"])
+        if self._flat is not None:
+            self._flat.repack(self.inner)
         restore_lrs(self.inner.param_groups, self._lrs)
         keep_lr_mults(self.inner.param_groups, self.lr_mults)
         if self.mixed:
