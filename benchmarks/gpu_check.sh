@@ -64,8 +64,10 @@ export REPO=$PWD
 # (probe + wheels + env ~20, suite ~150 (estimated), bench_kernels ~45, cycle_bf16 ~70, wan13b_cycle ~100: 6 cycles
 # at ~3.2 s after saving and loading an 18 GiB teacher, sit_xl2_cycle ~50); each timeout is ~1.5x that, so a step that
 # hangs takes at most that much from the steps after it. Only the first GPU run's figures stand behind these numbers.
-# cycle_graphs (the 600M cycle eager and with --cuda-graphs, ~60 s by estimate, never run yet) comes after them: when
-# the budget runs short it is skipped, as are the steps after it.
+# After them, never run yet and estimated only: wan13b_480p (issue 52's real shape, latents [16, 21, 60, 104] = 32,760
+# tokens, 3 teacher steps then 3 cycles at the planner's default offload; ~280 TFLOP per forward, so ~30 s per cycle
+# at 40% MFU), sit_xl2_b64 (SiT-XL/2 at B = 64), cycle_graphs (the 600M cycle eager and with --cuda-graphs). When
+# the budget runs short they are skipped in that order; run them alone with STEPS="env wan13b_480p sit_xl2_b64".
 # needs: cuda (skipped in a dry run), a module that must import, or -.
 # name            timeout_s  needs  command (bash -c from the repo root; the variables and functions below exported)
 STEP_TABLE='
@@ -76,6 +78,8 @@ bench_kernels       90  cuda   "$PYTHON" benchmarks/bench_kernels.py --no-compil
 cycle_bf16         150  cuda   "$PYTHON" benchmarks/bench_dmd2_cycle.py $CYCLE_ARGS --warmup 2 --repeats 5 --csv "$LOGS/cycle_bf16.csv"
 wan13b_cycle       210  cuda   run_wan_cycle
 sit_xl2_cycle      100  cuda   run_sit_cycle
+wan13b_480p        240  cuda   run_wan_cycle "16 21 60 104" 3 3
+sit_xl2_b64        120  cuda   run_sit_cycle 64
 cycle_graphs        90  cuda   "$PYTHON" benchmarks/bench_cuda_graphs.py $CYCLE_ARGS --warmup 3 --repeats 5 --csv "$LOGS/cycle_graphs.csv"
 cycle_recompute     75  cuda   "$PYTHON" benchmarks/bench_dmd2_cycle.py $CYCLE_ARGS --recompute-granularity full --warmup 1 --repeats 3 --csv "$LOGS/cycle_recompute.csv"
 flow_sdpa           45  cuda   "$PYTHON" launch/pretrain_flow.py $FLOW_ARGS --attention-backend sdpa --transformer-impl local
@@ -202,18 +206,20 @@ write_shards(out, x, cond=cond, negative=torch.randn(*map(int, text), generator=
 print(f"wrote {n} random samples: latents {list(x.shape[1:])}, text {list(cond.shape[1:])} -> {out}")
 '
 export WAN_MODEL=${WAN_MODEL:-wan2.1-1.3b} WAN_LATENT=${WAN_LATENT:-16 5 30 52} WAN_TEXT=${WAN_TEXT:-512 4096}
-run_wan_cycle() {
+run_wan_cycle() {  # [LATENT ITERS TEACHER_ITERS]: default WAN_LATENT, 6 cycles, 1 teacher step
     set -ex
+    local latent=${1:-$WAN_LATENT} iters=${2:-6} teacher_iters=${3:-1}
     WAN_TMP=$(mktemp -d "$WORK/wan.XXXXXX")
     trap 'rm -rf "$WAN_TMP"' EXIT
-    "$PYTHON" -c "$WAN_DATA_PY" "$WAN_TMP/data" 16 "$WAN_LATENT" "$WAN_TEXT"
+    "$PYTHON" -c "$WAN_DATA_PY" "$WAN_TMP/data" 16 "$latent" "$WAN_TEXT"
     local common=(--model-size "$WAN_MODEL" --data "$WAN_TMP/data" --micro-batch-size 1 --bf16 --num-workers 0
                   --timestep-shift 3)
-    # the teacher is one step of random weights: not worth compiling its blocks
-    "$PYTHON" launch/pretrain_flow.py "${common[@]}" --train-iters 1 --log-interval 1 --no-compile \
-        --save "$WAN_TMP/teacher"
-    "$PYTHON" launch/pretrain_dmd2.py "${common[@]}" --teacher-load "$WAN_TMP/teacher" --train-iters 6 \
-        --log-interval 2 --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 \
+    # the teacher is random weights: one step is not worth compiling its blocks; more steps are the plain training
+    # step beside the cycle (the real-shape row), compiled as a GPU user's are
+    "$PYTHON" launch/pretrain_flow.py "${common[@]}" --train-iters "$teacher_iters" --log-interval 1 \
+        $( ((teacher_iters == 1)) && echo --no-compile ) --save "$WAN_TMP/teacher"
+    "$PYTHON" launch/pretrain_dmd2.py "${common[@]}" --teacher-load "$WAN_TMP/teacher" --train-iters "$iters" \
+        --log-interval $(( iters >= 6 ? 2 : 1 )) --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 \
         --dmd2-critic-steps-per-rollout 5 --dmd2-teacher-guidance-scale 5 --ema-decay 0.99
 }
 
@@ -243,7 +249,7 @@ write_shards(out + "/data", torch.randn(64, c, side, side, generator=g).bfloat16
 print(f"wrote a random SiT ({depth} blocks, hidden {d}) and 64 random latents [4, 32, 32] -> {out}")
 '
 export SIT_DEPTH=${SIT_DEPTH:-28} SIT_HIDDEN=${SIT_HIDDEN:-1152} SIT_HEADS=${SIT_HEADS:-16}
-run_sit_cycle() {
+run_sit_cycle() {  # [B]: the micro-batch, default 8
     set -ex
     SIT_TMP=$(mktemp -d "$WORK/sit.XXXXXX")
     trap 'rm -rf "$SIT_TMP"' EXIT
@@ -251,7 +257,7 @@ run_sit_cycle() {
     "$PYTHON" launch/convert_checkpoint.py --from-official "$SIT_TMP/sit.pt" --parameterization sit \
         --num-heads "$SIT_HEADS" --save "$SIT_TMP/teacher"
     "$PYTHON" launch/pretrain_dmd2.py --model-size "$SIT_TMP/teacher" --teacher-load "$SIT_TMP/teacher" \
-        --data "$SIT_TMP/data" --micro-batch-size 8 --bf16 --num-workers 0 --train-iters 6 --log-interval 2 \
+        --data "$SIT_TMP/data" --micro-batch-size "${1:-8}" --bf16 --num-workers 0 --train-iters 6 --log-interval 2 \
         --lr 2e-6 --lr-decay-style constant --dmd2-denoising-steps 4 --dmd2-critic-steps-per-rollout 5 \
         --dmd2-teacher-guidance-scale 1.5 --dmd2-gan --ema-decay 0.99
 }
@@ -376,7 +382,7 @@ if os.path.exists(path):
                                  f"graphed ({vals['graphed / eager']:.2f}x); "
                                  f"{vals['graphed cycle in plain steps']:.1f} plain steps")
 
-for step in ("wan13b_cycle", "sit_xl2_cycle"):
+for step in ("wan13b_cycle", "sit_xl2_cycle", "wan13b_480p", "sit_xl2_b64"):
     lines = log(step)
     starts = [i for i, l in enumerate(lines) if "pretrain_dmd2.py" in l and l.startswith("+")]
     lines = lines[starts[-1]:] if starts else []
