@@ -225,6 +225,8 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="self-forcing: roll out F frames (default: the data's T) and score one window of T per micro-batch")
     _flag(g, "--causal-grad-chunks", D, "causal_grad_chunks", type=int,
           help="self-forcing: the DMD gradient reaches the last M chunks only (default: all)")
+    _flag(g, "--offload-prefetch", D, "offload_prefetch", action="store_true",
+          help="wake the next phase's sleeping roles during the current phase's last step (both resident meanwhile)")
     _flag(g, "--cuda-graphs", D, "cuda_graphs", action="store_true",
           help="replay each model call of a cycle from a CUDA graph captured once per shape (CUDA; no offload, "
                "TP = CP = 1)")

@@ -476,6 +476,9 @@ class DMD2Config:
     cuda_graphs: bool = False
     """--cuda-graphs: each model call of a cycle replayed from a CUDA graph captured once per signature
     (`models/cuda_graphs.py`); CUDA only, not with offload or TP / CP / SP > 1."""
+    offload_prefetch: bool = False
+    """--offload-prefetch: the next phase's sleeping roles wake during the current phase's last step, their copies
+    behind its compute (`methods.roles.ahead`); the roles of both phases are resident meanwhile."""
 
     SWITCHED: ClassVar[tuple] = (
         Needs("distill_method", "--distill-method", "--causal",
@@ -486,6 +489,8 @@ class DMD2Config:
           for name, flag in (("self_forcing_exit", "--self-forcing-exit"),
                              ("self_forcing_rollout_frames", "--self-forcing-rollout-frames"),
                              ("causal_grad_chunks", "--causal-grad-chunks"))),
+        Needs("offload_prefetch", "--offload-prefetch", "--offload-inactive or --offload-roles",
+              lambda run: bool(run.dmd2.offload_inactive) or run.dmd2.offload_roles is not None),
         Needs("critic_min_lr", "--critic-min-lr", *_COSINE, message=_CONSTANT),
         Needs("gpu_memory_gb", "--gpu-memory-gb", "--offload-roles / --[no-]offload-inactive",
               lambda run: run.dmd2.offload_roles is None and run.dmd2.offload_inactive is None,

@@ -348,3 +348,52 @@ def test_a_time_sliced_dmd2_run_copies_a_few_storages_of_at_most_12_bytes_per_pa
         assert c["d2h_bytes"] == c["h2d_bytes"] == 12 * n + 4 * tensors + buffers, (name, c, n)
         assert c["d2h_copies"] == c["h2d_copies"] <= 4, (name, c)
     assert moved["teacher"]["d2h_bytes"] == 0 and moved["teacher"]["h2d_copies"] <= 2, moved["teacher"]
+
+
+def test_prefetch_wakes_the_next_phases_roles_during_the_last_step(debug_teacher):
+    """--offload-prefetch: the order of phases and wakes, recorded: the critic and the teacher wake inside the
+    rollout phase (its last step) and the student inside the critic phase, before their phases start; the cycle's
+    metrics and weights equal those without prefetch, bit for bit. Without offload the flag is one clear error."""
+    from dmd2_mega.arguments import parse_dmd2_args
+    from dmd2_mega.errors import ConfigError
+    from dmd2_mega.methods.dmd2.method import DMD2Trainer
+    from tests.utils import world_of_one
+    args = ["--model-size", "debug", "--teacher-load", debug_teacher, "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--dmd2-critic-steps-per-rollout", "2", "--train-iters", "3",
+            "--offload-inactive"]
+    with pytest.raises(ConfigError, match="--offload-prefetch has no effect without --offload-inactive"):
+        parse_dmd2_args(args[:-1] + ["--offload-prefetch"])
+    runs = {}
+    for extra in ((), ("--offload-prefetch",)):
+        with world_of_one():
+            tr = DMD2Trainer(parse_dmd2_args(args + list(extra)))
+            tr.cycle()
+            events = []
+            for name, r in tr.roles.items():
+                real = r.sleeper.set_resident
+
+                def recorded(level, name=name, real=real, sleeper=r.sleeper):
+                    before = sleeper.level
+                    out = real(level)
+                    if sleeper.level != before:
+                        events.append((name, sleeper.level))
+                    return out
+                r.sleeper.set_resident = recorded
+            clock = tr.clock
+            tr.clock = lambda phase: (events.append(("phase", phase)), clock(phase))
+            tr.clock.end_cycle, tr.clock.take = clock.end_cycle, clock.take
+            metrics = tr.cycle()["metrics"]
+            seen = list(events)  # the cycle's (the wakes below, to read the weights, are not)
+            for r in tr.roles.values():
+                r.sleeper.wake()
+            runs[bool(extra)] = (seen, {k: v.clone() for k, v in metrics.items()},
+                                 [p.detach().clone() for r in tr.roles.values() for p in r.model.parameters()])
+    (plain, m0, w0), (pre, m1, w1) = runs[False], runs[True]
+    # the student stays awake from the last cycle's actor phase into the rollout
+    assert plain == [("phase", "rollout"), ("phase", "critic"), ("student", "none"), ("critic", "all"),
+                     ("teacher", "all"), ("phase", "actor"), ("critic", "none"), ("teacher", "none"),
+                     ("student", "all")], plain
+    assert pre == [("phase", "rollout"), ("critic", "all"), ("teacher", "all"), ("phase", "critic"),
+                   ("student", "none"), ("student", "all"), ("phase", "actor"), ("critic", "none"),
+                   ("teacher", "none")], pre
+    assert all(torch.equal(m0[k], m1[k]) for k in m0) and all(torch.equal(a, b) for a, b in zip(w0, w1))

@@ -88,16 +88,53 @@ def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
     return resident_bytes([t for r in roles.values() for t in r.tensors()])
 
 
+_LEVEL_RANK = {"none": 0, "weights": 1, "all": 2}
+PREFETCH = {"on": False}
+"""--offload-prefetch (`set_prefetch`): `ahead()` wakes the next phase's roles during the current phase's last step."""
+_AHEAD: list = []  # the pending wake of the next phase's roles, set by `run_steps` for the phase that runs
+
+
+def set_prefetch(on: bool) -> None:
+    PREFETCH["on"] = bool(on)
+
+
+def wake_ahead(phase: str, roles: dict[str, Role], table: PhaseTable) -> None:
+    """Wake, without putting anything to sleep, what `phase` of `table` needs of the sleeping roles: their
+    host-to-device copies are queued now, on the side stream, and run while the current phase's last step computes;
+    `enter_phase` then finds them awake. The roles of both phases are resident meanwhile."""
+    for name, level in phase_needs(table, phase).items():
+        sleeper = roles[name].sleeper if name in roles else None
+        if sleeper is not None and _LEVEL_RANK[sleeper.level] < _LEVEL_RANK[level]:
+            sleeper.set_resident(level)
+
+
+def ahead() -> None:
+    """Called by a method's step as its phase's last step starts (DMD2: the last critic step, the last micro-batch's
+    last rollout step): with --offload-prefetch, the next phase's roles wake now (`wake_ahead`); else, and on a
+    second call, nothing."""
+    if _AHEAD:
+        _AHEAD.pop()()
+
+
 def run_steps(steps: Sequence[PhaseStep], roles: dict[str, Role], batches: list[MicroBatch], table: PhaseTable,
               hook: Optional[Callable[[str], None]] = None) -> tuple[list, dict, dict]:
     """A method's cycle: for each step, in order, hook(its phase), `enter_phase`, then the step on what the step
-    before handed on. Returns (what each step handed on, the steps' metrics merged, {phase: resident bytes})."""
+    before handed on. Returns (what each step handed on, the steps' metrics merged, {phase: resident bytes}).
+    With --offload-prefetch a step's `ahead()` wakes the next step's roles (after the last step: the first's, the
+    next cycle's)."""
     hook = hook or (lambda phase: None)
     given, handed, metrics, resident = None, [], {}, {}
-    for step in steps:
+    for i, step in enumerate(steps):
         hook(step.name)
         resident[step.name] = enter_phase(step.name, roles, table)
-        given, more = step.run(roles, batches, given)
+        _AHEAD.clear()
+        if PREFETCH["on"]:
+            nxt = steps[(i + 1) % len(steps)].name
+            _AHEAD.append(lambda nxt=nxt: wake_ahead(nxt, roles, table))
+        try:
+            given, more = step.run(roles, batches, given)
+        finally:
+            _AHEAD.clear()
         handed.append(given)
         metrics.update(more)
     return handed, metrics, resident

@@ -150,7 +150,8 @@ def _forward(student: StudentFn, x: Tensor, sigma: Tensor, cond: Tensor, max_bat
 def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Tensor, sigmas: Tensor, *,
             shape: Sequence[int], device, sample_id_offset: int = 0,
             dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None,
-            stop_gen: Optional[torch.Generator] = None, stops: Optional[StopSteps] = None) -> Rollout:
+            stop_gen: Optional[torch.Generator] = None, stops: Optional[StopSteps] = None,
+            last_step: Optional[Callable[[], None]] = None) -> Rollout:
     """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
 
     student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
@@ -158,6 +159,7 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
     max_batch: run each step's forward in chunks of at most this many rows (None: one forward).
     stop_gen: the CPU generator of the stop steps (None: `noise_gen`, then required to be on the CPU).
     stops: the stop steps drawn ahead (`draw_stop_steps`, a cycle's); None: drawn here from `stop_gen`.
+    last_step: called as the last step starts (the cycle's prefetch of the next phase's roles, `roles.ahead`).
     On a CPU, forwards of B rows are faster per sample than one of K*B (cache); the result is the same.
     """
     if batch < 1:
@@ -187,6 +189,8 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
     x0 = torch.empty_like(x)         # [n] sorted: rows [counts[i + 1], counts[i]) keep their step-i x0
     for i in range(steps):
         c, c_next = counts[i], counts[i + 1]
+        if i == steps - 1 and last_step is not None:
+            last_step()
         if c > 0:
             s_i = sig[i].repeat(c)
             v = _forward(student, x[:c], s_i, cond_sorted[:c], max_batch).to(dtype)

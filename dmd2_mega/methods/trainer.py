@@ -46,7 +46,7 @@ from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.methods.base import ACTOR, CRITIC, ROLLOUT, STOPS, MethodBuilder, MicroBatch, trained_in
 from dmd2_mega.methods.ema import StudentEMA
 from dmd2_mega.methods.pair_checkpoint import load_pair, role_dir, save_pair
-from dmd2_mega.methods.roles import Role, enter_phase
+from dmd2_mega.methods.roles import Role, enter_phase, set_prefetch
 from dmd2_mega.models import DataShape, count_parameters, get_size
 from dmd2_mega.models.lora import adapt
 from dmd2_mega.plan.memory_plan import PLAN_HEADROOM
@@ -124,6 +124,9 @@ class StudentTrainer(RunStateTrainer):
         self.offload, offload_note = self._offload_plan()
         self.roles = {name: self._role(name, model, tuple(self.ema.tensors()) if self.ema and name == "student"
                                        else ()) for name, model in models.items()}
+        set_prefetch(cfg.dmd2.offload_prefetch)
+        if cfg.dmd2.offload_prefetch:
+            offload_note += "; prefetch: the next phase's roles wake during the last step"
         self.graphs, graphs_note = cuda_graphs.choose(cfg.dmd2.cuda_graphs, ps.device, offload=self.offload,
                                                       tp=ps.tp_size, cp=ps.cp_size, sp=ps.sequence_parallel)
         if self.graphs:

@@ -28,6 +28,7 @@ from dmd2_mega import flow
 from dmd2_mega.methods.base import MicroBatch
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
+from dmd2_mega.methods.roles import ahead
 from dmd2_mega.methods.rollout import Rollout
 from dmd2_mega.train.optim import step_optimizer
 
@@ -58,6 +59,8 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
     losses, added_stats = [], {}
     for k in range(steps):
         last = k == steps - 1
+        if last:
+            ahead()  # --offload-prefetch: the actor phase's roles wake while this step computes
         if last and not shared:  # "original": a separate no-grad draw and forward before the last step
             with torch.no_grad():
                 for j, (r, mb) in enumerate(zip(rollouts, batches)):

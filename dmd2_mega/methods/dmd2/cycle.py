@@ -25,7 +25,7 @@ from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
 from dmd2_mega.methods.dmd2.actor import actor_phase
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
-from dmd2_mega.methods.roles import Role, run_steps
+from dmd2_mega.methods.roles import Role, ahead, run_steps
 from dmd2_mega.methods.rollout import Rollout, draw_stop_steps, rollout
 
 
@@ -37,10 +37,11 @@ def rollout_step(settings: DMD2Settings, roles: dict[str, Role], batches: list[M
     student = roles["student"].model
     stops = draw_stop_steps([mb.rollout_gen if mb.stop_gen is None else mb.stop_gen for mb in batches], n,
                             settings.student_sigmas.numel(), settings.device)
+    last = len(batches) - 1
     return [rollout(student, mb.rollout_gen, n, mb.cond, settings.student_sigmas, shape=settings.shape,
                     device=settings.device, sample_id_offset=mb.sample_id_offset, max_batch=settings.rollout_chunk,
-                    stops=stop)
-            for mb, stop in zip(batches, stops)], {}
+                    stops=stop, last_step=ahead if j == last else None)
+            for j, (mb, stop) in enumerate(zip(batches, stops))], {}
 
 
 def critic_step(settings: DMD2Settings, roles: dict[str, Role], batches: list[MicroBatch],
