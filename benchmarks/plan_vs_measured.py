@@ -10,8 +10,8 @@ digits, moving-digits, a shard directory; its `data_info`), or with `--data synt
 default, wan-debug on latents [4, 5, 6, 10] with text [3, 16] (75 tokens: odd, so CP pads it) and 3 samples:
   * the bytes a trained role holds after its second optimizer step (weights, the fp32 gradient buffer, the
     optimizer state), fp32 and bf16, plain AdamW and the distributed optimizer, in a world of one;
-  * the bytes a training forward keeps for backward (saved-tensor hooks: unique non-parameter storages), with and
-    without --recompute-granularity full, fp32 and bf16, at TP=1 (a world of one) and, per rank under torchrun
+  * the bytes a training forward keeps for backward (saved-tensor hooks and selective recompute's caches: unique
+    non-parameter storages), at each --recompute-granularity (none, selective, full), fp32 and bf16, at TP=1 (a world of one) and, per rank under torchrun
     with 2 gloo ranks, at TP=2 and, for a family that splits tokens (`ModelFamily.splits_tokens`), at CP=2 and
     TP=2 with --sequence-parallel.
 Each row prints the planner's figure (dmd2_mega/plan/memory_plan.py), the measured one and their ratio.
@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning)
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from dmd2_mega.models import recompute  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from dmd2_mega.train.offload import resident_bytes  # noqa: E402
@@ -42,17 +44,31 @@ LAYOUTS = {"CP=2": (1, 2, False), "TP=2": (2, 1, False), "TP=2 SP": (2, 1, True)
 
 
 def kept_bytes(model, inputs) -> int:
-    """Bytes of the unique non-parameter storages a training forward of `inputs` saves for backward."""
+    """Bytes of the unique non-parameter storages a training forward of `inputs` saves for backward: what autograd
+    saves (saved-tensor hooks) and what selective recompute's checkpoints cache from the forward (the op outputs
+    torch's selective checkpoint stores, read from each checkpoint's forward dispatch mode)."""
     params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    kept = {}
+    kept, caches = {}, []
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in params:
             kept[st.data_ptr()] = st.nbytes()
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*inputs)
+
+    def contexts():
+        caching, cached = selective()
+        caches.append(caching.storage)
+        return caching, cached
+    selective, recompute.selective_contexts = recompute.selective_contexts, contexts
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*inputs)
+    finally:
+        recompute.selective_contexts = selective
+    for entry in tree_leaves(caches):  # the outputs kept, each wrapped with its version counter
+        if torch.is_tensor(getattr(entry, "val", None)):
+            pack(entry.val)
     del out
     return sum(kept.values())
 
@@ -99,13 +115,13 @@ def activation_rows(a, data: dict, ps, layout: str, tp: int, cp: int, sp: bool) 
     from dmd2_mega.train.builders import build_model, cast_model
     ms, rows = mp.model_shape_from_info(a.model_size, data), []
     for bf16 in (False, True):
-        for recompute in (False, True):
-            cfg = ModelConfig(size=a.model_size, recompute_granularity="full" if recompute else None)
+        for how in recompute.GRANULARITIES:
+            cfg = ModelConfig(size=a.model_size, recompute_granularity=how)
             model = cast_model(build_model(cfg, data, ps), bf16).train()
             got = kept_bytes(model, inputs(ms, a.samples))
-            est = mp.saved_activation_bytes(ms, a.samples, tp, bf16, recompute, cp=cp, sp=sp)
+            est = mp.saved_activation_bytes(ms, a.samples, tp, bf16, how, cp=cp, sp=sp)
             rows.append([layout, f"kept for backward, {'bf16' if bf16 else 'fp32'}"
-                         f"{', recompute' if recompute else ''}", est, got])
+                         f"{'' if how == 'none' else f', recompute {how}'}", est, got])
     return rows
 
 

@@ -52,7 +52,8 @@ PLANNED = {
     "--model-size": (ModelConfig, "size", dict(
         help=f"one of {', '.join(MODEL_SIZES)}, or a diffusers config.json / model folder a family recognises")),
     "--recompute-granularity": (ModelConfig, "recompute_granularity", dict(
-        help="full: recompute each block in backward")),
+        help="none | selective (all but the attention, whose outputs are kept) | full: what each block recomputes "
+             "in backward (default none; launch/plan_memory.py without it chooses per phase)")),
     "--causal": (ModelConfig, "causal", dict(
         action="store_true",
         help="a causal streaming model: frames in chunks, each attending to itself and earlier chunks")),
@@ -124,7 +125,9 @@ def _configs(ns: argparse.Namespace, composed, *parts: str):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     _planned(g, "--model-size")
-    _flag(g, "--attention-backend", ModelConfig, "attention_backend", help="sdpa | flash (flash-attn, CUDA)")
+    _flag(g, "--attention-backend", ModelConfig, "attention_backend",
+          help="sdpa (torch's SDPA, its kernel chosen per device) | cudnn | flash3 (FlashAttention-3) | flash "
+               "(flash-attn 2)")
     _flag(g, "--transformer-impl", ModelConfig, "transformer_impl", help="local | transformer_engine")
     _flag(g, "--compile", ModelConfig, "compile", action=argparse.BooleanOptionalAction,
           help="each transformer block under torch.compile (default: on with CUDA, off on a CPU)")

@@ -20,9 +20,11 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, ClassVar, Optional
 
+import torch
+
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import compiled
+from dmd2_mega.models import attention, compiled, recompute
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.family import BuildOptions
 from dmd2_mega.models.registry import get_size
@@ -112,11 +114,14 @@ class ModelConfig:
     size: str = "debug"
     """Registry name: debug (tests), digits (quickstart), 600m, 2b, 8b."""
     attention_backend: str = "sdpa"
-    """sdpa (torch scaled_dot_product_attention; CPU and GPU) or flash (flash-attn, CUDA only)."""
+    """sdpa (torch's SDPA, its kernel chosen per device), cudnn (SDPA's cuDNN kernel alone), flash3
+    (FlashAttention-3) or flash (flash-attn 2): `models/attention.py`."""
     transformer_impl: str = "local"
     """local (megatron-core tensor_parallel linears) or transformer_engine (TE linears)."""
     recompute_granularity: Optional[str] = None
-    """None or 'full': megatron-core activation checkpointing of each block."""
+    """--recompute-granularity none | selective | full (`models/recompute.py`): what each block recomputes in
+    backward (selective: all but its attention, whose outputs it keeps); None (not given): none in the trainer,
+    launch/plan_memory.py chooses per phase."""
     compile: Optional[bool] = None
     """--compile / --no-compile: each transformer block under torch.compile (`models/compiled.py`); None: on with
     CUDA, off on a CPU."""
@@ -144,12 +149,13 @@ class ModelConfig:
         self.causal_layout()  # ConfigError naming the --causal-* flag
         _check(0.0 <= self.causal_context_noise < 1.0,
                f"--causal-context-noise must lie in [0, 1), got {self.causal_context_noise}")
-        _check(self.attention_backend in ("sdpa", "flash"),
-               f"--attention-backend must be 'sdpa' or 'flash', got {self.attention_backend!r}")
+        _check(self.attention_backend in attention.BACKENDS,
+               f"--attention-backend must be one of {', '.join(attention.BACKENDS)}, got {self.attention_backend!r}")
         _check(self.transformer_impl in ("local", "transformer_engine"),
                f"--transformer-impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
-        _check(self.recompute_granularity in (None, "full"),
-               f"--recompute-granularity must be 'full' when given, got {self.recompute_granularity!r}")
+        _check(self.recompute_granularity in (None, *recompute.GRANULARITIES),
+               f"--recompute-granularity must be one of {', '.join(recompute.GRANULARITIES)}, got "
+               f"{self.recompute_granularity!r}")
 
     @classmethod
     def saved(cls, args: dict) -> "ModelConfig":
@@ -169,12 +175,17 @@ class ModelConfig:
         return CausalLayout(self.causal_chunk_frames, self.causal_local_attn_chunks, self.causal_sink_chunks)
 
     def options(self) -> BuildOptions:
-        return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity == "full",
+        return BuildOptions(self.attention_backend, self.transformer_impl, self.recompute_granularity,
                             causal=self.causal_layout())
 
     def compile_choice(self, device, tp: int = 1, cp: int = 1, sp: bool = False) -> tuple:
         """(compile the blocks?, the start-up line's reason) on this device and layout (`models.compiled.choose`)."""
         return compiled.choose(self.compile, device, tp, cp, sp, self.transformer_impl)
+
+    def attention_choice(self, device, bf16: bool) -> tuple:
+        """(backend, the start-up line's words) for this device and compute dtype (`models.attention.choose`)."""
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return attention.choose(self.attention_backend, device, dtype, get_size(self.size).spec.head_dim)
 
 
 _CAUSAL_FIELDS = ("causal", "causal_chunk_frames", "causal_local_attn_chunks", "causal_sink_chunks",

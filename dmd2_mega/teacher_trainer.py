@@ -80,6 +80,7 @@ class FlowTrainer(RunStateTrainer):
         print_rank0(f"> model {cfg.model.size}: {nparams:,} parameters ({nparams / 1e9:.3f} B); "
                     f"{ps.layout} backend={ps.backend} device={ps.device} megatron-jit={fuser_state()}; compile "
                     f"{cfg.model.compile_choice(ps.device, ps.tp_size, ps.cp_size, ps.sequence_parallel)[1]}; "
+                    f"attention {cfg.model.attention_choice(ps.device, cfg.optim.bf16)[1]}; "
                     f"global batch {t.global_batch_size} = micro {t.micro_batch_size} x DP {ps.dp_size} "
                     f"x {self.num_micro_batches} micro-batches; data {self.dataset!r}; condition dropout to "
                     f"{self.dataset.null_note}", ps.rank)

@@ -7,7 +7,7 @@
     # Wan (a registered size, or a diffusers config.json / model folder): video latents [C, T, H, W], text
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
         --tensor-model-parallel-size 4 --context-parallel-size 2 --sequence-parallel --micro-batch-size 1 --bf16
-    # pick the layout: the smallest TP x CP (then no recompute, then the least offload) that fits 80 GB GPUs
+    # pick the layout: the smallest TP x CP (then the least recompute, then the least offload) that fits 80 GB GPUs
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
         --micro-batch-size 1 --bf16 --world-size 64 --gpus-per-node 8 --search [--emit-flags]
 
@@ -20,7 +20,10 @@ Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradi
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
-plus an activation estimate; and the peak against --gpu-memory-gb. The maths is in
+plus an activation estimate; the recompute granularity of each phase with grad (critic, actor): without
+--recompute-granularity the least recompute whose time-sliced phase fits 0.9 x --gpu-memory-gb, with each
+granularity's bytes and extra FLOPs, the most recomputing choice applied to every phase (the trainer runs one) and
+its flag; and the peak against --gpu-memory-gb. The maths is in
 dmd2_mega/plan/memory_plan.py. Parameters, gradients and optimizer state are exact (checked against
 built models in tests/test_plan_memory.py); activations are an estimate (see that module), divided
 by --context-parallel-size and --sequence-parallel where they split the tokens (Wan).
@@ -193,7 +196,8 @@ def search(a: argparse.Namespace) -> None:
     run.parallel = replace(run.parallel, tensor_model_parallel_size=best.tp, context_parallel_size=best.cp,
                            sequence_parallel=best.sp)
     run.optim = replace(run.optim, use_distributed_optimizer=best.dist_opt)
-    run.model = replace(run.model, recompute_granularity="full" if best.recompute else None)
+    run.model = replace(run.model, recompute_granularity=best.recompute)
+    a.recompute_given = "the layout chosen"
     plan(a)
 
 
@@ -223,17 +227,22 @@ def plan(a: argparse.Namespace) -> None:
     counts = mp.param_counts(ms)
     total = counts["sharded"] + counts["replicated"]
     k, n, g = d.critic_steps_per_rollout, d.denoising_steps, d.teacher_guidance_scale
-    recompute = run.model.recompute_granularity
-    plan = mp.plan_cycle(ms, phase_table(a), tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16,
-                         recompute=recompute == "full", guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
-                         scores=a.attention_kernel == "math", lora=lora_ranks(run))
+    kw = dict(tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16, guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
+              scores=a.attention_kernel == "math", lora=lora_ranks(run))
+    forced = run.model.recompute_granularity
+    options = mp.recompute_options(ms, phase_table(a), mp.PLAN_HEADROOM * a.gpu_memory_gb * 2 ** 30,
+                                   scoring=d.critic_scoring, **kw)
+    chosen = mp.choose_recompute(options, forced)
+    recompute = mp.applied_recompute(chosen)
+    plan = mp.plan_cycle(ms, phase_table(a), recompute=recompute, **kw)
     print(describe_model(run.model.size, ms))
     layout = (f"CP={cp} " if cp > 1 else "") + f"DP={dp}" + (" SP" if sp else "")
     print(f"parameters {fmt_count(total)} in all, {fmt_count(per_rank)} per rank at TP={tp} "
           f"({fmt_count(counts['replicated'])} replicated); {layout} ({tp * cp * dp} GPUs); B={b} per DP rank, "
           f"K={k}, N={n}; {'bf16 + fp32 masters' if bf16 else 'fp32'}"
           f"{'; optimizer state sharded over DP x CP' if dist_opt else ''}; "
-          f"recompute {recompute or 'none'}; teacher guidance {g}; GAN head {'on' if run.gan.enabled else 'off'}")
+          f"recompute {recompute} ({recompute_given(a) if forced else 'chosen per phase, below'}); "
+          f"teacher guidance {g}; GAN head {'on' if run.gan.enabled else 'off'}")
     print(f"forward {mp.forward_flops(ms, 1, tp) / cp / 1e12:.4g} TFLOP per sample per rank (matmuls, attention "
           f"included)")
     print("\nper-rank bytes of each role (AdamW):")
@@ -255,6 +264,7 @@ def plan(a: argparse.Namespace) -> None:
                         + [fmt_bytes(row[c]) for c in (*plan.roles, "activations", "total")])
     head = ["phase", "mode", *plan.roles, "activations (est.)", "total"]
     print(mp.format_table(head, rows, left=2))
+    print_recompute(a, options, chosen, forced)
     budget = a.gpu_memory_gb * 2 ** 30
     given = "" if d.gpu_memory_gb else " (--gpu-memory-gb not given)"
     print()
@@ -270,6 +280,30 @@ def plan(a: argparse.Namespace) -> None:
           + f"; flags {' '.join(mp.offload_flags(roles, plan.roles))}")
     if kv is not None:
         print_kv_cache(a, plan, *kv, layout=f"TP={tp} CP={cp}{' SP' if sp else ''}")
+
+
+def recompute_given(a: argparse.Namespace) -> str:
+    """What fixed one granularity for every phase: the flag, or --search's layout."""
+    return getattr(a, "recompute_given", "--recompute-granularity")
+
+
+def print_recompute(a: argparse.Namespace, options: dict, chosen: dict, forced) -> None:
+    """Each phase with grad at each recompute granularity (`memory_plan.recompute_options`), the one chosen marked,
+    then the granularity the run applies to every phase and its flag."""
+    why = (f"{recompute_given(a)}: every phase" if forced else
+           f"the least recompute whose time-sliced phase fits {mp.PLAN_HEADROOM:g} x {a.gpu_memory_gb:g} GiB")
+    print(f"\nrecompute per phase with grad ({why}; the rollout has no grad, nothing to recompute):")
+    rows = [[o.phase, o.granularity, fmt_bytes(o.activations), fmt_bytes(o.total), f"+{100 * o.share:.1f}%",
+             "yes" if o.fits else "no", "chosen" if chosen[o.phase] == o else ""]
+            for opts in options.values() for o in opts]
+    print(mp.format_table(["phase", "recompute", "activations (est.)", "phase (time-sliced)", "extra FLOPs",
+                           "fits", ""], rows, left=2))
+    applied = mp.applied_recompute(chosen)
+    note = "" if len({o.granularity for o in chosen.values()}) == 1 else (
+        "; the trainer runs one granularity, the most any phase chose")
+    print("recompute chosen: " + ", ".join(f"{p} {o.granularity} ({fmt_bytes(o.total)}, +{100 * o.share:.1f}% FLOPs)"
+                                 for p, o in chosen.items())
+          + f" -> applied to every phase: {applied}{note}; flags --recompute-granularity {applied}")
 
 
 def print_kv_cache(a: argparse.Namespace, plan: mp.CyclePlan, gen: mp.KVCachePlan, roll: mp.KVCachePlan,

@@ -8,10 +8,15 @@ References, all independent of the planner's formulas:
     real TP=2 build (torchrun, gloo: this file is its script) and the meta-device count of wan2.1-14b;
   * forward FLOPs: torch's FlopCounterMode with SDPA on its math path (attention as bmm) - exact (Wan at
     TP=2 too, per rank);
-  * activations kept for backward: saved-tensor hooks (unique non-parameter storages) - the estimate
-    is within ACT_FACTOR either way, with and without full recompute, fp32 and bf16 (Wan: equal at TP 1
-    and 2; at CP=2 and at TP=2 with --sequence-parallel, torchrun, within 5% and equal with recompute;
-    SDPA's math path, --attention-kernel math: equal in fp32, within 10% in bf16);
+  * activations kept for backward: saved-tensor hooks and selective recompute's caches (unique non-parameter
+    storages) - the estimate is within ACT_FACTOR either way, at each recompute granularity (none, selective, full),
+    fp32 and bf16 (Wan: equal at TP 1 and 2; at CP=2 and at TP=2 with --sequence-parallel, torchrun, within 5% and
+    equal with recompute; SDPA's math path, --attention-kernel math: equal in fp32, within 10% in bf16);
+  * the FLOPs a backward reruns: FlopCounterMode's count of the backward less no recompute's - exact (full and
+    selective; SDPA's math path, where selective cannot keep the attention, too), and the attention cores selective
+    keeps = the math path's bmm FLOPs of a forward;
+  * the recompute chosen per phase: Wan 2.1 1.3B at 81 x 480p on 80 and 141 GB, the printed rows the planner's, the
+    chosen the least recompute that fits, --recompute-granularity forcing one for every phase;
   * the layout search: every layout valid, the first the smallest TP x CP that fits; Wan 2.1 14B at 81 x 480p
     and 81 x 720p on 64 GPUs of 80 GB fits, and its --emit-flags parse as trainer flags;
   * the rollout's pass count: the rows a real `rollout` feeds its student, averaged over seeds;
@@ -21,6 +26,7 @@ References, all independent of the planner's formulas:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -206,14 +212,14 @@ def test_forward_flops_match_flop_counter(ps, size, ch, img, cond_shape, n):
     assert mp.forward_flops(ms, n) == counted_flops(model, ms, n)
 
 
-@pytest.mark.parametrize("recompute", [None, "full"], ids=["no-recompute", "recompute"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"], ids=["no-recompute", "selective", "full"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("size,ch,img,cond_shape,n", [("debug", 1, 8, None, 5), ("digits", 1, 8, None, 64),
                                                       ("digits", 4, 16, None, 3), (*WAN_SHAPES[0], 3),
                                                       (*WAN_SHAPES[2], 2), (*I2V_SHAPE, 2)])
 def test_saved_activations_within_factor(ps, size, ch, img, cond_shape, n, bf16, recompute):
     model, ms = make(ps, size, ch, img, cond_shape, bf16, recompute)
-    est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute == "full")
+    est = mp.saved_activation_bytes(ms, n, 1, bf16, recompute)
     got = kept_bytes(model, ms, n)
     assert est / ACT_FACTOR <= got <= est * ACT_FACTOR, f"measured {got} B kept for backward, estimated {est} B"
     if ms.family.name == "wan" and not ms.cond_parts:  # text-to-video: exact (docstring of models/wan/plan.py)
@@ -227,8 +233,41 @@ def test_activation_estimate_scaling(size, ch, spatial, cond_shape):
     a = lambda n, tp=1, **kw: mp.activation_bytes(ms, n, tp, True, grad=True, **kw)  # noqa: E731
     assert a(8) == 2 * a(4) - a(0)                             # affine in the batch (Wan: + the rope tables)
     assert a(4, recompute=True) < a(4) / 5                     # recompute keeps block inputs only
+    assert a(4, recompute=True) < a(4, recompute="selective") < a(4) / 5  # selective: and the attention outputs
     assert a(4, tp=2) < a(4) and a(4, tp=8) < a(4, tp=2)       # TP splits the per-head / MLP parts
     assert mp.activation_bytes(ms, 4, 1, True, grad=False) < a(4) / 10
+
+
+@pytest.mark.parametrize("size,ch,img,cond_shape", [SHAPES[0], SHAPES[2], WAN_SHAPES[0], I2V_SHAPE])
+def test_recompute_flops_match_the_flop_counter(ps, size, ch, img, cond_shape):
+    """The FLOPs a backward reruns = its counted FLOPs less no recompute's. The CPU's fused attention op has no FLOP
+    formula, so with it only the rest is counted (selective reruns just that); on SDPA's math path (attention as
+    bmm) full's count holds every block's FLOPs, and selective, which cannot keep a math-path attention, reruns as
+    much. The attention cores selective keeps = that path's bmm FLOPs of a forward."""
+    n = 2
+
+    def counted(how: str, math: bool):
+        model, ms = make(ps, size, ch, img, cond_shape, recompute=how)
+        with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+            out = model(*batch(ms, n))
+            with FlopCounterMode(display=False) as counter:
+                out.float().square().mean().backward()
+        return counter.get_total_flops(), ms
+
+    # (math path, granularity) -> the planner's figure the count shows: the fused op's attention is never counted
+    shown = {(False, "selective"): "selective", (False, "full"): "selective", (True, "selective"): "full",
+             (True, "full"): "full"}
+    for math in (False, True):
+        base, ms = counted("none", math)
+        for how in ("selective", "full"):
+            extra, want = counted(how, math)[0] - base, mp.recompute_flops(ms, n, 1, shown[(math, how)])
+            assert extra == want, (how, math, extra, want)
+        assert mp.recompute_flops(ms, n, 1, "selective", scores=True) == mp.recompute_flops(ms, n, 1, "full")
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        make(ps, size, ch, img, cond_shape)[0](*batch(ms, n))
+    bmm = counter.get_flop_counts()["Global"][torch.ops.aten.bmm]
+    assert bmm == mp.recompute_flops(ms, n, 1, "full") - mp.recompute_flops(ms, n, 1, "selective") > 0
+    assert mp.recompute_flops(ms, n, 1, "none") == 0
 
 
 def test_rollout_pass_count_matches_real_rollouts():
@@ -318,7 +357,7 @@ LAYOUTS = {"tp2": (2, 1, False), "cp2": (1, 2, False), "tp2sp": (2, 1, True)}
 def layout_report(out_dir: str) -> None:
     """Under torchrun with 2 ranks (test_wan_layout_per_rank_maths): for each of LAYOUTS in turn (megatron-core's
     groups rebuilt between them), this rank's parameter split, forward FLOPs and bytes kept for backward of the
-    Wan shapes, fp32 and bf16, with and without recompute, in out_dir/<layout>_rank<r>.json."""
+    Wan shapes, fp32 and bf16, at each recompute granularity, in out_dir/<layout>_rank<r>.json."""
     from megatron.core import parallel_state as mpu
     from dmd2_mega.config import ParallelConfig
     from dmd2_mega.distributed.parallel import destroy_distributed, init_distributed
@@ -327,7 +366,7 @@ def layout_report(out_dir: str) -> None:
         report = {}
         for i, shape in enumerate((WAN_SHAPES[0], WAN_SHAPES[2])):
             for bf16 in (False, True):
-                for recompute in (None, "full"):
+                for recompute in (None, "selective", "full"):
                     model, ms = make(ps, *shape, bf16, recompute)
                     key = f"{i} {'bf16' if bf16 else 'fp32'} {recompute}"
                     report[key] = {"split": split(model), "kept": kept_bytes(model, ms, 3),
@@ -348,7 +387,8 @@ def layout_reports(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_wan_layout_per_rank_maths(layout_reports, name):
     """TP=2: shards, FLOPs and kept bytes exactly the per-rank maths. CP=2 and TP=2 with SP (18- and 75-token
-    grids, the second padded): the kept bytes within 5% of the estimate, with recompute exactly."""
+    grids, the second padded): the kept bytes within 5% of the estimate (selective too), with full recompute
+    exactly."""
     tp, cp, sp = LAYOUTS[name]
     for rank in (0, 1):
         report = json.load(open(layout_reports / f"{name}_rank{rank}.json"))
@@ -360,13 +400,14 @@ def test_wan_layout_per_rank_maths(layout_reports, name):
             assert got["split"] == [counts["sharded"] // tp, counts["replicated"]]
             if got["flops"] is not None and name == "tp2":
                 assert got["flops"] == mp.forward_flops(ms, 3, tp=2) < mp.forward_flops(ms, 3, tp=1), key
-            est = mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", recompute == "full", cp=cp, sp=sp)
+            how = None if recompute == "None" else recompute
+            est = mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", how, cp=cp, sp=sp)
             if name == "tp2" or recompute == "full":
                 assert got["kept"] == est, (name, rank, key, got["kept"], est)
             else:
                 assert abs(got["kept"] - est) <= 0.05 * got["kept"], (name, rank, key, got["kept"], est)
             if cp > 1 or sp:
-                assert got["kept"] < mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", recompute == "full")
+                assert got["kept"] < mp.saved_activation_bytes(ms, 3, tp, kind == "bf16", how)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -430,11 +471,81 @@ def test_cli_wan_14b_acceptance_row(capsys):
     out = capsys.readouterr().out
     assert "latents 16x21x60x104 -> 32760 tokens, text 512 x 4096" in out
     assert "parameters 14.288 B in all" in out and "per rank at TP=8" in out
-    assert "peak time-sliced : " in out and "does NOT fit in 80 GiB" in out  # no recompute: ~150 GiB activations
+    # without the flag the planner chooses: no recompute does not fit (~150 GiB activations), selective does
+    assert "applied to every phase: selective" in out
+    assert "(critic phase) -> fits in 80 GiB" in out.split("peak time-sliced")[1].splitlines()[0]
+    assert plan_memory.main(row + ["--recompute-granularity", "none"]) == 0
+    assert "does NOT fit in 80 GiB" in capsys.readouterr().out.split("peak time-sliced")[1].splitlines()[0]
     assert plan_memory.main(row + ["--recompute-granularity", "full"]) == 0
     out = capsys.readouterr().out
     assert "(critic phase) -> fits in 80 GiB" in out.split("peak time-sliced")[1].splitlines()[0]
     assert "does NOT fit in 80 GiB" in out.split("peak all resident")[1].splitlines()[0]
+
+
+WAN_13B_480P = ["--model-size", "wan2.1-1.3b", "--latent-shape", "16", "21", "60", "104", "--text-len", "512",
+                "--micro-batch-size", "1", "--bf16", "--dmd2-critic-steps-per-rollout", "5"]
+
+
+def recompute_rows(out: str) -> dict:
+    """The printed recompute table: {(phase, granularity): (activations, phase bytes, extra FLOPs %, fits, chosen)}."""
+    lines = out.split("recompute per phase with grad")[1].splitlines()[3:]
+    rows = {}
+    for line in lines[:len(mp.GRAD_PHASES) * 3]:
+        c = line.split()
+        rows[(c[0], c[1])] = (" ".join(c[2:4]), " ".join(c[4:6]), float(c[6][1:-1]), c[7] == "yes",
+                              c[8:] == ["chosen"])
+    return rows
+
+
+@pytest.mark.parametrize("gb,want", [(80, "selective"), (141, "none")])
+def test_cli_chooses_recompute_per_phase_for_wan_13b(capsys, gb, want):
+    """Wan 2.1 1.3B at 81 x 480p (32,760 tokens, text 512), B=1, K=5, TP=1: each phase takes the least recompute
+    whose time-sliced phase fits 0.9 x the GPU; the printed rows are the planner's; selective reruns ~30% of what
+    full does (the attention cores, ~70% of a block, are kept)."""
+    assert plan_memory.main(WAN_13B_480P + ["--gpu-memory-gb", str(gb)]) == 0
+    out = capsys.readouterr().out
+    rows = recompute_rows(out)
+    ms = mp.model_shape("wan2.1-1.3b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
+    budget = mp.PLAN_HEADROOM * gb * 2 ** 30
+    options = mp.recompute_options(ms, PHASES, budget, tp=1, dp=1, micro=1, steps=5, denoise=4, bf16=True)
+    chosen = mp.choose_recompute(options)
+    for phase, opts in options.items():
+        for o in opts:
+            fmt = plan_memory.fmt_bytes
+            assert rows[(phase, o.granularity)] == (fmt(o.activations), fmt(o.total), round(100 * o.share, 1), o.fits,
+                                                    o is chosen[phase])
+        none, sel, full = opts
+        assert none.extra_flops == 0 < sel.extra_flops and 0.25 < sel.extra_flops / full.extra_flops < 0.35
+        assert full.total < sel.total < none.total
+        c = chosen[phase]
+        assert c.granularity == want and c.fits and c.total <= budget
+        assert not any(o.fits for o in opts[:opts.index(c)])  # every less recomputing choice is over the budget
+    assert f"applied to every phase: {want}; flags --recompute-granularity {want}" in out
+    assert f"recompute {want} (chosen per phase, below)" in out
+    assert "fits in" in out.split("peak time-sliced")[1].splitlines()[0]
+
+
+def test_cli_recompute_flag_forces_every_phase(capsys):
+    """--recompute-granularity given: that granularity in every phase, fitting or not (the table says which)."""
+    for gb, how, fits in ((141, "full", True), (80, "none", False)):
+        assert plan_memory.main(WAN_13B_480P + ["--gpu-memory-gb", str(gb), "--recompute-granularity", how]) == 0
+        out = capsys.readouterr().out
+        chosen = {k: v for k, v in recompute_rows(out).items() if v[4]}
+        assert sorted(chosen) == [("actor", how), ("critic", how)] and {v[3] for v in chosen.values()} == {fits}
+        assert f"recompute {how} (--recompute-granularity)" in out and "(--recompute-granularity: every phase" in out
+
+
+def test_choose_recompute_falls_back_to_full_and_applies_the_most():
+    opt = lambda phase, g, fits: mp.RecomputeOption(phase, g, 0, 0, 0, 1, fits)  # noqa: E731
+    options = {"critic": [opt("critic", g, g == "full") for g in mp.GRANULARITIES],
+               "actor": [opt("actor", g, True) for g in mp.GRANULARITIES]}
+    chosen = mp.choose_recompute(options)
+    assert (chosen["critic"].granularity, chosen["actor"].granularity) == ("full", "none")
+    assert mp.applied_recompute(chosen) == "full"
+    options["critic"] = [opt("critic", g, False) for g in mp.GRANULARITIES]  # nothing fits: full, marked so
+    critic = mp.choose_recompute(options)["critic"]
+    assert (critic.granularity, critic.fits) == ("full", False)
+    assert {o.granularity for o in mp.choose_recompute(options, forced="selective").values()} == {"selective"}
 
 
 def test_cli_wan_14b_lora_fits_where_full_weights_do_not(capsys):
@@ -641,9 +752,11 @@ def test_layout_flags_parse_to_the_planned_subset(mask):
     """Every subset of roles a plan can time-slice, written by `Layout.flags`, is the set the trainer's parser
     (and `DMD2Config.offload_set`, what the trainer's start-up uses) gives back."""
     planned = frozenset(r for i, r in enumerate(EVERY_ROLE) if mask >> i & 1)
-    flags = mp.Layout(2, 1, 4, True, planned, frozenset(EVERY_ROLE)).flags()
+    how = mp.GRANULARITIES[mask % 3]
+    flags = mp.Layout(2, 1, 4, how, planned, frozenset(EVERY_ROLE)).flags()
     cfg = parse_dmd2_args(["--teacher-load", "t", *flags])
     assert cfg.dmd2.offload_set(EVERY_ROLE) == planned, flags
+    assert (cfg.model.recompute_granularity or "none") == how, flags
     assert ("--offload-inactive" in flags) == (planned == frozenset(EVERY_ROLE))
     assert ("--no-offload-inactive" in flags) == (not planned)
     assert ("--offload-roles" in flags) == (0 < len(planned) < 3)

@@ -136,6 +136,7 @@ class StudentTrainer(RunStateTrainer):
         print_rank0(f"> {method.name}: {cfg.model.size} ({nparams:,} parameters per role, {len(self.roles)} roles); "
                     f"{ps.layout} megatron-jit={fuser_state()}; compile "
                     f"{cfg.model.compile_choice(ps.device, ps.tp_size, ps.cp_size, ps.sequence_parallel)[1]}; "
+                    f"attention {cfg.model.attention_choice(ps.device, cfg.optim.bf16)[1]}; "
                     f"cuda graphs {graphs_note}; B={t.micro_batch_size} "
                     f"{method.describe(self.num_micro_batches, self.dataset.null_note)}; "
                     f"offload {'+'.join(sorted(self.offload)) or 'none'} "

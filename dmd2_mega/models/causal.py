@@ -64,6 +64,14 @@ class CausalLayout:
         """The chunks a KV cache must hold after chunks 0 .. done - 1 are written, for chunk `done` to come."""
         return [j for j in self.visible(done) if j < done]
 
+    def visible_frames(self, frames: int) -> int:
+        """The most frames one chunk's queries see (its own included) in a stream whose chunks are those of a
+        `frames`-frame clip, however long it runs under a window: what a KV cache holds at its fullest."""
+        if self.window is not None:  # longer by whole chunks: the same first chunk, every window reached
+            frames += (self.sink + self.window) * self.chunk_frames
+        spans = self.chunks(frames)
+        return max(sum(spans[j][1] - spans[j][0] for j in self.visible(i)) for i in range(len(spans)))
+
     def key_ranges(self, i: int, frames: int, per_frame: int) -> list[tuple[int, int]]:
         """Token ranges [(start, end)] of the keys chunk i sees in a clip of `frames` frames of `per_frame` tokens,
         adjacent chunks merged (no window: the one range [0, end of chunk i))."""

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmd2_mega.errors import CheckpointError, ConfigError
-from dmd2_mega.models import compiled, linears
+from dmd2_mega.models import compiled, linears, recompute
 from dmd2_mega.models.attention import check_backend
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.distributed.parallel import tp_partition_dim
@@ -124,8 +124,9 @@ class BuildOptions:
 
     attention_backend: str = "sdpa"
     transformer_impl: str = "local"
-    recompute: bool = False
-    """Recompute each block in backward (activation checkpointing) while training."""
+    recompute: str = "none"
+    """Activation recompute of each block in backward while training (`models/recompute.py`): none, selective
+    (attention outputs kept) or full; a bool means full / none."""
     context_parallel: int = 1
     """CP ranks that split the token sequence (`models/token_parallel.py`); the run's --context-parallel-size."""
     sequence_parallel: bool = False
@@ -135,6 +136,9 @@ class BuildOptions:
     flags); None: every token sees every token. Only a family with frames builds one."""
     compile: bool = False
     """Each transformer block under torch.compile (`models/compiled.py`; --compile, decided by `compiled.choose`)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", recompute.granularity(self.recompute))
 
 
 def joined_rows(inputs: tuple, extra: tuple) -> tuple:
@@ -230,13 +234,16 @@ class PlanMaths(NamedTuple):
     (`plan/memory_plan.ModelShape`: spec, in_channels, spatial, num_classes, cond_shape, tokens, text_len, mlp):
     param_counts(ms) -> {'sharded', 'replicated', 'tensors', 'buffer'}; forward_flops(ms, n, tp); per block
     layer(ms, n, tp, bf16, cp, sp) kept for backward and block_input(ms, n, bf16, tp, cp, sp) under full recompute;
-    outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks; nograd(ms, n, tp, bf16, cp, sp) the peak
-    of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math path keeps beyond the fused
-    kernels; kv_cache(ms, n, frames, tp, bf16, cp, sp) per layer, a causal student's KV cache: (the self-attention
-    k / v of one cached chunk of `frames` token frames, the text's k / v), ConfigError for a family or spec with no
-    causal student; lora_linears(ms) -> [(name, "column" | "row", in, out)], every linear of every layer that a
-    LoRA adapter may sit on (`ModelFamily.lora_targets`). cp / sp split the tokens; a family that does not split
-    tokens is only asked for cp = 1, sp = False."""
+    attention_kept(ms, n, tp, bf16, cp, sp) per block, what selective recompute keeps beside the block's input, and
+    recompute_flops(ms, n, tp, selective) the blocks' forward FLOPs a backward reruns (selective: less the attention
+    cores, `models/recompute.py`);
+    outside(ms, n, tp, bf16, recompute, cp, sp) kept outside the blocks (recompute: selective or full); nograd(ms, n,
+    tp, bf16, cp, sp) the peak of a no-grad forward; scores(ms, n, tp, bf16, cp, sp) per block, what SDPA's math
+    path keeps beyond the fused kernels; kv_cache(ms, n, frames, tp, bf16, cp, sp) per layer, a causal student's KV
+    cache: (the self-attention k / v of one cached chunk of `frames` token frames, the text's k / v), ConfigError for
+    a family or spec with no causal student; lora_linears(ms) -> [(name, "column" | "row", in, out)], every linear
+    of every layer that a LoRA adapter may sit on (`ModelFamily.lora_targets`). cp / sp split the tokens; a family
+    that does not split tokens is only asked for cp = 1, sp = False."""
 
     param_counts: Callable
     forward_flops: Callable
@@ -247,6 +254,8 @@ class PlanMaths(NamedTuple):
     scores: Callable
     kv_cache: Callable
     lora_linears: Callable
+    attention_kept: Callable
+    recompute_flops: Callable
 
 
 class Source(NamedTuple):

@@ -14,10 +14,15 @@ Role bytes per rank, every family (P = parameters per rank, n = parameter tensor
     exp_avg_sq 8P and one fp32 `step` per tensor 4n. --use-distributed-optimizer: masters (fp32 even for an
     fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it.
 Activations: the family's formulas (a training forward keeps its per-block activations for backward; full
-    recompute keeps each block's input plus one block's full set while it is recomputed; a no-grad forward
-    holds its peak).
+    recompute keeps each block's input plus one block's full set while it is recomputed, selective also each block's
+    attention outputs (`models/recompute.py`); a no-grad forward holds its peak).
+Recompute per phase (`recompute_options`, `choose_recompute`): the phases with grad (critic, actor) each take the
+    least recomputing granularity (none, selective, full) whose phase, time-sliced, fits the budget; its cost is the
+    recomputed forward FLOPs (`recompute_flops`: full the blocks', selective theirs less the attention cores)
+    per backward, as a share of the phase's model FLOPs (critic: K (F + 2F) + scoring; actor: F + 2F). The trainer
+    runs one granularity: the planner applies the most recomputing one any phase chose (`applied_recompute`).
 Layouts (`search_layouts`): every TP (inside a node) x CP x DP of a world that the family supports (CP and SP only
-for a family that splits tokens), with and without recompute, each with its cheapest time-slicing
+for a family that splits tokens), at each recompute granularity, each with its cheapest time-slicing
 (`choose_offload`); the best fits and has the smallest TP x CP (launch/plan_memory.py --search). The distributed
 optimizer shards over DP x CP, the ranks that hold the same weights.
 Phases: which roles each phase needs is the method's phase table, passed in (`methods.base.Phase`: name,
@@ -47,6 +52,7 @@ from typing import Optional
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.models import FAMILIES, DataShape, ModelFamily, PlanMaths, family_of, get_spec
 from dmd2_mega.models.causal import CausalLayout
+from dmd2_mega.models.recompute import GRANULARITIES, granularity
 
 PHASES = ("rollout", "critic", "actor")
 """The phases of a DMD2 cycle whose activations `plan_cycle` estimates (its cost model); which roles each needs is
@@ -199,15 +205,18 @@ def _maths(ms: ModelShape, cp: int, sp: bool) -> PlanMaths:
     return family.plan
 
 
-def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute: bool = False, cp: int = 1,
+def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute=False, cp: int = 1,
                            sp: bool = False, scores: bool = False) -> int:
-    """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `cp` and `sp`
-    (a family that splits tokens) split its tokens, `scores` adds what SDPA's math path keeps (the family's
-    `PlanMaths.scores`)."""
-    f = _maths(ms, cp, sp)
-    per_layer = (f.block_input(ms, n, bf16, tp, cp, sp) if recompute
-                 else layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores))
-    return f.outside(ms, n, tp, bf16, recompute, cp, sp) + ms.spec.num_layers * per_layer
+    """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `recompute` a
+    granularity (a bool: full / none); `cp` and `sp` (a family that splits tokens) split its tokens, `scores` adds
+    what SDPA's math path keeps (the family's `PlanMaths.scores`), whose attention selective cannot keep either."""
+    f, how = _maths(ms, cp, sp), granularity(recompute)
+    if how == "none":
+        per_layer = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores)
+    else:
+        per_layer = f.block_input(ms, n, bf16, tp, cp, sp)
+        per_layer += f.attention_kept(ms, n, tp, bf16, cp, sp) if how == "selective" and not scores else 0
+    return f.outside(ms, n, tp, bf16, how != "none", cp, sp) + ms.spec.num_layers * per_layer
 
 
 def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False,
@@ -216,13 +225,23 @@ def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int 
     return f.layer(ms, n, tp, bf16, cp, sp) + (f.scores(ms, n, tp, bf16, cp, sp) if scores else 0)
 
 
-def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute: bool = False, cp: int = 1,
+def activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, grad: bool, recompute=False, cp: int = 1,
                      sp: bool = False, scores: bool = False) -> int:
     """Estimated peak activation bytes of one forward (+ backward when `grad`) of n samples."""
     if not grad:
         return _maths(ms, cp, sp).nograd(ms, n, tp, bf16, cp, sp)
-    extra = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores) if recompute else 0  # the block recomputed
+    rerun = granularity(recompute) != "none"  # one block's full set while it is recomputed
+    extra = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores) if rerun else 0
     return saved_activation_bytes(ms, n, tp, bf16, recompute, cp, sp, scores) + extra
+
+
+def recompute_flops(ms: ModelShape, n: int, tp: int, recompute, scores: bool = False) -> int:
+    """Forward FLOPs one backward of n samples runs again on one TP rank: none 0; full the blocks' forward; selective
+    the blocks' less their attention cores (all of it on SDPA's math path, `scores`, whose attention it cannot keep)."""
+    how = granularity(recompute)
+    if how == "none":
+        return 0
+    return ms.family.plan.recompute_flops(ms, n, tp, how == "selective" and not scores)
 
 
 @dataclass(frozen=True)
@@ -328,13 +347,14 @@ def table_needs(phases) -> dict:
 
 
 def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
-               recompute: bool = False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
+               recompute=False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
                scores: bool = False, lora: Optional[dict] = None, shared_base: bool = True) -> CyclePlan:
     """Per-rank bytes of each role of the method's phase table `phases` (`methods.base.Phase`s: a role some phase
     trains has grads and an optimizer) in each phase, time-sliced (offload) or all resident. The distributed
     optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens.
     `lora` {role: rank}: LoRA roles, over the teacher's weights when `shared_base` (`role_bytes`; then nothing is
-    time-sliced), else each over its own frozen copy (--no-lora-shared-base)."""
+    time-sliced), else each over its own frozen copy (--no-lora-shared-base). `recompute`: the granularity of every
+    forward with grad (a bool: full / none)."""
     needs = table_needs(phases)
     trained = frozenset(p.trains for p in phases if p.trains is not None)
     names = tuple(dict.fromkeys(r for p in phases for r in p.needs))
@@ -407,6 +427,67 @@ def offload_flags(offload, roles) -> list:
     return ["--offload-inactive"] if offload == roles else ["--offload-roles", ",".join(sorted(offload))]
 
 
+GRAD_PHASES = ("critic", "actor")
+"""The phases whose forwards keep activations for a backward: the ones a recompute granularity applies to."""
+
+
+@dataclass(frozen=True)
+class RecomputeOption:
+    """One recompute granularity in one phase with grad (`recompute_options`), per rank."""
+
+    phase: str
+    granularity: str
+    total: int
+    """The phase's bytes, time-sliced (every role it does not use asleep): the least the phase can hold."""
+    activations: int
+    extra_flops: int
+    """Forward FLOPs the phase's backwards run again (`recompute_flops`; K of them in the critic phase)."""
+    phase_flops: int
+    """The phase's model FLOPs (critic: K (F + 2F) + the scoring forwards; actor: F + 2F)."""
+    fits: bool
+
+    @property
+    def share(self) -> float:
+        """The extra FLOPs as a share of the phase's."""
+        return self.extra_flops / self.phase_flops
+
+
+def recompute_options(ms: ModelShape, phases, budget: float, *, scoring: str = "shared", **plan) -> dict:
+    """{phase: [RecomputeOption per granularity, least recompute first]} of the phases with grad (`GRAD_PHASES`),
+    from `plan_cycle(ms, phases, recompute=g, **plan)` at each granularity; fits: the time-sliced phase within
+    `budget` bytes."""
+    plans = {g: plan_cycle(ms, phases, recompute=g, **plan) for g in GRANULARITIES}
+    n, tp, k, scores = plan["micro"], plan["tp"], plan["steps"], plan.get("scores", False)
+    passes = cycle_passes(k, plan["denoise"], plan.get("guidance", 1.0), scoring, recompute=False)
+    f = forward_flops(ms, n, tp)
+    flops = {"critic": (passes["critic"] + passes["scoring"]) * f, "actor": passes["actor"] * f}
+    runs = {"critic": k, "actor": 1}  # backwards per phase
+    out = {}
+    for phase in GRAD_PHASES:
+        rows = []
+        for g, p in plans.items():
+            row = p.phases[(phase, True)]
+            rows.append(RecomputeOption(phase, g, row["total"], row["activations"],
+                                        runs[phase] * recompute_flops(ms, n, tp, g, scores), int(flops[phase]),
+                                        row["total"] <= budget))
+        out[phase] = rows
+    return out
+
+
+def choose_recompute(options: dict, forced=None) -> dict:
+    """{phase: the RecomputeOption chosen}: the least recomputing one that fits (the cheapest in FLOPs), full when
+    none fits (its `fits` says so); `forced` (--recompute-granularity given) takes that granularity in every phase."""
+    if forced is not None:
+        return {phase: next(o for o in rows if o.granularity == granularity(forced)) for phase, rows in options.items()}
+    return {phase: next((o for o in rows if o.fits), rows[-1]) for phase, rows in options.items()}
+
+
+def applied_recompute(chosen: dict) -> str:
+    """The one granularity a run applies to every phase: the most recomputing one a phase chose (the trainer builds
+    each model with one granularity; a phase that chose less then recomputes more than it needs)."""
+    return max((o.granularity for o in chosen.values()), key=GRANULARITIES.index, default="none")
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout of a DMD2 job and the choices that trade memory for time."""
@@ -414,13 +495,17 @@ class Layout:
     tp: int
     cp: int
     dp: int
-    recompute: bool
+    recompute: str
+    """A granularity (`models/recompute.py`; a bool is read as full / none)."""
     offload: frozenset
     """The roles time-sliced (`choose_offload`)."""
     roles: frozenset
     """Every role of the method's phase table (what --offload-inactive puts to sleep)."""
     splits_tokens: bool = True
     """The family takes CP / SP (`ModelFamily.splits_tokens`); one that does not runs with TP and DP only."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", granularity(self.recompute))
 
     @property
     def sp(self) -> bool:
@@ -437,12 +522,12 @@ class Layout:
         out = ["--tensor-model-parallel-size", str(self.tp), "--context-parallel-size", str(self.cp)]
         out += ["--sequence-parallel"] if self.sp else []
         out += ["--use-distributed-optimizer"] if self.dist_opt else []
-        out += ["--recompute-granularity", "full"] if self.recompute else []
+        out += ["--recompute-granularity", self.recompute] if self.recompute != "none" else []
         return out + offload_flags(self.offload, self.roles)
 
     def describe(self) -> str:
         return (f"TP={self.tp} CP={self.cp} DP={self.dp}{' SP' if self.sp else ''}"
-                f"{' dist-opt' if self.dist_opt else ''}, recompute {'full' if self.recompute else 'none'}, "
+                f"{' dist-opt' if self.dist_opt else ''}, recompute {self.recompute}, "
                 f"time-sliced {'+'.join(sorted(self.offload)) or 'none'}")
 
 
@@ -454,14 +539,15 @@ def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, bu
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
     world (DP = world / (TP x CP)); only a family that splits tokens takes CP > 1 and SP (with TP > 1).
     Best: fits `budget` (bytes per GPU); then the
-    smallest model-parallel group TP x CP (the most DP, the least communication); then no recompute; then the
-    fewest bytes time-sliced per cycle; then the smaller TP."""
+    smallest model-parallel group TP x CP (the most DP, the least communication); then the least recompute (none,
+    selective, full: one granularity for every phase, as the trainer runs it); then the fewest bytes time-sliced per
+    cycle; then the smaller TP."""
     heads, found, splits = ms.spec.num_heads, [], ms.family.splits_tokens
     for tp in (t for t in range(1, min(gpus_per_node, heads) + 1) if heads % t == 0 and ms.mlp % t == 0
                and gpus_per_node % t == 0):
         cps = range(1, heads // tp + 1) if splits else (1,)
         for cp in (c for c in cps if (heads // tp) % c == 0 and world % (tp * c) == 0):
-            for recompute in (False, True):
+            for recompute in GRANULARITIES:
                 plan = plan_cycle(ms, phases, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
                                   cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora)
@@ -471,7 +557,7 @@ def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, bu
                               plan, totals, fits, moved))
     if not found:
         raise ConfigError(f"no layout of {world} GPUs ({gpus_per_node} per node) divides the {heads} heads")
-    found.sort(key=lambda f: (not f[3], f[0].tp * f[0].cp, f[0].recompute, f[4], f[0].tp))
+    found.sort(key=lambda f: (not f[3], f[0].tp * f[0].cp, GRANULARITIES.index(f[0].recompute), f[4], f[0].tp))
     return [f[:4] for f in found]
 
 
@@ -480,16 +566,17 @@ def peak(plan: CyclePlan, sliced: bool) -> tuple[str, int]:
     return max(((p, plan.phases[(p, sliced)]["total"]) for p in PHASES), key=lambda kv: kv[1])
 
 
-def cycle_passes(steps: int, denoise: int, guidance: float, scoring: str, recompute: bool) -> dict:
+def cycle_passes(steps: int, denoise: int, guidance: float, scoring: str, recompute) -> dict:
     """The analytic pass count of one DMD2 cycle in units of F = one forward of B samples.
 
     Cost model: a backward costs 2F (3F with full recompute: the forward runs again); optimizer
     steps and elementwise maths are not counted. rollout: K*B samples, sample n runs i_n + 1
     forwards, i_n ~ U{0..N-1}, so K (N + 1) / 2 F on average; critic: K (F + 2F); scoring: the
     teacher's F (2F with CFG), plus with 'original' scoring one no-grad critic forward F; actor:
-    F + 2F. A plain flow-matching step is F + 2F.
+    F + 2F. A plain flow-matching step is F + 2F. Selective recompute's extra, a model's share of F, is
+    `recompute_flops`; here it counts as none.
     """
-    bwd = 3.0 if recompute else 2.0
+    bwd = 3.0 if granularity(recompute) == "full" else 2.0
     out = {"rollout": steps * (denoise + 1) / 2, "critic": steps * (1 + bwd),
            "scoring": (2.0 if guidance != 1.0 else 1.0) + (1.0 if scoring == "original" else 0.0),
            "actor": 1 + bwd}

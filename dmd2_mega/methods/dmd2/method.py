@@ -68,7 +68,7 @@ class DMD2Method:
         ms = mp.model_shape_from_info(cfg.model.size, info)
         plan = mp.plan_cycle(ms, self.phases, tp=ps.tp_size, dp=ps.dp_size, micro=cfg.train.micro_batch_size,
                              steps=d.critic_steps_per_rollout, denoise=len(self.student_sigmas),
-                             bf16=cfg.optim.bf16, recompute=cfg.model.recompute_granularity == "full",
+                             bf16=cfg.optim.bf16, recompute=cfg.model.recompute_granularity,
                              guidance=d.teacher_guidance_scale, dist_opt=cfg.optim.use_distributed_optimizer,
                              cp=ps.cp_size, sp=ps.sequence_parallel,
                              lora={r: cfg.lora.rank(r) for r in ("student", "critic")},

@@ -42,11 +42,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import RolloutError
 from dmd2_mega.methods.rollout import micro_batch_rows
+from dmd2_mega.models import recompute
 
 
 @dataclass
@@ -116,7 +116,7 @@ def causal_rollout(model, noise_gen: torch.Generator, stop_gen: Optional[torch.G
     sig = sigmas.to(device=device, dtype=torch.float32)
     if levels is None:  # host floats (one copy, before the loop): the updates' maths in `dtype`
         levels = sigmas.float().cpu().tolist()
-    cache = model.new_cache()
+    cache = model.new_cache(chunks[-1][1])  # sized for the whole rollout, which may be longer than a clip
     x_out, x0_out, ctx_out = (torch.empty((n, *shape), device=device, dtype=dtype) for _ in range(3))
     for c, (a, b) in enumerate(chunks):
         last = int(exits[:, c].max())  # the batch runs until its latest exit
@@ -171,26 +171,26 @@ def replay(model, rollout: CausalRollout, context_noise: float = 0.0, grad_chunk
     the chunks after c1 are not run.
     grad_chunks M (--causal-grad-chunks): only the last M chunks (of the window) carry grad (Self-Forcing's
     last-21-frames rule); the others are the rollout's x0hat as they are, with no forward.
-    Under --recompute-granularity full (the model's `options.recompute`, in training) each chunk's exit forward is
-    checkpointed whole against a read-only view of the cache (`KVCache.view`) and run again in backward: the replay
-    then holds one chunk's activations at a time instead of every chunk's, whatever the number of chunks."""
+    Under --recompute-granularity full or selective (the model's `options.recompute`, in training) each chunk's exit
+    forward is checkpointed at that granularity (`models/recompute.py`) against a read-only view of the cache
+    (`KVCache.view`) and run again in backward: the replay then holds one chunk's activations (selective: and every
+    chunk's attention outputs) at a time instead of every chunk's, whatever the number of chunks."""
     n, cond, out = len(rollout), rollout.cond, []
-    cache = model.new_cache()
-    level = torch.full((n,), float(context_noise), device=cond.device)
     spans = model.causal_layout.chunks(rollout.x.shape[2])
+    cache = model.new_cache(spans[-1][1])  # sized for the rollout's frames
+    level = torch.full((n,), float(context_noise), device=cond.device)
     c0, c1 = window or (0, len(spans))
     first_grad = c0 if grad_chunks is None else max(c0, c1 - grad_chunks)
-    recompute = model.options.recompute and model.training and torch.is_grad_enabled()
+    how = model.options.recompute if model.training and torch.is_grad_enabled() else "none"
     for c, (a, b) in enumerate(spans[:c1]):
         x, sigma = rollout.x[:, :, a:b], rollout.sigma[:, c]
         if c < c0:
             pass  # before the window: its context only
         elif c < first_grad:
             out.append(rollout.x0hat[:, :, a:b])
-        elif recompute:
+        elif how != "none":
             held = cache.view()  # the cache as this chunk read it, for the forward and its rerun in backward
-            v = checkpoint(lambda x_, s_, held=held: model.stream_forward(x_, s_, cond, held.view()), x, sigma,
-                           use_reentrant=False)
+            v = recompute.run(how, lambda x_, s_, held=held: model.stream_forward(x_, s_, cond, held.view()), x, sigma)
             out.append(x - sigma.view(n, 1, 1, 1, 1).to(x.dtype) * v.to(x.dtype))
         else:
             v = model.stream_forward(x, sigma, cond, cache).to(x.dtype)

@@ -13,10 +13,8 @@ Block (NeMo's DiTLayerWithAdaLN pattern), c = t_emb + cond_emb:
 LN + modulation is the fused `dmd2_kernels.adaln_modulate` (Triton on CUDA, fwd + bwd). The qkv
 projection's output is laid out per head as [heads, 3, d], so its column split gives each TP rank
 whole heads. adaLN and the final projection start at zero (adaLN-Zero).
-`--recompute-granularity full` recomputes each block in backward with torch's NON-reentrant checkpoint
-on every device: the model has no dropout, so megatron's RNG-tracking (reentrant) checkpoint buys
-nothing, and the reentrant one rejects the actor's `backward(inputs=...)` (GAN head) and trips DDP's
-"marked ready twice" when two checkpointed forwards share one DDP call; CPU tests run the GPU's path.
+`--recompute-granularity selective | full` recomputes each block in backward, selective keeping its attention output
+(`models/recompute.py`: torch's non-reentrant checkpoint on every device; CPU tests run the GPU's path).
 """
 from __future__ import annotations
 
@@ -26,11 +24,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 import dmd2_kernels
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import linears
+from dmd2_mega.models import linears, recompute
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.embeddings import LabelEmbedder, TextEmbedder, TimestepEmbedder, dit_sincos_2d, sincos_2d
 from dmd2_mega.models.family import BuildOptions, DataShape, FamilyModel, check_build, joined_rows
@@ -65,6 +62,11 @@ class DiTSpec:
     sample_size: Optional[int] = None
     num_classes: Optional[int] = None
     """A converted checkpoint's latent channels, side and classes: the data must match (None: any data)."""
+
+    @property
+    def head_dim(self) -> int:
+        """What the attention backend is chosen for (`models/attention.choose`)."""
+        return self.hidden_size // self.num_heads
 
     def data_shape(self) -> DataShape:
         """The shape a converted checkpoint was trained on (its load_model / sample shape without data)."""
@@ -106,8 +108,8 @@ class DiTBlock(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaln(F.silu(c)).chunk(6, dim=-1)
         b, s, _ = h.shape
         qkv = self.qkv(modulate(h, shift1, scale1)).view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, heads_local, S, d]
-        a = attention(q, k, v, self.attn_backend).transpose(1, 2).reshape(b, s, -1)
+        q, k, v = qkv.unbind(3)  # each [B, S, heads_local, d], views
+        a = attention(q, k, v, self.attn_backend).reshape(b, s, -1)
         h = h + gate1[:, None] * self.proj(a)
         m = self.fc2(F.gelu(self.fc1(modulate(h, shift2, scale2, self.mlp_norm_eps)), approximate="tanh"))
         return h + gate2[:, None] * m
@@ -171,10 +173,9 @@ class DiT(FamilyModel):
 
     def _block(self, i: int, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         blk = self.blocks[i]
-        # non-reentrant on every device (module docstring); nothing to recompute without grad (the rollout)
-        if self.options.recompute and self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(blk, h, c, use_reentrant=False)
-        return blk(h, c)
+        # `models/recompute.py`; nothing to recompute without grad (the rollout)
+        how = self.options.recompute if self.training and torch.is_grad_enabled() else "none"
+        return recompute.run(how, blk, h, c, compile_=self.options.compile)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < len(self.blocks):

@@ -17,7 +17,10 @@ Activations of a training forward of n samples, kept for backward (no S^2 term: 
     (layer-norm inputs/outputs, modulated inputs, attention projection and fc2 outputs at full width;
     q, k, v, attention output and its re-laid copy, fc1 output and GELU output per TP shard),
     plus n S (3h + Cp^2) w outside the blocks. --recompute-granularity full keeps only each block's
-    input n S h w, plus one block's full set while that block is recomputed in backward.
+    input n S h w, plus one block's full set while that block is recomputed in backward. selective
+    (`models/recompute.py`) keeps per block also the attention's output and log-sum-exp,
+    n S h w / t + 4 n (a / t) S, and recomputes all but the attention core's L 4 S^2 h / t FLOPs (at
+    DiT-XL/2's 256 tokens the core is ~4% of a block: selective costs nearly what full does).
     A no-grad forward of n samples holds about n S (4h + max(3h, 2m) / t) w at its peak.
     Measured on CPU with saved-tensor hooks (tests/test_plan_memory.py) the kept bytes are within
     1.25x of this estimate; the peak also holds temporaries of the op running at that moment.
@@ -52,8 +55,21 @@ def forward_flops(ms, n: int = 1, tp: int = 1) -> int:
     out = 2 * S * (c * p * p * h + h * p * p * c) + 2 * (s.freq_dim * h + h * h) + 2 * h * 2 * h // tp
     if ms.cond_shape is not None:
         out += 2 * (ms.cond_shape[-1] * h + h * h)
-    block = 2 * h * 6 * h + 2 * S * (3 * h * h + h * h + 2 * h * m) + 4 * S * S * h
-    return n * (out + s.num_layers * block // tp)
+    return n * (out + s.num_layers * _block_flops(ms)[0] // tp)
+
+
+def _block_flops(ms) -> tuple[int, int]:
+    """(one block's forward FLOPs per sample at TP 1, its attention core's: q k^T and the weighted sum of v)."""
+    h, m, S = ms.spec.hidden_size, ms.mlp, ms.tokens
+    core = 4 * S * S * h
+    return 2 * h * 6 * h + 2 * S * (3 * h * h + h * h + 2 * h * m) + core, core
+
+
+def recompute_flops(ms, n: int, tp: int, selective: bool) -> int:
+    """The blocks' forward FLOPs of n samples on one TP rank that a backward runs again: every block's (full), less
+    its attention core (selective, which keeps its output)."""
+    block, core = _block_flops(ms)
+    return n * (ms.spec.num_layers * (block - (core if selective else 0)) // tp)
 
 
 def layer_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
@@ -74,6 +90,12 @@ def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bo
     return n * S * (4 * h + max(3 * h, 2 * ms.mlp) // tp) * w
 
 
+def attention_kept_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
+    """Per block, what selective recompute keeps beyond the block's input (module docstring)."""
+    h, S, w = ms.spec.hidden_size, ms.tokens, 2 if bf16 else 4
+    return n * S * h // tp * w + 4 * n * (ms.spec.num_heads // tp) * S
+
+
 def score_bytes(ms, *_) -> int:
     raise ConfigError("--attention-kernel math is modelled for the Wan family only")
 
@@ -92,4 +114,5 @@ def lora_linears(ms) -> list:
 
 
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears, attention_kept_bytes,
+                  recompute_flops)

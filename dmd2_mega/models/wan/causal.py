@@ -18,7 +18,8 @@ Two forward paths compute the same thing:
   k / v of the earlier chunks it still sees (its heads under TP; under CP the head group the all-to-all gives it,
   over every token), and the text's k / v, computed once (per grad mode). With `write=True` the chunk's own
   k / v join the cache and chunks that no later chunk sees are evicted (the rolling window); rotary positions
-  keep counting.
+  keep counting. The cache's k / v live in buffers preallocated for the most a chunk sees, written in place: a
+  forward copies its own chunk's k / v, not the whole cache (`KVCache`).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from typing import Callable, Optional
 import torch
 
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.models.attention import attention
 from dmd2_mega.models.causal import CausalLayout
 from dmd2_mega.models.family import BuildOptions, DataShape
-from dmd2_mega.models.wan.model import Wan, WanSpec, attend
+from dmd2_mega.models.wan.model import Wan, WanSpec
 
 
 def _cat(t: torch.Tensor, ranges: list) -> torch.Tensor:
@@ -54,8 +56,8 @@ class BlockCausal:
 
     def self_attention(self, q, k, v, backend: str) -> torch.Tensor:
         if len(self.spans) == 1:
-            return attend(q, k, v, backend)
-        return torch.cat([attend(q[:, a:b], _cat(k, r), _cat(v, r), backend) for a, b, r in self.spans], dim=1)
+            return attention(q, k, v, backend)
+        return torch.cat([attention(q[:, a:b], _cat(k, r), _cat(v, r), backend) for a, b, r in self.spans], dim=1)
 
     @staticmethod
     def text_kv(compute: Callable):
@@ -63,40 +65,131 @@ class BlockCausal:
 
 
 class KVCache:
-    """What streaming generation keeps between chunks (module docstring): per layer {chunk: (k, v)} of the chunks a
-    later chunk still sees and the text's (k, v); `chunks` / `frames`: how many have been written."""
+    """What streaming generation keeps between chunks (module docstring); `chunks` / `frames`: how many are written.
 
-    def __init__(self, layout: CausalLayout, num_layers: int):
-        self.layout, self.chunks, self.frames = layout, 0, 0
+    Self-attention k / v: per layer a k and a v buffer [B, capacity, heads, d], allocated at the first chunk for
+    `capacity_frames` (the most a chunk sees: `CausalLayout.visible_frames`), the kept chunks in ascending order
+    from token 0; `self_kv[layer]` = {chunk: (k, v)} views of them. A forward without grad writes its chunk's k / v
+    in place after them and attends over that prefix: it copies one chunk, not the cache (joining every held chunk
+    with `torch.cat` per forward copied ~5 GB at Wan 480p, by estimate). With grad, or on a read-only `view`, the
+    held chunks are joined as before, so autograd keeps what it saved and a view never writes (a chunk written with
+    grad keeps its graph in `self_kv`). Same keys, same order: bit-identical outputs. `advance` moves the window's
+    chunks down over an evicted one, once per chunk; a buffer a view reads is copied before it is overwritten; a
+    stream longer than sized (no window) reallocates."""
+
+    def __init__(self, layout: CausalLayout, num_layers: int, capacity_frames: int = 0):
+        self.layout, self.chunks, self.frames, self.capacity_frames = layout, 0, 0, capacity_frames
         self.self_kv: list[dict] = [{} for _ in range(num_layers)]
         self.text: list[Optional[tuple]] = [None] * num_layers
         self.text_grad: list[Optional[tuple]] = [None] * num_layers  # computed with grad: for forwards with grad
+        self.buffers: list[Optional[tuple]] = [None] * num_layers  # per layer (k, v) [B, capacity tokens, heads, d]
+        self.slots: dict[int, tuple[int, int]] = {}  # kept chunk -> its token range in every layer's buffers
+        self.used = 0  # tokens the kept chunks fill
+        self.pinned = [0] * num_layers  # tokens of a layer's buffers a view reads: copied before they are written
+        self.grad_kv: list[set] = [set() for _ in range(num_layers)]  # chunks whose self_kv holds k / v with grad
+        self.read_only = False
+        self._written = 0
 
     def nbytes(self) -> int:
-        """Bytes held on this rank (self-attention k / v and the text's)."""
+        """Bytes held on this rank (self-attention k / v of the kept chunks and the text's)."""
         held = [t for layer in self.self_kv for kv in layer.values() for t in kv]
         held += [t for kv in self.text + self.text_grad if kv is not None for t in kv]
         return sum(t.numel() * t.element_size() for t in held)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the self-attention buffers allocated on this rank (the kept chunks and room for the rest)."""
+        return sum(t.numel() * t.element_size() for kv in self.buffers if kv is not None for t in kv)
 
     def view(self) -> "KVCache":
         """A read-only copy of the cache as it is now: the same chunks' k / v (the tensors shared; later writes and
         evictions not seen) and no text k / v with grad yet. A forward with grad against a fresh view each time can
         run again in backward (a replayed chunk under recompute) and build the same graph."""
-        out = KVCache(self.layout, len(self.self_kv))
-        out.chunks, out.frames, out.text = self.chunks, self.frames, list(self.text)
+        out = KVCache(self.layout, len(self.self_kv), self.capacity_frames)
+        out.chunks, out.frames, out.text, out.read_only = self.chunks, self.frames, list(self.text), True
         out.self_kv = [dict(layer) for layer in self.self_kv]
+        self.pinned = [max(p, self.used) for p in self.pinned]
         return out
 
-    def step(self, write: bool) -> "_CachedStep":
-        return _CachedStep(self, write)
+    def step(self, write: bool, frames: int) -> "_CachedStep":
+        """The mixer of one chunk's forward (`frames` token frames); `write`: its k / v join the cache."""
+        if write and self.read_only:
+            raise ValueError("a read-only view of a KV cache (`KVCache.view`) is never written")
+        return _CachedStep(self, write, frames)
+
+    def attend(self, i: int, q, k, v, backend: str, write: bool, frames: int) -> torch.Tensor:
+        """Layer i's self-attention of the chunk's q over the kept chunks' k / v and its own (class docstring)."""
+        if self.read_only or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            past = [self.self_kv[i][j] for j in self.layout.kept(self.chunks)]
+            if write:
+                self._store(i, k.detach(), v.detach(), frames)
+                self.self_kv[i][self.chunks] = (k, v)
+                self.grad_kv[i].add(self.chunks)
+            if not past:
+                return attention(q, k, v, backend)
+            return attention(q, torch.cat([kv[0] for kv in past] + [k], 1), torch.cat([kv[1] for kv in past] + [v], 1),
+                             backend)
+        n = self.used
+        kb, vb = self._store(i, k, v, frames)
+        if write:
+            self.self_kv[i][self.chunks] = (kb[:, n:], vb[:, n:])
+        return attention(q, k, v, backend) if n == 0 else attention(q, kb, vb, backend)
+
+    def _store(self, i: int, k: torch.Tensor, v: torch.Tensor, frames: int) -> tuple:
+        """k / v [B, s, heads, d] copied into layer i's buffers after the kept chunks; views [B, used + s, heads, d]
+        of the buffers over both. A buffer missing, too small or read by a view is reallocated first."""
+        n, s = self.used, k.shape[1]
+        held = self.buffers[i]
+        if held is None or held[0].shape[1] < n + s or n < self.pinned[i]:
+            cap = max(n + s, self.capacity_frames * (s // frames))
+            new = tuple(torch.empty((t.shape[0], cap, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in (k, v))
+            if held is not None and n:
+                for a, b in zip(new, held):
+                    a[:, :n].copy_(b[:, :n])
+            self.buffers[i], self.pinned[i] = new, 0
+            self._views(i)
+        kb, vb = self.buffers[i]
+        kb[:, n:n + s].copy_(k)
+        vb[:, n:n + s].copy_(v)
+        self._written = s
+        return kb[:, :n + s], vb[:, :n + s]
+
+    def _views(self, i: int) -> None:
+        """Layer i's `self_kv` entries of the chunks written without grad: views of its buffers at their slots."""
+        kb, vb = self.buffers[i]
+        for j, (a, b) in self.slots.items():
+            if j not in self.grad_kv[i]:
+                self.self_kv[i][j] = (kb[:, a:b], vb[:, a:b])
 
     def advance(self, frames: int) -> None:
-        """Chunk `chunks` is written: count it and evict what the next chunk no longer sees."""
+        """Chunk `chunks` is written: count it, evict what the next chunk no longer sees and move the kept chunks
+        down to lie in order from token 0 (a buffer a view reads: into a new one)."""
+        self.slots[self.chunks] = (self.used, self.used + self._written)
         self.chunks, self.frames = self.chunks + 1, self.frames + frames
-        keep = set(self.layout.kept(self.chunks))
-        for layer in self.self_kv:
-            for j in [j for j in layer if j not in keep]:
+        slots, at = {}, 0
+        for j in self.layout.kept(self.chunks):
+            a, b = self.slots[j]
+            slots[j], at = (at, at + b - a), at + b - a
+        moves = [(self.slots[j], to) for j, to in slots.items() if self.slots[j] != to]
+        for i, layer in enumerate(self.self_kv):
+            for j in [j for j in layer if j not in slots]:
                 del layer[j]
+            self.grad_kv[i] &= set(slots)
+            if self.buffers[i] is None or not moves:
+                continue
+            if moves[0][1][0] < self.pinned[i]:
+                new = tuple(torch.empty_like(t) for t in self.buffers[i])
+                for j, (c, d) in slots.items():
+                    for t, old in zip(new, self.buffers[i]):
+                        t[:, c:d].copy_(old[:, self.slots[j][0]:self.slots[j][1]])
+                self.buffers[i], self.pinned[i] = new, 0
+            else:
+                for (a, b), (c, d) in moves:  # in ascending order: each lands below its source, above the last
+                    for t in self.buffers[i]:
+                        t[:, c:d].copy_(t[:, a:b].clone() if a < d else t[:, a:b])  # a move shorter than the chunk
+        self.slots, self.used = slots, at
+        for i, kv in enumerate(self.buffers):
+            if kv is not None:
+                self._views(i)
 
 
 class _CachedStep:
@@ -105,22 +198,14 @@ class _CachedStep:
 
     stateless = False
 
-    def __init__(self, cache: KVCache, write: bool, i: int = 0):
-        self.cache, self.write, self.i = cache, write, i
+    def __init__(self, cache: KVCache, write: bool, frames: int, i: int = 0):
+        self.cache, self.write, self.frames, self.i = cache, write, frames, i
 
     def layer(self, i: int) -> "_CachedStep":
-        return _CachedStep(self.cache, self.write, i)
+        return _CachedStep(self.cache, self.write, self.frames, i)
 
     def self_attention(self, q, k, v, backend: str) -> torch.Tensor:
-        cache, i = self.cache, self.i
-        held = cache.self_kv[i]
-        past = [held[j] for j in cache.layout.kept(cache.chunks)]
-        if self.write:
-            held[cache.chunks] = (k, v)
-        if not past:
-            return attend(q, k, v, backend)
-        return attend(q, torch.cat([kv[0] for kv in past] + [k], 1), torch.cat([kv[1] for kv in past] + [v], 1),
-                      backend)
+        return self.cache.attend(self.i, q, k, v, backend, self.write, self.frames)
 
     def text_kv(self, compute: Callable):
         """The text's k / v of this layer, computed once per grad mode: a forward with grad (a training replay)
@@ -179,7 +264,7 @@ class CausalWan(Wan):
         with predict(x, sigma [B], cond) -> v run against the cache (the few-step sampler:
         `sampling.stream_student`). The chunk is then re-run at `context_noise` (x0 itself at 0, else x0
         re-noised with the chunk's last draw) to write its k / v into the cache (--causal-context-noise)."""
-        cache, b = self.new_cache(), noise.shape[1]
+        cache, b = self.new_cache(noise.shape[-3] // self.spec.patch_size[0]), noise.shape[1]
 
         def predict(x, sigma, c):
             return self.stream_forward(x, sigma, c, cache)
@@ -191,8 +276,11 @@ class CausalWan(Wan):
             self.stream_forward(context, level, cond, cache, write=True)
             yield x0
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.causal_layout, len(self.blocks))
+    def new_cache(self, frames: Optional[int] = None) -> KVCache:
+        """A KV cache sized for a stream of `frames` token frames (None: the clip the model was built for); a longer
+        stream without a window reallocates it as it grows."""
+        frames = frames or self.shape.spatial[0] // self.spec.patch_size[0]
+        return KVCache(self.causal_layout, len(self.blocks), self.causal_layout.visible_frames(frames))
 
     def stream_forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, cache: KVCache,
                        write: bool = False) -> torch.Tensor:
@@ -200,7 +288,7 @@ class CausalWan(Wan):
         the cache; sigma [B]. write: add this chunk's k / v to the cache (the chunk is then done)."""
         if sigma.dim() != 1:
             raise ValueError(f"stream_forward takes one noise level per sample, sigma [B]; got {tuple(sigma.shape)}")
-        v = self._forward(x, sigma, cond, cache.step(write), first_frame=cache.frames)
+        v = self._forward(x, sigma, cond, cache.step(write, self._grid(x)[0]), first_frame=cache.frames)
         if write:
             cache.advance(self._grid(x)[0])
         return v

@@ -40,13 +40,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 import dmd2_kernels
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.models import linears
+from dmd2_mega.models import linears, recompute
 from dmd2_mega.models.attention import attention
 from dmd2_mega.models.config_keys import Key, count, positive, read_keys
 from dmd2_mega.models.embeddings import sincos_1d
@@ -189,11 +188,6 @@ class QKNorm(nn.Module):
         return dmd2_kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
-    """Attention of q [B, S, heads, d] over k, v [B, S_kv, heads, d] (`models/attention.py`) -> [B, S, heads, d]."""
-    return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend).transpose(1, 2)
-
-
 class WanAttention(nn.Module):
     """Self- (kv from the tokens, rotary) or cross-attention (kv from the text, no rotary) over local heads.
     Under CP / SP the tokens are this rank's share (`models/token_parallel.py`)."""
@@ -239,13 +233,13 @@ class WanAttention(nn.Module):
             q, k, v = split.sp_linears(x, self.to_q, self.to_k, self.to_v)  # [B, CP chunk, D / TP] each
             q, k = self.norm_q(q, rope), self.norm_k(k, rope)
             q, k, v = (split.attention_heads(self._heads(t)) for t in (q, k, v))
-            a = mixer.self_attention(q, k, v, self.backend) if mixer is not None else attend(q, k, v, self.backend)
+            a = mixer.self_attention(q, k, v, self.backend) if mixer is not None else attention(q, k, v, self.backend)
             return self._out(split.attention_tokens(a).flatten(2), split)
         q = self._heads(self.norm_q(split.sp_linears(x, self.to_q)[0]))
         kv = self.text_kv(ctx) if mixer is None else mixer.text_kv(lambda: self.text_kv(ctx))
-        a = attend(q, kv[0], kv[1], self.backend)
+        a = attention(q, kv[0], kv[1], self.backend)
         if self.image:  # the image tokens' attention adds to the text's (diffusers' WanAttnProcessor)
-            a = a + attend(q, kv[2], kv[3], self.backend)
+            a = a + attention(q, kv[2], kv[3], self.backend)
         return self._out(a.flatten(2), split)
 
     def _out(self, a: torch.Tensor, split: TokenSplit) -> torch.Tensor:
@@ -461,11 +455,13 @@ class Wan(NegativePrompt, FamilyModel):
             # a KV cache's write flag, positions and lengths change per chunk and per layer: compiled, each would be a
             # graph of its own (past torch's limit the block ran eager for every caller); the streaming pass is eager
             return blk.forward(h, ctx, mod, rope, split, mixer)
-        # a stateful mixer (a KV cache being read and filled) is not re-run in backward: the recompute would differ
-        if self.options.recompute and self.training and torch.is_grad_enabled() and (mixer is None or mixer.stateless):
+        # `models/recompute.py`; a stateful mixer (a KV cache being read and filled) is not re-run in backward: the
+        # recompute would differ
+        if self.options.recompute != "none" and self.training and torch.is_grad_enabled() and (
+                mixer is None or mixer.stateless):
             # the context's tensors as arguments of their own: the checkpoint keeps them, as it keeps h
-            return torch.utils.checkpoint.checkpoint(_run_block, blk, h, *ctx, mod, rope, split, mixer,
-                                                     use_reentrant=False)
+            return recompute.run(self.options.recompute, _run_block, blk, h, *ctx, mod, rope, split, mixer,
+                                 compile_=self.options.compile)
         return blk(h, ctx, mod, rope, split, mixer)
 
     def _features(self, x, sigma, cond, layer: int, mixer=None) -> torch.Tensor:

@@ -36,7 +36,10 @@ Activations a training forward of n samples keeps for backward, per block (c = 1
                             (timestep MLP, text MLP and ctx, patches, final norm and projection input, the final
                             modulation [n, 2, D] that its scale is a view of, rope tables). --recompute-granularity full keeps each block's input n S D w (and the
                             modulation n 6D w once, no rope tables), plus one block's full set while that
-                            block is recomputed in backward.
+                            block is recomputed in backward. selective (`models/recompute.py`) keeps as much plus,
+                            per block, each attention call's output and log-sum-exp (self, cross, an I2V Wan's image):
+                            2 (3 with the image) x (n S_c D w / t + 4 n S_c a / t); it recomputes the block's FLOPs
+                            less the attention cores, N (4 S^2 D + 4 S (L + Li) D) / t (`recompute_flops`).
     An I2V Wan adds per block n Li 3D w / t + 4 n Li (image k / v, norm statistics) + 2 n S D w / t + 4 n S a / t
     (the second attention's output and log-sum-exp, and their sum), and outside n Li (4 Di + 3 Di w + 2 D w + 16)
     (the CLIP embedder): an estimate, measured within 10% (wan-i2v-debug, fp32 and bf16, with and without
@@ -113,10 +116,22 @@ def forward_flops(ms, n: int = 1, tp: int = 1) -> int:
     CPi, Li, Di = _image(ms)
     out = 2 * S * (CPi * D + D * CP) + 2 * (s.freq_dim * D + D * D) + 2 * L * (s.text_dim * D + D * D)
     out += 2 * D * 6 * D // tp + 2 * Li * (Di * Di + Di * D)
-    self_attn = 2 * S * 4 * D * D + 4 * S * S * D
-    cross_attn = 2 * S * 2 * D * D + 2 * (L + Li) * 2 * D * D + 4 * S * (L + Li) * D
-    block = self_attn + cross_attn + 2 * S * 2 * D * F
-    return n * (out + s.num_layers * block // tp)
+    return n * (out + s.num_layers * _block_flops(ms)[0] // tp)
+
+
+def _block_flops(ms) -> tuple[int, int]:
+    """(one block's forward FLOPs per sample at TP 1, its attention cores': q k^T and the weighted sum of v)."""
+    _, D, F, _, S, L = _dims(ms)
+    Li = ms.image_len
+    core = 4 * S * S * D + 4 * S * (L + Li) * D
+    return 2 * S * 4 * D * D + 2 * S * 2 * D * D + 2 * (L + Li) * 2 * D * D + 2 * S * 2 * D * F + core, core
+
+
+def recompute_flops(ms, n: int, tp: int, selective: bool) -> int:
+    """The blocks' forward FLOPs of n samples on one TP rank that a backward runs again: every block's (full), less
+    its attention cores (selective, which keeps their outputs)."""
+    block, core = _block_flops(ms)
+    return n * (ms.spec.num_layers * (block - (core if selective else 0)) // tp)
 
 
 def tokens_per_rank(ms, tp: int, cp: int, sp: bool) -> tuple[int, int]:
@@ -176,6 +191,13 @@ def nograd_activation_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bo
     return n * L * (ms.spec.text_dim + D + 2 * D // tp) * w + n * max(Ss * residual, Sc * inner)
 
 
+def attention_kept_bytes(ms, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> int:
+    """Per block, what selective recompute keeps beyond the block's input (module docstring)."""
+    Sc, _ = tokens_per_rank(ms, tp, cp, sp)
+    calls = 3 if ms.image_len else 2
+    return calls * (n * Sc * ms.spec.hidden_size // tp * (2 if bf16 else 4) + 4 * n * Sc * ms.spec.num_heads // tp)
+
+
 def kv_cache_bytes(ms, n: int, frames: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False) -> tuple[int, int]:
     """Per layer on one rank (module docstring): (the self-attention k / v of one cached chunk of `frames` token
     frames, the text's k / v). ConfigError for a spec that cannot be causal (Wan 2.2's two experts)."""
@@ -198,4 +220,5 @@ def lora_linears(ms) -> list:
 
 
 MATHS = PlanMaths(param_counts, forward_flops, layer_activation_bytes, block_input_bytes, outside_activation_bytes,
-                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears)
+                  nograd_activation_bytes, score_bytes, kv_cache_bytes, lora_linears, attention_kept_bytes,
+                  recompute_flops)
