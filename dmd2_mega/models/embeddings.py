@@ -19,11 +19,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+_FREQS: dict = {}
+"""(half, max_period, freq_shift, device) -> the frequencies [half] fp32 of `sincos_1d`, made once (eager mode)."""
+
+
+def _frequencies(half: int, max_period: float, freq_shift: int, device: torch.device) -> torch.Tensor:
+    """w_i = max_period^(-i / (half - freq_shift)), i < half, fp32. The same every call, so eager mode makes them once
+    per device (4 launches fewer per timestep embedding, each forward); under torch.compile they are computed in the
+    graph, which folds them (a traced function must not fill a cache)."""
+    def make():
+        return torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=device)
+                         / (half - freq_shift))
+    if torch.compiler.is_compiling():
+        return make()
+    key = (half, max_period, freq_shift, device)
+    if key not in _FREQS:
+        _FREQS[key] = make()
+    return _FREQS[key]
+
+
 def sincos_1d(pos: torch.Tensor, dim: int, max_period: float = 10000.0, freq_shift: int = 0) -> torch.Tensor:
     """pos [N] -> [N, dim] = [cos(pos * w_i), sin(pos * w_i)], w_i = max_period^(-i/(half - freq_shift))."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=pos.device)
-                      / (half - freq_shift))
+    freqs = _frequencies(half, max_period, freq_shift, pos.device)
     args = pos.float()[:, None] * freqs[None]
     emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
     return F.pad(emb, (0, dim - 2 * half))
