@@ -321,3 +321,46 @@ def test_bucket_stop_steps_run_every_forward_size():
         for st in stop_steps_on(bucket_stop_steps(n, steps), steps, "cpu"):
             run(f, 0, n, labels(n), student_sigmas(steps), stops=st, max_batch=max_batch)
         assert set(f.calls) == sizes, (max_batch, sorted(set(f.calls)))
+
+
+# ---- what the condition fixes -------------------------------------------------------------------------
+
+def test_the_kept_x0hat_is_pinned_and_the_steps_are_not():
+    """Issue 54 item 3: with `pin` (the student's `pin_given`: an I2V first frame) the kept x0hat is the pinned
+    prediction, as the student's sampler returns it; x, sigma and the steps (re-noised from the unpinned x0) are
+    those of the rollout without it."""
+    sigmas = student_sigmas(4)
+    cond = labels(9)
+
+    def pin(x0, c):  # "the first element is fixed by the condition": its label
+        out = x0.clone()
+        out[:, 0, 0, 0] = c.double()
+        return out
+    plain, pinned = run(FakeStudent(), 2, 9, cond, sigmas), run(FakeStudent(), 2, 9, cond, sigmas, pin=pin)
+    assert torch.equal(pinned.x0hat, pin(plain.x0hat, cond)) and not torch.equal(pinned.x0hat, plain.x0hat)
+    for name in ("x", "sigma", "stop_step", "sample_id", "cond"):
+        assert torch.equal(getattr(pinned, name), getattr(plain, name)), name
+
+
+def test_dmd2s_rollout_pins_with_the_students_pin_given(world, monkeypatch):
+    """DMD2's rollout step hands the student's `pin_given` to the rollout: what the critic trains on and the GAN
+    head's fakes carry the condition's first frame, as the scores do (the I2V shortcut of issue 54)."""
+    from types import SimpleNamespace
+    from dmd2_mega.methods.base import MicroBatch
+    from dmd2_mega.methods.dmd2.cycle import rollout_step
+    from dmd2_mega.methods.roles import Role
+    student = build_model("debug", DataShape(1, 8, num_classes=10), options=ModelConfig(size="debug").options()).eval()
+    seen = []
+
+    def marked(x0, cond):
+        seen.append(x0.shape)
+        return x0 + 1.0
+    monkeypatch.setattr(student, "pin_given", marked)
+    settings = SimpleNamespace(critic_steps=2, micro_batch_size=2, student_sigmas=student_sigmas(3), shape=(1, 8, 8),
+                               device=torch.device("cpu"), rollout_chunk=None)  # what the step reads of its settings
+    mb = MicroBatch(index=0, cond=labels(4) % 10, sample_id_offset=0, rollout_gen=gen(1), critic_gen=gen(2),
+                    stop_gen=gen(3))
+    (r,), _ = rollout_step(settings, {"student": Role("student", student)}, [mb])
+    assert seen == [(4, 1, 8, 8)]
+    ref = rollout(student, gen(1), 4, mb.cond, student_sigmas(3), shape=(1, 8, 8), device="cpu", stop_gen=gen(3))
+    assert torch.equal(r.x0hat, ref.x0hat + 1.0)

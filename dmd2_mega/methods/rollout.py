@@ -151,7 +151,8 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
             shape: Sequence[int], device, sample_id_offset: int = 0,
             dtype: torch.dtype = torch.float32, max_batch: Optional[int] = None,
             stop_gen: Optional[torch.Generator] = None, stops: Optional[StopSteps] = None,
-            last_step: Optional[Callable[[], None]] = None) -> Rollout:
+            last_step: Optional[Callable[[], None]] = None,
+            pin: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> Rollout:
     """Backward simulation of `batch` samples; see the module docstring for maths and RNG order.
 
     student(x [m, *shape], sigma [m] fp32, cond [m, ...]) -> v [m, *shape]; cond [batch, ...];
@@ -160,6 +161,9 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
     stop_gen: the CPU generator of the stop steps (None: `noise_gen`, then required to be on the CPU).
     stops: the stop steps drawn ahead (`draw_stop_steps`, a cycle's); None: drawn here from `stop_gen`.
     last_step: called as the last step starts (the cycle's prefetch of the next phase's roles, `roles.ahead`).
+    pin: pin(x0hat, cond) -> x0hat with what the condition fixes put back (`FamilyModel.pin_given`: a first-frame
+    I2V image), as the student's own sampler returns its samples: the kept x0hat is what the critic trains on, the
+    GAN head's fakes and the scores' x0 all are. The steps' re-noising uses the unpinned x0, as the sampler does.
     On a CPU, forwards of B rows are faster per sample than one of K*B (cache); the result is the same.
     """
     if batch < 1:
@@ -202,5 +206,6 @@ def rollout(student: StudentFn, noise_gen: torch.Generator, batch: int, cond: Te
                                             sig[i + 1].repeat(c_next))
     inverse = torch.argsort(order)  # undo the sort
     sample_id = torch.arange(n, dtype=torch.int64, device=device) + sample_id_offset
-    return Rollout(x=x.index_select(0, inverse), sigma=sig.index_select(0, stop), x0hat=x0.index_select(0, inverse),
-                   cond=cond.to(device), sample_id=sample_id, stop_step=stop)
+    x0hat, cond = x0.index_select(0, inverse), cond.to(device)
+    return Rollout(x=x.index_select(0, inverse), sigma=sig.index_select(0, stop),
+                   x0hat=x0hat if pin is None else pin(x0hat, cond), cond=cond, sample_id=sample_id, stop_step=stop)

@@ -40,7 +40,7 @@ def rollout_step(settings: DMD2Settings, roles: dict[str, Role], batches: list[M
     last = len(batches) - 1
     return [rollout(student, mb.rollout_gen, n, mb.cond, settings.student_sigmas, shape=settings.shape,
                     device=settings.device, sample_id_offset=mb.sample_id_offset, max_batch=settings.rollout_chunk,
-                    stops=stop, last_step=ahead if j == last else None)
+                    stops=stop, last_step=ahead if j == last else None, pin=student.pin_given)
             for j, (mb, stop) in enumerate(zip(batches, stops))], {}
 
 
