@@ -81,7 +81,8 @@ def run(a, bench: Harness) -> None:
         if rep >= a.warmup:
             times["plain"].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}
-    dev = torch.cuda.get_device_name(bench.dev) if bench.cuda else "CPU (emulated graphs: a dry run, times mean nothing)"
+    dev = (torch.cuda.get_device_name(bench.dev) if bench.cuda else
+           "CPU (emulated graphs: a dry run, times mean nothing)")
     print(f"device: {dev} | torch {torch.__version__} | {a.model_size} | B={bench.b} K={bench.k} "
           f"N={a.dmd2_denoising_steps} | {'bf16' if a.bf16 else 'fp32'} | median of {a.repeats} after {a.warmup}")
     kinds = ", ".join(f"{r} {'grad' if g else 'no-grad'} {n}" for (r, g), n in sorted(cuda_graphs.CAPTURED.items()))

@@ -177,7 +177,8 @@ class Harness:
                 "actor step": lambda mark: pieces.run("actor"),
                 "scoring": lambda mark: score_kept(t, kept, st),
                 "critic_fwd": no_grad(
-                    lambda mark: dmd2_kernels.x0_from_velocity(x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
+                    lambda mark: dmd2_kernels.x0_from_velocity(
+                        x_s, roles["critic"].model(x_s, sigma, b.cond).to(x_s.dtype),
                                                           sigma)),
                 "F": no_grad(lambda mark: t.model(x_s, sigma, b.cond)),
                 "F_KB": no_grad(lambda mark: t.model(r0.x, r0.sigma, r0.cond)),

@@ -104,7 +104,8 @@ OPS = {
              ("x_s", "v"), lambda i, impl: dmd2_kernels.x0_from_velocity(i["x_s"], i["v"], i["sigma"], impl=impl),
              lambda i: dmd2_kernels.x0_from_velocity_ref(i["x_s"], i["v"], i["sigma"])),
     "cfg": Op("cfg_x0", ("fwd",), {"fwd": 4}, _latent_inputs(["x_s", "v_pos", "v_neg"]), (),
-              lambda i, impl: dmd2_kernels.cfg_x0(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"], impl=impl),
+              lambda i, impl: dmd2_kernels.cfg_x0(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"],
+                                                  impl=impl),
               lambda i: dmd2_kernels.cfg_x0_ref(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"])),
     "fm": Op("flow_matching_loss", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 7},
              _latent_inputs(["v_pred", "x0", "eps"]), ("v_pred",),
@@ -117,7 +118,8 @@ OPS = {
                 lambda i, impl: dmd2_kernels.adaln_modulate(i["x"], i["shift"], i["scale"], impl=impl),
                 lambda i: dmd2_kernels.adaln_modulate_ref(i["x"], i["shift"], i["scale"])),
     "qknorm": Op("qk_norm_rope", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 8}, _qknorm_inputs, ("x", "weight"),
-                 lambda i, impl: dmd2_kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM, impl=impl),
+                 lambda i, impl: dmd2_kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM,
+                                                           impl=impl),
                  lambda i: dmd2_kernels.qk_norm_rope_ref(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM)),
 }
 KIND = {"adaln": "tokens", "qknorm": "qk"}  # op -> its sizes below; the others take "latent"

@@ -11,8 +11,8 @@ default, wan-debug on latents [4, 5, 6, 10] with text [3, 16] (75 tokens: odd, s
   * the bytes a trained role holds after its second optimizer step (weights, the fp32 gradient buffer, the
     optimizer state), fp32 and bf16, plain AdamW and the distributed optimizer, in a world of one;
   * the bytes a training forward keeps for backward (saved-tensor hooks and selective recompute's caches: unique
-    non-parameter storages), at each --recompute-granularity (none, selective, full), fp32 and bf16, at TP=1 (a world of one) and, per rank under torchrun
-    with 2 gloo ranks, at TP=2 and, for a family that splits tokens (`ModelFamily.splits_tokens`), at CP=2 and
+    non-parameter storages), at each --recompute-granularity (none, selective, full), fp32 and bf16, at TP=1 (a
+    world of one) and, per rank under torchrun with 2 gloo ranks, at TP=2 and, for a family that splits tokens (`ModelFamily.splits_tokens`), at CP=2 and
     TP=2 with --sequence-parallel.
 Each row prints the planner's figure (dmd2_mega/plan/memory_plan.py), the measured one and their ratio.
 tests/test_plan_memory.py asserts the same comparisons (and imports `kept_bytes` from here).

@@ -13,7 +13,8 @@ one-page picture with where new code goes is docs/architecture.md):
   eval/, pretrained         quality metrics and eval media; real checkpoints in and out
   teacher_trainer, methods/ flow-matching pretraining of the teacher (`launch/pretrain_flow.py`); the distillation
                             methods (DMD2 first) and the student trainer they share (`launch/pretrain_dmd2.py`)
-The Triton kernels live in the `dmd2_kernels` package (the folder kernels/dmd2_kernels/), which imports nothing from here.
+The Triton kernels live in the `dmd2_kernels` package (the folder kernels/dmd2_kernels/), which imports nothing from
+here.
 """
 __version__ = "0.1.0"
 

@@ -107,8 +107,9 @@ def test_dmd_backward_float64_torch_path():
 
 # ------------------------------------------------------------------ launches, determinism, the final reduction
 
-# The torch path's aten ops for float32 inputs (kernels/dmd2_kernels/dmd.py docstring): forward sub, abs, mean | sub, div,
-# nan_to_num | square, mean, mul, sqrt; backward one scalar divide and one multiply (grad is kept from the forward).
+# The torch path's aten ops for float32 inputs (kernels/dmd2_kernels/dmd.py docstring): forward sub, abs, mean | sub,
+# div, nan_to_num | square, mean, mul, sqrt; backward one scalar divide and one multiply (grad is kept from the
+# forward).
 TORCH_OPS = {"fwd": 10, "bwd": 2}
 
 

@@ -99,7 +99,8 @@ def test_default_impl_forces_path(monkeypatch):
     assert _utils.resolve_impl(None, x) == "triton"
     assert _utils.resolve_impl("torch", x) == "torch"  # the explicit argument wins
     assert dmd2_kernels.set_default_impl("auto") == "triton" and _utils.DEFAULT_IMPL is None
-    with pytest.raises(dmd2_kernels.KernelError, match="DMD2_KERNELS='cuda': expected one of 'triton', 'torch' or 'auto'"):
+    with pytest.raises(dmd2_kernels.KernelError,
+                       match="DMD2_KERNELS='cuda': expected one of 'triton', 'torch' or 'auto'"):
         dmd2_kernels.set_default_impl("cuda")
     assert _utils.DEFAULT_IMPL is None  # a bad value changes nothing
 
@@ -257,7 +258,8 @@ def test_cuda_auto_dispatch_matches_torch_path_at_sdxl_size(monkeypatch):
     a, b, c = randn(8, shape, dt, 1), randn(8, shape, dt, 2), randn(8, shape, dt, 3)
     sigma = rand_sigma(8, 4)
     with torch.no_grad():
-        assert_close(dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5), dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5, impl="torch"), dt)
+        assert_close(dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5), dmd2_kernels.cfg_x0(x, a, b, sigma, 4.5, impl="torch"),
+                     dt)
     outs = {}
     for impl in ("triton", "torch"):
         v = a.clone().requires_grad_()

@@ -316,8 +316,9 @@ def test_weights_alone_keep_their_copy_and_a_derived_role_refuses_them():
 
 def test_a_time_sliced_dmd2_run_copies_a_few_storages_of_at_most_12_bytes_per_parameter(debug_teacher):
     """The trainer with --offload-inactive --bf16: a cycle moves, per trained role and direction, 12 bytes per
-    trained parameter (plus Adam's 4-byte step per tensor and the module's buffers) in a handful of copies (its parameters flattened:
-    `flat.flatten_parameters`), and its metrics and weights equal the run without offload, bit for bit."""
+    trained parameter (plus Adam's 4-byte step per tensor and the module's buffers) in a handful of copies (its
+    parameters flattened: `flat.flatten_parameters`), and its metrics and weights equal the run without offload, bit
+    for bit."""
     from dmd2_mega.arguments import parse_dmd2_args
     from dmd2_mega.methods.dmd2.method import DMD2Trainer
     from tests.utils import world_of_one

@@ -28,6 +28,7 @@ from .x0_projection import x0_from_velocity, x0_from_velocity_ref
 
 __all__ = [
     "x0_from_velocity", "cfg_x0", "flow_matching_loss", "dmd_loss", "adaln_modulate", "qk_norm_rope", "DMDStats",
-    "KernelError", "register_ops", "resolve_impl", "set_default_impl", "x0_from_velocity_ref", "cfg_x0_ref", "flow_matching_loss_ref",
+    "KernelError", "register_ops", "resolve_impl", "set_default_impl", "x0_from_velocity_ref", "cfg_x0_ref",
+    "flow_matching_loss_ref",
     "dmd_loss_ref", "adaln_modulate_ref", "qk_norm_rope_ref",
 ]

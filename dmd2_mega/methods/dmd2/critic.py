@@ -76,7 +76,8 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
             with critic.accumulating(last=j == m - 1):
                 v, added, stats = head.critic_forward(critic.model, x_s, sigma, b, mb, k, size)
-                loss = dmd2_kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space, reduction="mean")
+                loss = dmd2_kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space,
+                                                       reduction="mean")
                 obj = loss if added is None else loss + added
                 (obj / m).backward()
             for key, value in stats.items():

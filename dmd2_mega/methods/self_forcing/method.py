@@ -118,8 +118,8 @@ class SelfForcingMethod(DMD2Method):
         return CycleResult(metrics, resident, forwards)
 
     def actor(self, student, scored: list, scores: list, critic, batches: list[MicroBatch], windows: list) -> dict:
-        """One student step: the DMD loss (`dmd2_kernels.dmd_loss`) on each scored video's window replayed with grad (plus
-        the GAN head's generator term), gradients accumulated over the micro-batches."""
+        """One student step: the DMD loss (`dmd2_kernels.dmd_loss`) on each scored video's window replayed with grad
+        (plus the GAN head's generator term), gradients accumulated over the micro-batches."""
         dev, m, head = scores[0].x.device, len(scores), self.settings.gan or NO_GAN
         inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
         total, objective = torch.zeros((), device=dev), torch.zeros((), device=dev)

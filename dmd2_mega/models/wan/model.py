@@ -185,7 +185,8 @@ class QKNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         cos, sin = rope if rope is not None else (None, None)
-        return dmd2_kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps, group=_tp_group(self.tp_size))
+        return dmd2_kernels.qk_norm_rope(x, self.weight, cos, sin, self.head_dim, self.eps,
+                                         group=_tp_group(self.tp_size))
 
 
 class WanAttention(nn.Module):
@@ -290,7 +291,8 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: flo
     if shift.dim() == 2:
         return dmd2_kernels.adaln_modulate(h, shift, scale, eps=eps)
     b, r, d = shift.shape
-    out = dmd2_kernels.adaln_modulate(h.reshape(b * r, -1, d), shift.reshape(b * r, d), scale.reshape(b * r, d), eps=eps)
+    out = dmd2_kernels.adaln_modulate(h.reshape(b * r, -1, d), shift.reshape(b * r, d), scale.reshape(b * r, d),
+                                      eps=eps)
     return out.view(h.shape)
 
 
