@@ -15,7 +15,8 @@ ops), the ``torch.compile`` time of that reference, the bytes the fused op must 
 its GB/s, the percentage of the device-to-device copy bandwidth measured in the same run, and the path the
 default dispatch takes on CUDA at that op, mode and size (`cuda_dispatch`: `dmd2_kernels._utils.FUSED_FROM`).
 
-Bytes moved (N = elements, s = bytes per element; small [B] / [B, H] tensors ignored):
+Bytes moved (N = elements, s = bytes per element; small [B] / [B, H] tensors ignored), each op's `PASSES` (its
+module's docstring says which reads and writes they are):
   x0 fwd 3Ns, fwd+bwd 5Ns (backward: read grad, write grad_v; grad_x_s is grad itself);
   cfg fwd 4Ns; fm fwd 3Ns, fwd+bwd 7Ns; dmd fwd 4Ns (two passes of 2 reads), fwd+bwd 7Ns;
   adaln fwd 2Ns, fwd+bwd 5Ns (backward reads x and dy, writes dx);
@@ -44,6 +45,10 @@ import triton  # noqa: E402
 
 import dmd2_kernels  # noqa: E402
 from dmd2_kernels import _utils as kernel_utils  # noqa: E402
+
+# each fused op's bytes moved (its module's `PASSES`; the package's names `qk_norm_rope` etc. are the ops themselves)
+PASSES = {m: sys.modules[f"dmd2_kernels.{m}"].PASSES
+          for m in ("x0_projection", "cfg", "flow_matching", "dmd", "adaln", "qk_norm_rope")}
 
 
 @dataclass
@@ -100,24 +105,24 @@ def _qknorm_inputs(shape, dtype, device):
 
 
 OPS = {
-    "x0": Op("x0_from_velocity", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 5}, _latent_inputs(["x_s", "v"]),
+    "x0": Op("x0_from_velocity", ("fwd", "fwd+bwd"), PASSES["x0_projection"], _latent_inputs(["x_s", "v"]),
              ("x_s", "v"), lambda i, impl: dmd2_kernels.x0_from_velocity(i["x_s"], i["v"], i["sigma"], impl=impl),
              lambda i: dmd2_kernels.x0_from_velocity_ref(i["x_s"], i["v"], i["sigma"])),
-    "cfg": Op("cfg_x0", ("fwd",), {"fwd": 4}, _latent_inputs(["x_s", "v_pos", "v_neg"]), (),
+    "cfg": Op("cfg_x0", ("fwd",), PASSES["cfg"], _latent_inputs(["x_s", "v_pos", "v_neg"]), (),
               lambda i, impl: dmd2_kernels.cfg_x0(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"],
                                                   impl=impl),
               lambda i: dmd2_kernels.cfg_x0_ref(i["x_s"], i["v_pos"], i["v_neg"], i["sigma"], i["guidance"])),
-    "fm": Op("flow_matching_loss", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 7},
+    "fm": Op("flow_matching_loss", ("fwd", "fwd+bwd"), PASSES["flow_matching"],
              _latent_inputs(["v_pred", "x0", "eps"]), ("v_pred",),
              lambda i, impl: dmd2_kernels.flow_matching_loss(i["v_pred"], i["x0"], i["eps"], i["sigma"], impl=impl),
              lambda i: dmd2_kernels.flow_matching_loss_ref(i["v_pred"], i["x0"], i["eps"], i["sigma"])),
-    "dmd": Op("dmd_loss", ("fwd", "fwd+bwd"), {"fwd": 4, "fwd+bwd": 7}, _dmd_inputs, ("x0hat",),
+    "dmd": Op("dmd_loss", ("fwd", "fwd+bwd"), PASSES["dmd"], _dmd_inputs, ("x0hat",),
               lambda i, impl: dmd2_kernels.dmd_loss(i["x0hat"], i["x0_real"], i["x0_fake"], impl=impl),
               lambda i: dmd2_kernels.dmd_loss_ref(i["x0hat"], i["x0_real"], i["x0_fake"])),
-    "adaln": Op("adaln_modulate", ("fwd", "fwd+bwd"), {"fwd": 2, "fwd+bwd": 5}, _adaln_inputs, ("x", "shift", "scale"),
+    "adaln": Op("adaln_modulate", ("fwd", "fwd+bwd"), PASSES["adaln"], _adaln_inputs, ("x", "shift", "scale"),
                 lambda i, impl: dmd2_kernels.adaln_modulate(i["x"], i["shift"], i["scale"], impl=impl),
                 lambda i: dmd2_kernels.adaln_modulate_ref(i["x"], i["shift"], i["scale"])),
-    "qknorm": Op("qk_norm_rope", ("fwd", "fwd+bwd"), {"fwd": 3, "fwd+bwd": 8}, _qknorm_inputs, ("x", "weight"),
+    "qknorm": Op("qk_norm_rope", ("fwd", "fwd+bwd"), PASSES["qk_norm_rope"], _qknorm_inputs, ("x", "weight"),
                  lambda i, impl: dmd2_kernels.qk_norm_rope(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM,
                                                            impl=impl),
                  lambda i: dmd2_kernels.qk_norm_rope_ref(i["x"], i["weight"], i["cos"], i["sin"], QK_HEAD_DIM)),

@@ -30,6 +30,11 @@ import triton.language as tl
 
 from ._utils import KernelError, compute_dtype, kernel_op, program_budget, resolve_impl, wrap_triton
 
+PASSES = {"fwd": 2, "fwd+bwd": 5}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): forward reads x and
+writes y (shift / scale [B, H] ignored); backward reads x and dy and writes dx.
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["adaln_modulate", "adaln_modulate_ref", "AdaLNModulateFunction"]
 
 TILE = 4096  # elements per [ROWS, BLOCK_H] tile

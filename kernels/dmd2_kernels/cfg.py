@@ -21,6 +21,11 @@ import triton.language as tl
 from ._utils import (KernelError, bcast, block_for, check_same, compute_dtype, flat, kernel_op, load_scalar,
                      num_warps_for, per_sample, resolve_impl, scalar_args, scalar_parts, wrap_triton)
 
+PASSES = {"fwd": 4}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): forward reads x_s,
+v_pos and v_neg and writes x0 (no backward: the teacher is frozen).
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["cfg_x0", "cfg_x0_ref"]
 
 

@@ -40,6 +40,12 @@ import triton.language as tl
 from ._utils import (bcast, block_for, check_same, compute_dtype, finfo_max, flat, kernel_op, num_warps_for,
                      program_budget, resolve_impl, wrap_triton)
 
+PASSES = {"fwd": 4, "fwd+bwd": 7}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): the forward is two
+passes of two reads (x0hat and x0_real for the normaliser, then x0_fake and x0_real for the DMD gradient); with a
+backward the forward also writes that gradient, which the backward reads before writing grad_x0hat (4 + 1 + 2).
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["dmd_loss", "dmd_loss_ref", "DMDLossFunction", "DMDStats"]
 
 FINAL_BLOCK = 1024  # partials added per step by the program that draws the last ticket

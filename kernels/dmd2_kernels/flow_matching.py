@@ -37,6 +37,11 @@ import triton.language as tl
 from ._utils import (KernelError, block_for, check_same, compute_dtype, flat, kernel_op, load_scalar, num_warps_for,
                      per_sample, resolve_impl, scalar_args, scalar_parts, wrap_triton)
 
+PASSES = {"fwd": 3, "fwd+bwd": 7}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): forward reads
+v_pred, x0 and eps (the loss is per sample); backward reads them again and writes grad_v.
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["flow_matching_loss", "flow_matching_loss_ref", "SPACES", "REDUCTIONS"]
 
 SPACES = ("velocity", "x0")

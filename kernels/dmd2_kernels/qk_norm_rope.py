@@ -44,6 +44,13 @@ import triton.language as tl
 
 from ._utils import KernelError, compute_dtype, kernel_op, program_budget, resolve_impl, wrap_triton
 
+PASSES = {"fwd": 3, "fwd+bwd": 8}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): the two-pass
+kernels' traffic (the TP all-reduce of the row sums sits between the passes): forward reads x twice and writes y;
+backward reads x and dy twice and writes dx (a one-pass kernel's minimum would be 2 and 5; the [S, D / 2] cos / sin
+tables are ignored).
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "QKNormRopeFunction"]
 
 TILE = 4096  # elements per [ROWS, BLOCK] tile

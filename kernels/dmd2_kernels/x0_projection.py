@@ -19,6 +19,11 @@ import triton.language as tl
 from ._utils import (bcast, block_for, check_same, compute_dtype, flat, kernel_op, load_scalar, num_warps_for,
                      per_sample, resolve_impl, scalar_args, scalar_parts, wrap_triton)
 
+PASSES = {"fwd": 3, "fwd+bwd": 5}
+"""Bytes the fused op must move, in units of N s (N elements of s bytes each; [B] tensors ignored): forward reads x_s
+and v and writes x0; backward reads the incoming grad and writes grad_v (grad_x_s is that grad itself).
+benchmarks/bench_kernels.py divides them by the measured time for GB/s and % of copy bandwidth."""
+
 __all__ = ["x0_from_velocity", "x0_from_velocity_ref", "X0FromVelocityFunction"]
 
 
