@@ -266,6 +266,9 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--dmd2-gan-gen-weight", GANConfig, "gen_weight", type=float)
     _flag(g, "--dmd2-gan-head-lr-mult", GANConfig, "head_lr_mult", type=float,
           help="the head's learning rate as a multiple of the critic's (it starts from scratch)")
+    _flag(g, "--dmd2-gan-real-rows", GANConfig, "real_rows", type=int,
+          help="dataset samples the head sees per critic step, 1..B (default B: each of a micro-batch's K x B samples "
+               "once per cycle)")
     _flag(g, "--ema-decay", EMAConfig, "decay", type=float, help="student EMA decay (0 = off)")
     _flag(g, "--ema-start-iter", EMAConfig, "start_iter", type=int, help="the EMA copies the student before this cycle")
     _flag(g, "--no-ema", EMAConfig, "no_ema", action="store_true", help="evaluate the raw student weights, not the EMA")

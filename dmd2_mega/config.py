@@ -602,6 +602,10 @@ class GANConfig:
     head_lr_mult: float = 1.0
     """--dmd2-gan-head-lr-mult: the head's learning rate as a multiple of the critic's (the head starts from scratch,
     the trunk from the teacher)."""
+    real_rows: Optional[int] = None
+    """--dmd2-gan-real-rows R: dataset samples the head classifies per critic step, rows [kB, kB + R) of the
+    micro-batch's K x B (None: B, so each is seen once per cycle; tianweiy/DMD2 shows its discriminator as many
+    reals as fakes). At most B: more would reuse the next step's rows."""
 
     # The head's settings act only with --dmd2-gan (--dmd2-gan-feature-layer, None unless given, is refused on its
     # value by `__post_init__`); its noise range only while the head's inputs are noised.
@@ -609,7 +613,7 @@ class GANConfig:
         *(Needs(name, flag, "--dmd2-gan", lambda run: run.gan.enabled)
           for name, flag in (("noise", "--dmd2-gan-noise"), ("sigma_range", "--dmd2-gan-sigma-range"),
                              ("disc_weight", "--dmd2-gan-disc-weight"), ("gen_weight", "--dmd2-gan-gen-weight"),
-                             ("head_lr_mult", "--dmd2-gan-head-lr-mult"))),
+                             ("head_lr_mult", "--dmd2-gan-head-lr-mult"), ("real_rows", "--dmd2-gan-real-rows"))),
         Needs("sigma_range", "--dmd2-gan-sigma-range", "--dmd2-gan-noise", lambda run: run.gan.noise,
               message="{given} has no effect with --no-dmd2-gan-noise (the head's inputs are clean); leave one out"),
     )
@@ -618,6 +622,8 @@ class GANConfig:
         _check(self.disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.disc_weight}")
         _check(self.gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gen_weight}")
         _check(self.head_lr_mult > 0, f"--dmd2-gan-head-lr-mult must be > 0, got {self.head_lr_mult}")
+        _check(self.real_rows is None or self.real_rows >= 1,
+               f"--dmd2-gan-real-rows must be >= 1, got {self.real_rows}")
         _check(self.enabled or self.head_lr_mult == 1.0, "--dmd2-gan-head-lr-mult needs --dmd2-gan")
         _check(self.enabled or self.feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
         if self.sigma_range is not None:

@@ -197,3 +197,20 @@ def test_actor_generator_loss_reaches_student_only():
     ref2 = copy.deepcopy(init)
     dmd_only, _, _ = dmd_reference(ref2, make_scores(copy.deepcopy(init)))
     assert max(rel_err(grads[n], dmd_only[n]) for n in dmd_only) > 1e-3
+
+
+def test_real_rows_default_to_b_and_more_than_b_is_refused():
+    """--dmd2-gan-real-rows (issue 54 item 2): B by default, each of a micro-batch's K x B samples once per cycle; more
+    than B would reuse the next critic step's rows, one clear error; below 1 refused at parse."""
+    from dmd2_mega.arguments import parse_dmd2_args
+    from dmd2_mega.errors import ConfigError
+    from dmd2_mega.flow import critic_grid
+    from dmd2_mega.methods.dmd2.gan import gan_part
+    base = ["--teacher-load", "x", "--micro-batch-size", "3", "--dmd2-critic-steps-per-rollout", "4", "--dmd2-gan"]
+    grid = critic_grid(1000, 3.0, (0.02, 0.98))[0]
+    assert gan_part(parse_dmd2_args(base), grid).real_rows == 3
+    assert gan_part(parse_dmd2_args(base + ["--dmd2-gan-real-rows", "2"]), grid).real_rows == 2
+    with pytest.raises(ConfigError, match="--dmd2-gan-real-rows 4: at most --micro-batch-size 3"):
+        gan_part(parse_dmd2_args(base + ["--dmd2-gan-real-rows", "4"]), grid)
+    with pytest.raises(ConfigError, match="--dmd2-gan-real-rows must be >= 1"):
+        parse_dmd2_args(base + ["--dmd2-gan-real-rows", "0"])

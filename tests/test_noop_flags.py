@@ -124,6 +124,8 @@ CASES = [
     (config.GANConfig, "gen_weight", "--dmd2-gan", ("dmd2", ["--dmd2-gan-gen-weight", "3e-3"]),
      ("dmd2", ["--dmd2-gan-gen-weight", "3e-3", "--dmd2-gan"]),
      ("--dmd2-gan-gen-weight 0.003 has", "give --dmd2-gan ")),
+    (config.GANConfig, "real_rows", "--dmd2-gan", ("dmd2", ["--dmd2-gan-real-rows", "2"]),
+     ("dmd2", ["--dmd2-gan-real-rows", "2", "--dmd2-gan"]), ("--dmd2-gan-real-rows 2 has", "give --dmd2-gan ")),
     (config.GANConfig, "head_lr_mult", "--dmd2-gan", ("dmd2", ["--dmd2-gan-head-lr-mult", "1"]),
      ("dmd2", ["--dmd2-gan-head-lr-mult", "1", "--dmd2-gan"]), ("--dmd2-gan-head-lr-mult 1 has", "give --dmd2-gan ")),
     (config.GANConfig, "sigma_range", "--dmd2-gan-noise",

@@ -48,8 +48,8 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
     critic: a role (`.model`, `.optimizer`, `.accumulating`); rollouts[j] has
     K*B rows; batches[j].critic_gen makes every draw of micro-batch j. With the GAN head (`settings.gan`) each
     critic forward also gives the head's discriminator term (`gan.GANSettings.critic_forward`: disc_weight * L_D on
-    the forward's own rows in the GAN range and ceil(B / K) of batches[j].real's rows from kB), added to the step's
-    objective.
+    the forward's own rows in the GAN range and r (--dmd2-gan-real-rows, default B) of batches[j].real's rows from
+    kB), added to the step's objective.
     Metrics are device tensors (no host sync); critic-loss is the flow-matching part.
     """
     steps, size, head = settings.critic_steps, settings.micro_batch_size, settings.gan or NO_GAN

@@ -18,9 +18,9 @@ Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score 
     fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
         step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
         x0hat noised to sigma ~ U{choices}, as a separately drawn input would be, and costs no forward of its own.
-    real: r = ceil(B / K) dataset samples per critic step (rows [kB, kB + r) of the micro-batch's), noised to
-        sigma ~ U{choices} with eps ~ N(0, I) from the critic generator after the flow-matching draws: B real
-        samples up to block l per cycle in all, inside the critic's forwards.
+    real: r dataset samples per critic step (--dmd2-gan-real-rows, default B: rows [kB, kB + r) of the micro-batch's
+        K x B, each once per cycle, as many reals as fakes like tianweiy/DMD2's), noised to sigma ~ U{choices} with
+        eps ~ N(0, I) from the critic generator after the flow-matching draws, inside the critic's forwards.
     `--no-dmd2-gan-noise`: fakes x0hat and reals at sigma 0 (clean), the fakes through a forward of their own.
 Non-saturating losses on the logits D(.), w the fake rows' weights:
     discriminator (critic phase, every critic step, the critic's grad flows into trunk and head):
@@ -185,7 +185,7 @@ class GANSettings:
     feature_layer: Optional[int] = None  # --dmd2-gan-feature-layer (None: the last block of the first half)
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
-    real_rows: int = 0                   # r: real samples per critic step, ceil(B / K) (0: B, every row's)
+    real_rows: int = 0                   # r: real samples per critic step (0: B, every row's)
     head_lr_mult: float = 1.0            # --dmd2-gan-head-lr-mult: the head's learning rate / the critic's
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
@@ -253,7 +253,11 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
     if not g.enabled:
         return None
     gan_range = flow.critic_grid(d.critic_grid_size, t.timestep_shift, cfg.gan_sigma_range())[1]
-    real_rows = -(-t.micro_batch_size // d.critic_steps_per_rollout)  # ceil(B / K): B real samples per cycle
+    real_rows = g.real_rows or t.micro_batch_size  # B: each of the micro-batch's K x B samples once per cycle
+    if real_rows > t.micro_batch_size:
+        raise ConfigError(f"--dmd2-gan-real-rows {real_rows}: at most --micro-batch-size {t.micro_batch_size} per "
+                          f"critic step (step k reads rows [kB, kB + R) of the micro-batch's K x B samples; more "
+                          f"would reuse the next step's)")
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
                        t.seed, tuple(cfg.gan_sigma_range()), real_rows, g.head_lr_mult)
 
