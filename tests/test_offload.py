@@ -398,3 +398,20 @@ def test_prefetch_wakes_the_next_phases_roles_during_the_last_step(debug_teacher
                    ("student", "none"), ("student", "all"), ("phase", "actor"), ("critic", "none"),
                    ("teacher", "none")], pre
     assert all(torch.equal(m0[k], m1[k]) for k in m0) and all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def test_the_distributed_optimizers_role_keeps_copying_its_bf16_weights():
+    """Its masters are this rank's shards, from which the bf16 weights cannot be rebuilt without an all-gather: a
+    time-sliced role under it copies its weights (and still never its zero main_grad)."""
+    from dmd2_mega.methods.roles import Role
+    from dmd2_mega.train.dist_optim import DistributedOptimizer
+    from dmd2_mega.train.grad_buffer import GradBuffer
+    model = tiny(dtype=torch.bfloat16)
+    grads = GradBuffer(model, shard=True)
+    opt = DistributedOptimizer(model, optim_cfg(True), grads=grads)
+    sl = Role("student", model, opt, grads=grads).with_offload(torch.device("cpu"), _table(False)).sleeper
+    assert sl.derived == [] and sl.derive is None and len(sl.zeroed) == 1
+    before = [p.detach().clone() for p in model.parameters()]
+    sl.sleep()
+    sl.wake()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

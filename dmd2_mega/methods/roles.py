@@ -45,7 +45,8 @@ class Role:
             return replace(self, sleeper=ExpertSleeper(self.name, experts, device=device))
         opt = self.optimizer
         alone = table is None or any(phase_needs(table, p.name).get(self.name) == "weights" for p in table)
-        derived = list(opt.model_params) if opt is not None and opt.mixed and not alone else []
+        derived = (list(opt.model_params) if opt is not None and opt.mixed and opt.rebuilds_model and not alone
+                   else [])
         return replace(self, sleeper=Sleeper(
             self.name, [self.model], [opt] if opt else [], list(self.extra), device=device, frozen=not self.trainable,
             zeroed=[self.grads.buffer] if self.grads is not None else [], derived=derived,

@@ -114,6 +114,8 @@ class DistributedOptimizer(Optimizer):
         self._skipped = torch.zeros((), dtype=torch.int64, device=self._dev)
         self._consecutive = torch.zeros((), dtype=torch.int64, device=self._dev)
 
+    rebuilds_model = False  # its masters are this rank's shards: rebuilding the weights would be an all-gather
+
     def _own_fragment(self, p: torch.nn.Parameter, i: int) -> Optional[Fragment]:
         """This rank's fragment of GradBuffer parameter i, or None (a parameter lies in one bucket, so a rank
         owns at most one contiguous piece of it)."""

@@ -228,6 +228,10 @@ class Optimizer:
         self.copy_to_model()
         return norm
 
+    rebuilds_model = True
+    """`copy_to_model` rebuilds the bf16 parameters from this rank's masters alone (the distributed optimizer's are
+    shards: it cannot, so a time-sliced role under it copies its weights)."""
+
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """bf16 model: its parameters = the fp32 masters rounded (after each step; and what a waking role rebuilds its
