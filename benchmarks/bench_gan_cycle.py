@@ -10,7 +10,8 @@ one cycle of each at the same cycle index (shared scoring, offload off), the ord
 reported: the median ms of each, their ratio and the median of the rounds' paired ratios.
 Cost model, in F = one forward of B samples, a backward 2F (bench_dmd2_cycle's): the DMD-only cycle is
 `memory_plan.cycle_passes`; the head adds, with d = (l + 1) / L the share of the critic's L blocks run up to its
-feature block l, the real samples' forward and backward on r K ~ B samples per cycle, 3 d r K / B F, and the actor's
+feature block l, the real samples' forward and backward on r K samples per cycle (r = --dmd2-gan-real-rows, default
+B), 3 d r K / B F, and the actor's
 generator term through the frozen critic, 3 d F at most (its backward reaches the input only); the fakes' logits
 come from the critic's own forward. The kernel path in use (`dmd2_kernels.resolve_impl`) is printed.
 """

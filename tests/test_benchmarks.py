@@ -97,13 +97,14 @@ def test_self_forcing_cycle_benchmark_runs_and_prints_its_ratio(capsys):
 
 def test_gan_cycle_benchmark_runs_and_prints_its_cost_model(capsys):
     """benchmarks/bench_gan_cycle.py at a tiny size (nothing timed is asserted): B = 4, K = 2, 1 step, no CFG:
-    DMD-only 2 + 6 + 1 + 3 = 12F; the head on block 1 of 4 (d = 1/2) adds 3 d (2 x 2 real / 4) + 3 d = 3F."""
+    DMD-only 2 + 6 + 1 + 3 = 12F; the head on block 1 of 4 (d = 1/2) adds 3 d (2 steps x 4 real / 4) + 3 d = 4.5F
+    (--dmd2-gan-real-rows: B = 4 real rows per critic step)."""
     from benchmarks import bench_gan_cycle
     with world_of_one():
         out = bench_gan_cycle.main(["--micro-batch-size", "4", "--dmd2-critic-steps-per-rollout", "2",
                                     "--dmd2-denoising-steps", "1", "--warmup", "0", "--repeats", "1"])
     text = capsys.readouterr().out
-    assert "cost model: DMD-only cycle 12.00F, GAN cycle 15.00F -> 1.250x" in text, text
+    assert "cost model: DMD-only cycle 12.00F, GAN cycle 16.50F -> 1.375x" in text, text
     assert "(feature block 1, d=0.50)" in text and "kernels torch" in text
     assert out["dmd_ms"] > 0 and out["gan_ms"] > 0 and "acceptance: GAN / DMD-only cycle <= 1.15:" in text
 
