@@ -103,14 +103,13 @@ def state(tr: DMD2Trainer) -> list:
     return [p.detach().clone() for name in ("student", "critic") for p in tr.roles[name].model.parameters()]
 
 
-@pytest.mark.parametrize("scoring", ["shared", "original"])
-def test_a_cycle_with_graph_semantics_equals_eager(debug_teacher, scoring):
-    """Two cycles with every model call replayed as a graph would (EmulatedCapture) against the same two eager:
-    the metrics and the trained weights bit-equal; the student, critic and teacher each captured."""
+def eager_and_emulated(build) -> dict:
+    """{graphed: (the metrics of two cycles, the trained weights)} of a trainer from `build()` run eager and with every
+    model call replayed as a graph would (EmulatedCapture), each in a world of one."""
     runs = {}
     for graphed in (False, True):
         with world_of_one():
-            tr = trainer(debug_teacher, "--dmd2-critic-scoring", scoring)
+            tr = build(graphed)
             if graphed:
                 cuda_graphs.install({name: r.model for name, r in tr.roles.items()}, cuda_graphs.EmulatedCapture())
                 tr.graphs = True
@@ -123,6 +122,14 @@ def test_a_cycle_with_graph_semantics_equals_eager(debug_teacher, scoring):
         for k in a:
             assert torch.equal(a[k], b[k]), k
     assert all(torch.equal(a, b) for a, b in zip(w_eager, w_graph))
+    return runs
+
+
+@pytest.mark.parametrize("scoring", ["shared", "original"])
+def test_a_cycle_with_graph_semantics_equals_eager(debug_teacher, scoring):
+    """Two cycles with every model call replayed as a graph would (EmulatedCapture) against the same two eager:
+    the metrics and the trained weights bit-equal; the student, critic and teacher each captured."""
+    eager_and_emulated(lambda graphed: trainer(debug_teacher, "--dmd2-critic-scoring", scoring))
     roles = {role for role, _ in cuda_graphs.CAPTURED}
     assert roles == {"student", "critic", "teacher"}, cuda_graphs.CAPTURED
     assert cuda_graphs.CAPTURED[("critic", True)] == 1 and cuda_graphs.CAPTURED[("student", True)] == 1
@@ -154,20 +161,7 @@ def test_a_self_forcing_cycle_with_graph_semantics_equals_eager(tmp_path):
     """The same for Self-Forcing: its causal student's streaming passes (`stream_forward`) stay eager, its critic's
     and teacher's calls (and any plain forward of the student) replay."""
     from benchmarks import bench_self_forcing_cycle
-    runs = {}
-    for graphed in (False, True):
-        with world_of_one():
-            a = bench_self_forcing_cycle.parse_args(["--data", "moving-digits", "--micro-batch-size", "1",
-                                                     "--dmd2-critic-steps-per-rollout", "2"])
-            tr = bench_self_forcing_cycle.Harness(a, str(tmp_path / str(graphed))).tr
-            if graphed:
-                cuda_graphs.install({name: r.model for name, r in tr.roles.items()}, cuda_graphs.EmulatedCapture())
-                tr.graphs = True
-            outs = [tr.cycle()["metrics"] for _ in range(2)]
-            runs[graphed] = ([{k: v.clone() for k, v in o.items()} for o in outs], state(tr))
-            cuda_graphs.uninstall(r.model for r in tr.roles.values())
-    for a, b in zip(runs[False][0], runs[True][0]):
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
-    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+    a = bench_self_forcing_cycle.parse_args(["--data", "moving-digits", "--micro-batch-size", "1",
+                                             "--dmd2-critic-steps-per-rollout", "2"])
+    eager_and_emulated(lambda graphed: bench_self_forcing_cycle.Harness(a, str(tmp_path / str(graphed))).tr)
     assert {"critic", "teacher"} <= {role for role, _ in cuda_graphs.CAPTURED}, cuda_graphs.CAPTURED
