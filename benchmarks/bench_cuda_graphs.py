@@ -21,14 +21,12 @@ import csv
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_dmd2_cycle import Harness, add_flags  # noqa: E402
+from benchmarks.bench_dmd2_cycle import Harness, add_flags, harnessed  # noqa: E402
 from dmd2_mega.models import cuda_graphs  # noqa: E402
 
 
@@ -36,27 +34,8 @@ def parse_args(argv=None):
     return add_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args(argv)
 
 
-def timed(bench: Harness, fn) -> float:
-    """ms of fn() between two syncs (CUDA events on a GPU)."""
-    bench.sync()
-    if bench.cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        bench.sync()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def main(argv=None):
-    a = parse_args(argv)
-    if not torch.cuda.is_available() and a.threads:
-        torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory(prefix="bench_graphs_") as tmp:
-        run(a, Harness(a, tmp))
+    harnessed(parse_args(argv), run, "bench_graphs_")
 
 
 def run(a, bench: Harness) -> None:
@@ -71,13 +50,13 @@ def run(a, bench: Harness) -> None:
             if bench.cuda:
                 torch.cuda.reset_peak_memory_stats(bench.dev)
             with cuda_graphs.capturing() if path == "graphed" else contextlib.nullcontext():
-                ms = timed(bench, lambda: bench.cycle("shared"))
+                ms = bench.timed(lambda mark: bench.cycle("shared", mark))["all"]
             if bench.cuda:
                 peaks[path] = max(peaks[path], torch.cuda.max_memory_allocated(bench.dev))
             if rep >= a.warmup:
                 times[path].append(ms)
         captured.append(sum(cuda_graphs.CAPTURED.values()))
-        ms = timed(bench, bench.plain.train_step)
+        ms = bench.timed(lambda mark: bench.plain.train_step())["all"]
         if rep >= a.warmup:
             times["plain"].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}

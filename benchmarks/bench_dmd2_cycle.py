@@ -36,6 +36,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import replace
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -287,12 +288,17 @@ def report(a, bench, med, mem, syncs, peak):
         print(f"wrote {a.csv}")
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def harnessed(a, run: Callable, prefix: str) -> None:
+    """run(a, a Harness of `a`'s flags) in a scratch folder, the CPU's threads set (benchmarks/bench_cuda_graphs.py
+    runs its own `run` this way)."""
     if not torch.cuda.is_available() and a.threads:
         torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory(prefix="bench_dmd2_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         run(a, Harness(a, tmp))
+
+
+def main(argv=None):
+    harnessed(parse_args(argv), run, "bench_dmd2_")
 
 
 def run(a, bench: Harness) -> None:
