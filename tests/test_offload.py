@@ -415,3 +415,17 @@ def test_the_distributed_optimizers_role_keeps_copying_its_bf16_weights():
     sl.sleep()
     sl.wake()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_prefetch_wakes_a_role_of_experts_too():
+    """`wake_ahead` reads a sleeper's level: a role of experts (Wan 2.2's teacher, `ExpertSleeper`) has one too."""
+    from dmd2_mega.methods.base import Phase
+    from dmd2_mega.methods.roles import Role, wake_ahead
+    from dmd2_mega.train.offload import ExpertSleeper
+    experts = [tiny(0), tiny(1)]
+    role = Role("teacher", experts[0], sleeper=ExpertSleeper("teacher", experts))
+    role.sleeper.set_resident("none")
+    assert role.sleeper.level == "none" and role.sleeper.asleep
+    wake_ahead("critic", {"teacher": role}, (Phase("critic", {"teacher": "all"}),))
+    assert role.sleeper.level == "all"
+    assert experts[1](torch.randn(1, 3)).shape == (1, 2)  # an expert wakes on its forward

@@ -17,7 +17,7 @@ import torch
 
 from dmd2_mega.methods.base import MicroBatch, PhaseStep, PhaseTable, phase_needs
 from dmd2_mega.train.grad_buffer import GradBuffer
-from dmd2_mega.train.offload import ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
+from dmd2_mega.train.offload import LEVELS, ExpertSleeper, Sleeper, resident_bytes, state_tensors, weight_tensors
 from dmd2_mega.train.optim import LRSchedule, Optimizer
 
 
@@ -89,7 +89,6 @@ def enter_phase(phase: str, roles: dict[str, Role], table: PhaseTable) -> int:
     return resident_bytes([t for r in roles.values() for t in r.tensors()])
 
 
-_LEVEL_RANK = {"none": 0, "weights": 1, "all": 2}
 PREFETCH = {"on": False}
 """--offload-prefetch (`set_prefetch`): `ahead()` wakes the next phase's roles during the current phase's last step."""
 _AHEAD: list = []  # the pending wake of the next phase's roles, set by `run_steps` for the phase that runs
@@ -105,7 +104,7 @@ def wake_ahead(phase: str, roles: dict[str, Role], table: PhaseTable) -> None:
     `enter_phase` then finds them awake. The roles of both phases are resident meanwhile."""
     for name, level in phase_needs(table, phase).items():
         sleeper = roles[name].sleeper if name in roles else None
-        if sleeper is not None and _LEVEL_RANK[sleeper.level] < _LEVEL_RANK[level]:
+        if sleeper is not None and len(LEVELS[sleeper.level]) < len(LEVELS[level]):  # the parts resident
             sleeper.set_resident(level)
 
 

@@ -416,6 +416,11 @@ class ExpertSleeper:
         return all(s.asleep for s in self.sleepers)
 
     @property
+    def level(self) -> str:
+        """"all" while a phase needs the role (its experts wake on demand), else "none"."""
+        return "all" if self.needed else "none"
+
+    @property
     def copied_bytes(self) -> int:
         return sum(s.copied_bytes for s in self.sleepers)
 
