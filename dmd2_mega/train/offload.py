@@ -69,6 +69,7 @@ wake the role first.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -297,18 +298,17 @@ class Sleeper:
         hosts = dict(zip((st._cdata for st in copied), self._host_views(part, copied)))
         saved = [(st, st.nbytes(), how.get(st._cdata, "copy"), hosts.get(st._cdata)) for st in storages]
         todo = [(st, hosts[st._cdata]) for st in copied if st._cdata not in self._clean]
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             d2h, _ = _side_streams(self.device)
             d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(d2h):
-                for st, host in todo:
-                    host.copy_(_bytes_of(st), non_blocking=True)
+        with torch.cuda.stream(d2h) if cuda else contextlib.nullcontext():
+            for st, host in todo:
+                host.copy_(_bytes_of(st), non_blocking=cuda)
+        if cuda:
             for st, _ in todo:
                 _bytes_of(st).record_stream(d2h)  # its memory is reused only after the copy read it
             self._slept[part] = d2h.record_event()
-        else:
-            for st, host in todo:
-                host.copy_(_bytes_of(st))
         self._counts["d2h_copies"] += len(todo)
         self._counts["d2h_bytes"] += sum(st.nbytes() for st, _ in todo)
         if self.frozen:
@@ -328,28 +328,23 @@ class Sleeper:
                              f"wake the whole role (level 'all'), not its weights alone")
         copies = [(st, nbytes, host) for st, nbytes, how, host in saved if how == "copy"]
         zeros = [(st, nbytes) for st, nbytes, how, _ in saved if how == "zero"]
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             _, h2d = _side_streams(self.device)
-            compute = torch.cuda.current_stream(self.device)
             if part in self._slept:
                 h2d.wait_event(self._slept.pop(part))  # this role's host buffers are complete
-            with torch.cuda.stream(h2d):
-                for st, nbytes, _, _ in saved:
-                    st.resize_(nbytes)
-                for st, _, host in copies:
-                    _bytes_of(st).copy_(host, non_blocking=True)
-                for st, _ in zeros:
-                    _bytes_of(st).zero_()
-            compute.wait_stream(h2d)
-            for st, _, _, _ in saved:
-                _bytes_of(st).record_stream(compute)
-        else:
+        with torch.cuda.stream(h2d) if cuda else contextlib.nullcontext():
             for st, nbytes, _, _ in saved:
                 st.resize_(nbytes)
             for st, _, host in copies:
-                _bytes_of(st).copy_(host)
+                _bytes_of(st).copy_(host, non_blocking=cuda)
             for st, _ in zeros:
                 _bytes_of(st).zero_()
+        if cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(h2d)
+            for st, _, _, _ in saved:
+                _bytes_of(st).record_stream(compute)
         if len(copies) + len(zeros) < len(saved):
             self.derive()  # on the compute stream, which waits for the state's copies
         self._counts["h2d_copies"] += len(copies)
