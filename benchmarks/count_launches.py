@@ -15,7 +15,9 @@ Two paths, each against a plain training step of the same model on the same path
   C++ kernels standing in for its Triton ones) and the rollout in one forward per step. A dispatch mode cannot see
   inside compiled code, so this path is counted from torch's profiler (`ProfiledCounter`): every inductor kernel and
   every aten op counted as above that no other counted launch encloses. On eager code the two counters agree
-  (tests/test_benchmarks.py). The first (warm-up) cycle compiles; it is not counted.
+  (tests/test_benchmarks.py). The path starts from no compiled graph (`torch._dynamo.reset()`, so what a process
+  compiled before cannot change the count) and warms up until a cycle compiles nothing new (the rollout's random
+  running counts can each be a new shape), at most --warmup + 8 cycles; a compilation in a counted cycle is printed.
 The trainers are benchmarks/bench_dmd2_cycle.py's `Harness` (a random --model-size teacher saved by `FlowTrainer`,
 the DMD2 trainer on it, --extra its further flags); a cycle is the trainer's own `StudentTrainer.cycle` (the method's
 cycle, the LR schedules, the EMA), each phase counted through the cycle's phase hook; a plain step is
@@ -37,12 +39,15 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 import torch._inductor.config  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.bench_dmd2_cycle import Harness, add_flags  # noqa: E402
+from dmd2_mega.models import compiled  # noqa: E402
 
 PHASE = "phase:"
+COMPILING = "(dynamo_timed)"
 KERNEL_PREFIXES = ("triton_", "cpp_fused", "graph_")
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 NO_LAUNCH = ALLOCATIONS | {"_unsafe_view"}  # a reshape of a contiguous result: metadata only, like a view
@@ -90,7 +95,7 @@ class ProfiledCounter:
     """The same count for code that runs compiled regions, which a dispatch mode cannot see (torch.compile falls back
     to eager under one): torch's profiler records every op and, with `enable_kernel_profile`, every inductor kernel;
     a launch is an event `launches` accepts with no launch among its ancestors (an op inside a kernel's call is that
-    kernel's). `phase(name)` opens a profiler range per phase, so the counts split by phase."""
+    kernel's) and no compilation (dynamo's `... (dynamo_timed)` ranges: a compilation's traced ops run nothing). `phase(name)` opens a profiler range per phase, so the counts split by phase."""
 
     def __init__(self):
         self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -110,7 +115,7 @@ class ProfiledCounter:
             if not launches(e.name):
                 continue
             p = e.cpu_parent
-            while p is not None and not launches(p.name):
+            while p is not None and not launches(p.name) and not p.name.endswith(COMPILING):
                 p = p.cpu_parent
             if p is not None:
                 continue
@@ -186,6 +191,7 @@ def measure(a, gpu: bool) -> dict:
     """Launches per cycle and per plain step on one path (`--path`)."""
     if gpu:
         torch._inductor.config.cpp.enable_kernel_profile = True  # each inductor kernel a profiler event
+        torch._dynamo.reset()  # no graph from earlier in the process (module docstring)
     new = ProfiledCounter if gpu else DispatchPhases
     with tempfile.TemporaryDirectory(prefix="count_launches_") as tmp:
         h = Harness(a, tmp, tuple(shlex.split(a.extra)), shared=("--compile",) if gpu else ("--no-compile",))
@@ -195,6 +201,8 @@ def measure(a, gpu: bool) -> dict:
         for _ in range(a.warmup):
             tr.cycle()
             h.plain.train_step()
+        settled = settle(tr, 8) if gpu else 0
+        before = compiled.graphs()
         plain = count(new(), h.plain.train_step, a.cycles)
         counter, clock = new(), tr.clock
         tr.clock = PhaseMarks(clock, counter.phase)
@@ -202,9 +210,22 @@ def measure(a, gpu: bool) -> dict:
             per_cycle = count(counter, tr.cycle, a.cycles)
         finally:
             tr.clock = clock
+    late = compiled.graphs() - before
+    if late:
+        print(f"  ({late} graphs compiled in the counted cycles: a new rollout shape; their traced ops not counted)")
     phases = {name: n / a.cycles for name, n in counter.phases.items() if name}
     return {"cycle": per_cycle, "plain": plain, "phases": phases, "outside": per_cycle - sum(phases.values()),
-            "by_op": counter.by_op}
+            "by_op": counter.by_op, "settled": settled, "late": late}
+
+
+def settle(tr, most: int) -> int:
+    """Further warm-up cycles until one compiles no new graph (at most `most`); how many were run."""
+    for n in range(1, most + 1):
+        before = compiled.graphs()
+        tr.cycle()
+        if compiled.graphs() == before:
+            return n
+    return most
 
 
 def main(argv=None) -> dict:
@@ -221,6 +242,7 @@ def main(argv=None) -> dict:
         what = ("GPU path: compiled blocks, the rollout in one forward per step" if path == "gpu" else
                 "eager path: " + ("the rollout in one forward per step" if a.cuda_settings else
                                   "the CPU's defaults, the rollout in chunks of B"))
+        what += f" (warm once a further {r['settled']} cycles compiled nothing new)" if r["settled"] else ""
         print(f"{what}\naten ops per cycle: {r['cycle']:,.0f} = {r['cycle'] / r['plain']:.1f} plain steps of "
               f"{r['plain']:,.0f}")
         print("  " + " | ".join(f"{name} {n:,.0f}" for name, n in r["phases"].items())
