@@ -257,7 +257,10 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dmd2 GAN head and student EMA")
     _planned(g, "--dmd2-gan")
     _flag(g, "--dmd2-gan-feature-layer", GANConfig, "feature_layer", type=int,
-          help="critic block whose token-mean output feeds the head (default the last block of the first half)")
+          help="critic block whose output token grid feeds the head (default the last block of the first half)")
+    _flag(g, "--dmd2-gan-head", GANConfig, "head", choices=("conv", "mlp"),
+          help="conv: strided convolutions + GroupNorm + SiLU over the token grid (tianweiy/DMD2's form; default); "
+               "mlp: the token mean into an MLP (the head before)")
     _flag(g, "--dmd2-gan-noise", GANConfig, "noise", action=argparse.BooleanOptionalAction,
           help="noise real and fake to a sigma in the GAN range (default) or feed them clean")
     _flag(g, "--dmd2-gan-sigma-range", GANConfig, "sigma_range", type=float, nargs=2, metavar=("MIN", "MAX"),
@@ -266,6 +269,12 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--dmd2-gan-gen-weight", GANConfig, "gen_weight", type=float)
     _flag(g, "--dmd2-gan-head-lr-mult", GANConfig, "head_lr_mult", type=float,
           help="the head's learning rate as a multiple of the critic's (it starts from scratch)")
+    _flag(g, "--dmd2-gan-head-weight-decay", GANConfig, "head_weight_decay", type=float,
+          help="AdamW weight decay of the head's parameters, biases and norms included (default 0.01: tianweiy/DMD2's "
+               "guidance AdamW)")
+    _flag(g, "--dmd2-gan-head-clip-grad", GANConfig, "head_clip_grad", type=float,
+          help="clip the head's gradients by their own norm to this, apart from --clip-grad (0 = no clip; default 10: "
+               "tianweiy/DMD2's max_grad_norm for the guidance model)")
     _flag(g, "--dmd2-gan-real-rows", GANConfig, "real_rows", type=int,
           help="dataset samples the head sees per critic step, 1..B (default B: each of a micro-batch's K x B samples "
                "once per cycle)")

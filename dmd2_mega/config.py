@@ -599,9 +599,18 @@ class GANConfig:
     """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
     gen_weight: float = 3e-3
     """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
+    head: str = "conv"
+    """--dmd2-gan-head conv | mlp: the discriminator head (methods/dmd2/gan_heads.py): strided convolutions over the
+    block's token grid (tianweiy/DMD2's form) or the token mean into an MLP (the head before issue 54)."""
     head_lr_mult: float = 1.0
     """--dmd2-gan-head-lr-mult: the head's learning rate as a multiple of the critic's (the head starts from scratch,
     the trunk from the teacher)."""
+    head_weight_decay: float = 0.01
+    """--dmd2-gan-head-weight-decay: AdamW weight decay of the head's parameters, biases and norms included (the
+    default is tianweiy/DMD2's: its guidance model's AdamW, weight_decay=0.01 over all parameters)."""
+    head_clip_grad: float = 10.0
+    """--dmd2-gan-head-clip-grad: the head's gradients are clipped by their own norm to this, apart from the trunk's
+    --clip-grad (0 = no clip; the default is tianweiy/DMD2's max_grad_norm for its guidance model, 10)."""
     real_rows: Optional[int] = None
     """--dmd2-gan-real-rows R: dataset samples the head classifies per critic step, rows [kB, kB + R) of the
     micro-batch's K x B (None: B, so each is seen once per cycle; tianweiy/DMD2 shows its discriminator as many
@@ -613,7 +622,9 @@ class GANConfig:
         *(Needs(name, flag, "--dmd2-gan", lambda run: run.gan.enabled)
           for name, flag in (("noise", "--dmd2-gan-noise"), ("sigma_range", "--dmd2-gan-sigma-range"),
                              ("disc_weight", "--dmd2-gan-disc-weight"), ("gen_weight", "--dmd2-gan-gen-weight"),
-                             ("head_lr_mult", "--dmd2-gan-head-lr-mult"), ("real_rows", "--dmd2-gan-real-rows"))),
+                             ("head", "--dmd2-gan-head"), ("head_lr_mult", "--dmd2-gan-head-lr-mult"),
+                             ("head_weight_decay", "--dmd2-gan-head-weight-decay"),
+                             ("head_clip_grad", "--dmd2-gan-head-clip-grad"), ("real_rows", "--dmd2-gan-real-rows"))),
         Needs("sigma_range", "--dmd2-gan-sigma-range", "--dmd2-gan-noise", lambda run: run.gan.noise,
               message="{given} has no effect with --no-dmd2-gan-noise (the head's inputs are clean); leave one out"),
     )
@@ -622,9 +633,15 @@ class GANConfig:
         _check(self.disc_weight >= 0, f"--dmd2-gan-disc-weight must be >= 0, got {self.disc_weight}")
         _check(self.gen_weight >= 0, f"--dmd2-gan-gen-weight must be >= 0, got {self.gen_weight}")
         _check(self.head_lr_mult > 0, f"--dmd2-gan-head-lr-mult must be > 0, got {self.head_lr_mult}")
+        _check(self.head_weight_decay >= 0,
+               f"--dmd2-gan-head-weight-decay must be >= 0, got {self.head_weight_decay}")
+        _check(self.head_clip_grad >= 0, f"--dmd2-gan-head-clip-grad must be >= 0, got {self.head_clip_grad}")
         _check(self.real_rows is None or self.real_rows >= 1,
                f"--dmd2-gan-real-rows must be >= 1, got {self.real_rows}")
         _check(self.enabled or self.head_lr_mult == 1.0, "--dmd2-gan-head-lr-mult needs --dmd2-gan")
+        _check(self.enabled or self.head == "conv", "--dmd2-gan-head needs --dmd2-gan")
+        _check(self.enabled or self.head_weight_decay == 0.01, "--dmd2-gan-head-weight-decay needs --dmd2-gan")
+        _check(self.enabled or self.head_clip_grad == 10.0, "--dmd2-gan-head-clip-grad needs --dmd2-gan")
         _check(self.enabled or self.feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")
         if self.sigma_range is not None:
             self.sigma_range = tuple(self.sigma_range)

@@ -7,7 +7,8 @@
          fragments against whole tensors), so fused AdamW's vector body and scalar tail meet an element at other
          offsets: parameters within a few ulps after every step (see ULPS) on this CPU, and bit-equal in a second
          run under ATEN_CPU_CAPABILITY=default (scalar arithmetic, where the offsets cannot matter);
-       - with clipping active: parameters within 2e-6 relative (the norm's summation order differs);
+       - with clipping active: parameters within 2e-6 relative (the norm's summation order differs); the same
+         with a clip group (a layer with optimizer settings of its own, `param_options`, clipped by its own norm);
        - optimizer state per rank (fp32 masters + Adam moments) at most half the plain optimizer's plus the
          padding;
        - state_dict after step 2 loaded into a fresh distributed optimizer: continues bit-equal to the
@@ -74,6 +75,13 @@ def test_bit_equal_to_plain_optimizer_under_scalar_arithmetic(runs):
 
 def test_clipping_agrees_to_fp32_rounding(dp2):
     assert dp2["clip"]["max_rel"] <= 2e-6 and dp2["clip"]["norm_rel"] <= 1e-6, dp2["clip"]
+
+
+def test_clip_groups_agree_to_fp32_rounding(dp2):
+    """A layer clipped by its own norm (and its own lr / weight decay): each rank's fragments of it scaled by its
+    group's coefficient, from squares all-reduced with the rest's."""
+    c = dp2["clip_groups"]
+    assert c["bites"] and c["max_rel"] <= 2e-6 and c["norm_rel"] <= 1e-6, c
 
 
 def test_state_bytes_per_rank_halve(dp2):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.methods.dmd2.actor import actor_phase
 from dmd2_mega.methods.dmd2.critic import critic_phase
-from dmd2_mega.methods.dmd2.gan import GANCritic, GANSettings
+from dmd2_mega.methods.dmd2.gan import GANCritic, GANSettings, HeadOptions
 from dmd2_mega.flow import critic_grid
 from dmd2_mega.models import FamilyModel
 from tests.test_dmd2_actor import make_scores, reference as dmd_reference
@@ -39,13 +39,14 @@ W_D, W_G = 0.7, 0.9  # large weights, so a wrong GAN term shows well above round
 
 
 class TinyTrunk(TinyNet):
-    """TinyNet with the family interface's features (its hidden layer, one feature layer)."""
+    """TinyNet with the family interface's features (its hidden layer as a 1 x 1 grid, one feature layer)."""
 
-    spec, num_feature_layers, feature_dim = None, 1, 5
+    spec, num_feature_layers, feature_dim, feature_grid = None, 1, 5, (1, 1)
 
     def features(self, x, sigma, cond, layer):
         assert layer == 0
-        return torch.tanh(x.reshape(x.shape[0], -1) @ self.w1 + self.table(cond) + sigma.to(F64)[:, None] * self.ws)
+        h = torch.tanh(x.reshape(x.shape[0], -1) @ self.w1 + self.table(cond) + sigma.to(F64)[:, None] * self.ws)
+        return h[:, :, None, None]
 
     def forward_features(self, x, sigma, cond, layer):
         return self(x, sigma, cond), self.features(x, sigma, cond, layer)
@@ -54,7 +55,7 @@ class TinyTrunk(TinyNet):
 
 
 def tiny_gan(seed: int) -> GANCritic:
-    model = GANCritic(TinyTrunk(seed), layer=0, seed=seed).double()
+    model = GANCritic(TinyTrunk(seed), layer=0, seed=seed, head=HeadOptions("mlp")).double()  # closed form below
     with torch.no_grad():  # larger than the 0.02 init, so that the logits are O(1)
         for p in model.head.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=F64))

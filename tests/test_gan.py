@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.dmd2.gan import (GANCritic, GANHead, discriminator_loss, generator_loss, holds_head,
+from dmd2_mega.methods.dmd2.gan import (GANCritic, HeadOptions, discriminator_loss, generator_loss, holds_head,
                                          resolve_layer)
+from dmd2_mega.methods.dmd2.gan_heads import build_head
 from dmd2_mega.models import DataShape, build_model
 from tests.utils import world_of_one
 
@@ -61,12 +62,16 @@ def test_head_shape_and_dit_feature_tap(world):
     model = _perturbed_debug_dit()
     x, s, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
     f = model.features(x, s, y, 0)
-    # the features are the token mean of block 0's output, recomputed by hand
+    # the features are block 0's output as its 4 x 4 token grid, recomputed by hand: token (i, j) at [:, :, i, j]
     tokens = x.reshape(3, 1, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(3, 16, 4)
     h = model.x_embed(tokens) + model.pos
     c = model.t_embed(s * 1000.0) + model.y_embed(y)
-    torch.testing.assert_close(f, model.blocks[0](h, c).mean(1))
-    assert GANHead(model.spec.hidden_size)(f).shape == (3,)
+    out = model.blocks[0](h, c)
+    assert model.feature_grid == (4, 4) and f.shape == (3, 32, 4, 4)
+    for i, j in ((0, 0), (1, 3), (3, 2)):
+        torch.testing.assert_close(f[:, :, i, j], out[:, 4 * i + j])
+    for kind in ("conv", "mlp"):
+        assert build_head(kind, 32, (4, 4), 0)(f).shape == (3,)
     # the early exit: features(layer=0) does not run the later blocks
     calls = []
     model.blocks[1].register_forward_pre_hook(lambda *_: calls.append(1))
@@ -143,7 +148,7 @@ def test_forward_features_is_forward_and_features_of_one_pass(world, kind):
             v, f = model.forward_features(x, s, c, layer)
             assert torch.equal(v, model(x, s, c)), f"{kind}: forward_features' velocity differs, layer {layer}"
             assert torch.equal(f, model.features(x, s, c, layer)), f"{kind}: its features differ, layer {layer}"
-            assert f.shape == (4, model.feature_dim)
+            assert f.shape == (4, model.feature_dim, *model.feature_grid)
     blocks = [m for n, m in model.named_modules() if n.endswith("blocks.0")]
     calls = []
     for blk in blocks:
@@ -171,7 +176,7 @@ def test_forward_features_and_is_forward_features_and_features(world, kind):
         s = torch.tensor([0.9, 0.2, 0.7, 0.3])  # both experts' sides of boundary 0.5 in one batch
         extra = (torch.randn(3, 4, 4, 4, 6, generator=g), torch.tensor([0.1, 0.8, 0.4]),
                  torch.randn(3, 3, 16, generator=g))
-    weights = [torch.randn(x.shape, generator=g), torch.randn(3, model.feature_dim, generator=g)]
+    weights = [torch.randn(x.shape, generator=g), torch.randn(3, model.feature_dim, *model.feature_grid, generator=g)]
 
     def run(joined: bool):
         model.zero_grad()
@@ -184,7 +189,8 @@ def test_forward_features_and_is_forward_features_and_features(world, kind):
 
     got, got_grads = run(True)
     want, want_grads = run(False)
-    assert [t.shape for t in got] == [x.shape, (4, model.feature_dim), (3, model.feature_dim)]
+    grid = (model.feature_dim, *model.feature_grid)
+    assert [t.shape for t in got] == [x.shape, (4, *grid), (3, *grid)]
     for name, a, b in zip(("v", "features", "extra features"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{kind} {name}: {m}")
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 0
@@ -213,35 +219,38 @@ def test_default_feature_layer_is_the_last_of_the_first_half():
         resolve_layer(4, 4)
 
 
-def test_head_lr_mult_scales_the_heads_learning_rate_only_and_survives_a_resume(world):
-    """--dmd2-gan-head-lr-mult: the head's parameters in groups of their own whose lr is m x the schedule's; the
-    first AdamW step (update lr * g / (|g| + eps) per element) moves the head m times as far as at m = 1, the trunk
-    as far; a resumed optimizer keeps this run's multiplier; a saved state without the head's group is refused
-    with the flag's name."""
+def test_head_options_scale_the_heads_learning_rate_only_and_survive_a_resume(world):
+    """The head's own optimizer settings (`GANCritic.param_options`): its parameters in a group of their own whose
+    lr is m x the schedule's; the first AdamW step (update lr * g / (|g| + eps) per element, no decay, no clip)
+    moves the head m times as far as at m = 1, the trunk as far; a resumed optimizer keeps this run's multiplier;
+    a saved state of another group count is refused naming the flags."""
     from dmd2_mega.config import OptimConfig
     from dmd2_mega.train.optim import LRSchedule, Optimizer
 
-    def step(mult):
-        critic = GANCritic(_perturbed_debug_dit(), layer=1, seed=5, head_lr_mult=mult)
+    def step(mult, **more):
+        critic = GANCritic(_perturbed_debug_dit(), layer=1, seed=5,
+                           head=HeadOptions(lr_mult=mult, weight_decay=0.0, clip_grad=0.0, **more))
         cfg = OptimConfig(lr=1e-3, weight_decay=0.0)
         opt = Optimizer(critic, cfg)
         LRSchedule(cfg, 10).apply(opt, 0)
         before = {n: p.detach().clone() for n, p in critic.named_parameters()}
         x, s, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 2, 10])
         v, fake, real = critic(x, s, y, extra=(x.flip(0), s, y))
-        (v.square().mean() + fake.mean() - real.mean()).backward()
+        # (a fake - real difference would give the last bias no gradient)
+        (v.square().mean() + fake.mean() - 2 * real.mean()).backward()
         opt.step(torch.zeros(()))
         moved = {n: (p.detach() - before[n]).abs().max() for n, p in critic.named_parameters()}
         return critic, opt, moved
 
     _, plain, base = step(1.0)
-    assert len(plain.param_groups) == 2  # no multiplier: the groups of before (old checkpoints load)
+    assert len(plain.param_groups) == 3  # the trunk's two, the head's one
     critic, opt, moved = step(10.0)
     lrs = {round(float(g["lr"]), 9) for g in opt.param_groups}
     assert lrs == {1e-3, 1e-2}, lrs
     head = {id(p) for p in critic.head.parameters()}
     for g in opt.param_groups:
         assert all((id(p) in head) == ("lr_mult" in g) for p in g["params"])
+    assert all(base[n] > 0 for n in base if n.startswith("head."))  # every head parameter moved
     for n in moved:
         want = base[n] * (10.0 if n.startswith("head.") else 1.0)
         torch.testing.assert_close(moved[n], want, rtol=1e-4, atol=1e-9)
@@ -252,5 +261,35 @@ def test_head_lr_mult_scales_the_heads_learning_rate_only_and_survives_a_resume(
     again.load_state_dict(state)
     LRSchedule(OptimConfig(lr=1e-3), 10).apply(again, 0)
     assert {round(float(g["lr"]), 9) for g in again.param_groups} == {1e-3, 1e-2}
+    state["inner"]["param_groups"] = state["inner"]["param_groups"][:2]
     with pytest.raises(ValueError, match="--dmd2-gan-head-lr-mult"):
         plain.load_state_dict(state)
+
+
+def test_conv_head_is_the_references_stack_on_8x8_and_reads_the_grid():
+    """On an 8 x 8 grid of 768 channels the conv head is tianweiy/DMD2's `cls_pred_branch` layer for layer; on any
+    grid its logit depends on the input (no GroupNorm of one channel at 1 x 1: at 32 channels the last stage's
+    groups hold 8); a video grid's frames are classified alike (permuting them leaves the logit); the same seed
+    builds the same head, another seed another one, with PyTorch's default init bound 1 / sqrt(fan_in)."""
+    head = build_head("conv", 768, (8, 8), 0)
+    kinds = [(type(m).__name__, getattr(m, "kernel_size", None), getattr(m, "stride", None),
+              getattr(m, "padding", None), getattr(m, "num_groups", None)) for m in head.net]
+    assert kinds == [("Conv2d", (4, 4), (2, 2), (1, 1), None), ("GroupNorm", None, None, None, 32),
+                     ("SiLU", None, None, None, None), ("Conv2d", (4, 4), (4, 4), (0, 0), None),
+                     ("GroupNorm", None, None, None, 32), ("SiLU", None, None, None, None),
+                     ("Conv2d", (1, 1), (1, 1), (0, 0), None)]
+    assert head.net[-1].out_channels == 1
+    g = torch.Generator().manual_seed(0)
+    for channels, grid in ((32, (4, 4)), (32, (3, 6, 10)), (128, (2, 2))):
+        head = build_head("conv", channels, grid, 1)
+        x = torch.randn(6, channels, *grid, generator=g)
+        logits = head(x)
+        assert logits.shape == (6,) and logits.dtype == torch.float32
+        assert logits.std() > 1e-2 * logits.abs().mean().clamp(min=1e-3), (channels, grid, logits)
+        if len(grid) == 3:
+            torch.testing.assert_close(head(x.flip(2)), logits, rtol=1e-5, atol=1e-6)
+    a, b, c = (build_head("conv", 64, (8, 8), s) for s in (3, 3, 4))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.net[0].weight, c.net[0].weight)
+    bound = 1 / (64 * 16) ** 0.5
+    assert a.net[0].weight.abs().max() <= bound and a.net[0].weight.abs().max() > 0.9 * bound

@@ -182,7 +182,7 @@ def sums_over_tp(param: torch.Tensor) -> bool:
 
 
 def mark_whole_over_cp(params, on: bool = True) -> None:
-    """Tag parameters applied only to values every CP rank holds whole (the GAN head on the CP-reduced token mean):
+    """Tag parameters applied only to values every CP rank holds whole (the GAN head on the CP-gathered token grid):
     each CP rank's gradient is the whole one, where the rest of a CP model's is the part from its tokens, so the
     gradient buffer divides it by CP before summing over DP x CP (`grad_buffer.GradBuffer`)."""
     if on:

@@ -15,12 +15,14 @@ Every model is a `FamilyModel`:
     forward(x [B, *shape], sigma [B] fp32, cond) -> v [B, *shape]
         velocity in DESIGN section 1's convention: x_s = (1 - s) x0 + s eps, v = eps - x0; the
         timestep s * 1000 is the model's business. cond: labels [B] int64 or embeddings [B, ...].
-    features(x, sigma, cond, layer) -> [B, feature_dim]
-        token mean of block `layer`'s output (0 <= layer < num_feature_layers; the blocks after it
-        are not run): what DMD2's GAN head reads.
+    features(x, sigma, cond, layer) -> [B, feature_dim, *feature_grid]
+        block `layer`'s output as its token grid, channels first (0 <= layer < num_feature_layers; the blocks
+        after it are not run), every token on every TP / SP / CP rank (gathered; the backward keeps each
+        rank's part): what DMD2's GAN head classifies. `feature_grid` is the grid of the data's shape: (H, W)
+        patches of an image model, (F, H, W) of a video model.
     forward_features(x, sigma, cond, layer) -> (v, features)
-        both from one forward: the velocity and the token mean of block `layer`'s output on the way (equal to
-        `forward` and `features`): the GAN head reads the critic's own flow-matching forward at no extra cost.
+        both from one forward: the velocity and block `layer`'s token grid on the way (equal to `forward`
+        and `features`): the GAN head reads the critic's own flow-matching forward at no extra cost.
     forward_features_and(x, sigma, cond, layer, extra=(x', sigma', cond')) -> (v, features, features of x')
         the same with rows that need only the features (the head's real samples): by default `forward_features`
         and `features`; the DiT and the Wan run x' in x's batch up to block `layer` and drop it there (one pass,
@@ -156,6 +158,7 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
     """How it was built: a wrapper of the model (the GAN critic) reads the context-parallel size here."""
     num_feature_layers: int
     feature_dim: int
+    feature_grid: tuple
 
     @abc.abstractmethod
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -163,17 +166,17 @@ class FamilyModel(nn.Module, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
-        """Token mean of block `layer`'s output [B, feature_dim]."""
+        """Block `layer`'s output as its token grid [B, feature_dim, *feature_grid] (module docstring)."""
 
     @abc.abstractmethod
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
                          layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(v [B, *shape], token mean of block `layer`'s output [B, feature_dim]) from one forward."""
+        """(v [B, *shape], block `layer`'s token grid [B, feature_dim, *feature_grid]) from one forward."""
 
     def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int,
                              extra: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(v, features of x, features [B', feature_dim] of extra = (x', sigma', cond'), rows that need only
-        the features): here two passes; a family whose blocks take rows of any batch runs one (module docstring)."""
+        """(v, features of x, features [B', feature_dim, *feature_grid] of extra = (x', sigma', cond'), rows
+        that need only the features): here two passes; a family whose blocks take rows of any batch runs one (module docstring)."""
         v, feats = self.forward_features(x, sigma, cond, layer)
         return v, feats, self.features(*extra, layer)
 

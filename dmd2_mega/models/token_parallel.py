@@ -17,7 +17,7 @@ output (backward: all-gather), in place of the all-reduces TP makes.
 Padding: any S works. The sequence is padded with zero tokens to a multiple of C (x TP under SP). The pad
 sits at the end of the last chunk, so after the all-to-all it is the tail of the full sequence and attention
 drops it by slicing keys, values and queries to the S real tokens (no mask, so flash kernels still apply).
-The output gather strips it, and the token mean of `features` counts real tokens only; no loss ever sees it.
+The output gather strips it (the velocity's and the token grid of `features`); no loss ever sees it.
 
 Gradients: every CP rank computes the same loss on the same gathered output, so the gather's backward keeps
 this rank's slice, and each weight's gradient on a CP rank is the part from its own tokens; the gradient
@@ -125,20 +125,6 @@ class _GatherOutput(torch.autograd.Function):
         return g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n].contiguous(), None, None, None
 
 
-class _SumIdentity(torch.autograd.Function):
-    """All-reduce sum of per-rank partial sums that every rank then uses alike; backward the identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class _IdentitySum(torch.autograd.Function):
     """A replicated tensor entering the sequence-sharded region: identity; backward all-reduce sum (each TP rank's
     gradient is the part from its tokens). megatron-core's `copy_to_tensor_model_parallel_region`."""
@@ -234,18 +220,6 @@ class TokenSplit:
         if self.cp > 1:
             t = _GatherOutput.apply(t, self._cp_group, self.cp, self.cp_rank)
         return t[:, :self.tokens] if self.padded != self.tokens else t
-
-    def token_mean(self, h: torch.Tensor) -> torch.Tensor:
-        """Mean over the real tokens of [B, local, D] -> [B, D], the same on every rank."""
-        if self.cp == self.sp == 1:
-            return h.mean(dim=1)
-        real = max(0, min(self.local_tokens, self.tokens - self._start))
-        total = h[:, :real].float().sum(dim=1)
-        if self.sp > 1:
-            total = _SumIdentity.apply(total, self._sp_group)
-        if self.cp > 1:
-            total = _SumIdentity.apply(total, self._cp_group)
-        return (total / self.tokens).to(h.dtype)
 
     def enter_sp(self, t: torch.Tensor) -> torch.Tensor:
         """A replicated tensor used by the SP-sharded tokens (module docstring); the identity without SP."""

@@ -22,9 +22,11 @@ micro-batches needs it), as in Megatron.
 
 Gradient norm: each rank sums the squares of its fragments' gradients, split into TP-sharded and replicated
 parameters (`optim.grad_norm`'s rule); the pair is all-reduced over DP, the sharded part then over TP. The
-clip coefficient and the non-finite skip are therefore the same on every rank. Without clipping the step is
-bit-identical to `optim.Optimizer` on the same reduced gradients (AdamW is elementwise); with clipping the
-norm's summation order differs, so the result agrees to fp32 rounding.
+clip coefficient and the non-finite skip are therefore the same on every rank. With clip groups
+(`optim.clip_groups`: a `param_options` prefix giving `clip_grad`) there is such a pair per group, all in the same
+two all-reduces, and each group's fragments are scaled by its own coefficient; the norm returned is the global one
+(optim's docstring). Without clipping the step is bit-identical to `optim.Optimizer` on the same reduced gradients
+(AdamW is elementwise); with clipping the norm's summation order differs, so the result agrees to fp32 rounding.
 
 Checkpoints: `state_dict()` is collective over DP. It gathers each bucket's master and moment shards
 (`all_gather_single`, one bucket at a time) and returns exactly `optim.Optimizer`'s format (torch
@@ -43,8 +45,8 @@ import torch.distributed as dist
 from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.train.grad_buffer import GradBuffer
-from dmd2_mega.train.optim import (Optimizer, check_group_count, device_lrs, groups_to_save, keep_lr_mults,
-                                   param_groups, restore_lrs)
+from dmd2_mega.train.optim import (Optimizer, check_group_count, clip_coefficient, clip_groups, device_lrs,
+                                   groups_to_save, keep_lr_mults, keep_weight_decays, param_groups, restore_lrs)
 from dmd2_mega.distributed.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -77,6 +79,7 @@ class DistributedOptimizer(Optimizer):
         self.model_params = [p for g in groups for p in g["params"]]
         self._group_sizes = [len(g["params"]) for g in groups]
         self.lr_mults = [g.get("lr_mult") for g in groups]
+        self.weight_decays = [g["weight_decay"] for g in groups]
         self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model_params)
         self._index = {id(p): j for j, p in enumerate(self.model_params)}
         buffer_index = {id(p): i for i, p in enumerate(grads.params)}
@@ -107,7 +110,15 @@ class DistributedOptimizer(Optimizer):
         self._lrs = device_lrs(self.inner.param_groups, self._dev)
         # fixed for the optimizer's life (views of the GradBuffer): the step's lists are made once
         self._frag_grads = [m.grad for m in self.master_params]
-        self._norm_grads = [[m.grad for m in self.master_params if m.sharded == s] for s in (True, False)]
+        self._clip_maxes, ids = clip_groups(model, self.model_params, cfg.clip_grad)
+        group_of = [ids[f.index] for f in self.fragments]
+        self._clip_grads = ([self._frag_grads] if len(self._clip_maxes) == 1 else
+                            [[g for g, k in zip(self._frag_grads, group_of) if k == i]
+                             for i in range(len(self._clip_maxes))])
+        """Each clip group's fragment gradients on this rank (maybe none)."""
+        self._norm_grads = [[m.grad for m, k in zip(self.master_params, group_of) if m.sharded == s and k == i]
+                            for s in (True, False) for i in range(len(self._clip_maxes))]
+        """The norm's lists: [TP-sharded of group 0, ..., of group G-1, replicated of group 0, ...]."""
         in_order = sorted(zip(self.fragments, self.master_params), key=lambda fm: fm[0].buffer_offset)
         self._by_bucket = [[m for f, m in in_order if f.bucket == b] for b in range(len(grads.buckets))]
         """This rank's masters per bucket, in buffer order: they tile its shard, but for the padding at the end."""
@@ -130,34 +141,39 @@ class DistributedOptimizer(Optimizer):
         self.grads.finish()  # the reduce-scatter: each master's .grad (a view of its shard) is now reduced
 
     def _step(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
-        norm = self._grad_norm()
+        squares = self._grad_squares()
+        norm = squares.sum().sqrt()
+        n = len(self._clip_maxes)
+        group_norms = [norm] if n == 1 else (squares[:n] + squares[n:]).sqrt().unbind()
         bad = self._non_finite(norm, loss)
         self._skipped += bad
         self._consecutive = (self._consecutive + 1) * bad
-        grads = self._frag_grads
-        if self.cfg.clip_grad > 0 and grads:
-            torch._foreach_mul_(grads, torch.clamp(self.cfg.clip_grad / (norm + 1e-6), max=1.0))
+        for max_norm, grads, group_norm in zip(self._clip_maxes, self._clip_grads, group_norms):
+            if max_norm > 0 and grads:
+                torch._foreach_mul_(grads, clip_coefficient(group_norm, max_norm))
         if self.master_params:
             self.inner.found_inf = bad.float()  # 1: the fused kernel leaves masters, moments and steps as they are
             self.inner.step()
         self._all_gather_params()
         return norm
 
-    def _grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the reduced gradients: [TP-sharded, replicated] squares summed over this rank's
-        fragments, all-reduced over DP, the sharded part then over TP (no host sync)."""
+    def _grad_squares(self) -> torch.Tensor:
+        """[2G]: each clip group's TP-sharded squares, then each one's replicated squares, of the reduced gradients,
+        summed over this rank's fragments, all-reduced over DP, the sharded part then over TP (no host sync). The
+        global norm is the root of their sum; group i's, that of entries i and G + i."""
         parts = []
-        for gs in self._norm_grads:  # TP-sharded, replicated
+        for gs in self._norm_grads:
             parts.append(torch.stack(torch._foreach_norm(gs)).square().sum() if gs else
                          torch.zeros((), dtype=torch.float32, device=self._dev))
         sq = torch.stack(parts)
         if self.grads.dp_group is not None:
             dist.all_reduce(sq, group=self.grads.dp_group)
+        n = len(self._clip_maxes)
         if self.tp_group is not None and dist.is_initialized() and dist.get_world_size(self.tp_group) > 1:
-            tp = sq[:1].clone()
+            tp = sq[:n].clone()
             dist.all_reduce(tp, group=self.tp_group)
-            sq = torch.cat([tp, sq[1:]])
-        return sq.sum().sqrt()
+            sq = torch.cat([tp, sq[n:]])
+        return sq
 
     def _gathered(self, b: int, dtype: torch.dtype, value) -> torch.Tensor:
         """Bucket b's flat [size] tensor of `dtype` holding value(master) at every rank's fragments (each rank
@@ -250,6 +266,7 @@ class DistributedOptimizer(Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
         restore_lrs(self.inner.param_groups, self._lrs)
         keep_lr_mults(self.inner.param_groups, self.lr_mults)
+        keep_weight_decays(self.inner.param_groups, self.weight_decays)
         self.inner.state.clear()
         self.sync_masters()
         for f, m in zip(self.fragments, self.master_params):

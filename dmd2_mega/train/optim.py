@@ -3,18 +3,27 @@
 megatron-core's optimizer needs CUDA and does not keep Adam's step count across a resume, so
 the optimizer is torch's fused AdamW (its multi-tensor kernel, on CUDA and on CPU) or apex FusedAdam
 (`--optimizer-impl apex`), with two parameter groups: weight decay on matrices, none on biases, norms and
-embedding tables.
+embedding tables. A model may set options of its own for some parameters (`param_options`, e.g. DMD2's GAN head):
+their groups then carry their own lr multiplier and weight decay, and they are clipped apart (below).
 
 Gradients: with a `grad_buffer.GradBuffer` (both trainers attach one) they arrive in the fp32 `main_grad`
 views of one flat buffer, accumulated (by autograd: they are the parameters' `.grad`) and DP-reduced in fp32
 (Megatron's scheme); `step` first completes that reduction. The tensors the step reads are then fixed for the
 optimizer's life, so the step has no Python loop over parameters: the norm's foreach lists are made once, the clip
-is one multiply of the buffer, `zero_grad` one zero of it. Without a GradBuffer (unit tests), `p.grad` is used.
+is one multiply of the buffer (with clip groups: one multiply per group of the buffer slices its parameters occupy,
+adjacent ones merged, so each gradient is scaled once, by its own group's coefficient: exact), `zero_grad` one zero
+of it. Without a GradBuffer (unit tests), `p.grad` is used.
 
 Gradient norm under TP x DP: after the DP all-reduce every DP rank holds the same gradients, so
 only TP matters. A TP-sharded parameter contributes its shard's squared norm on each TP rank
 (summed over the TP group); a replicated parameter has identical gradients on every TP rank and
 is counted once, so ||g||^2 = allreduce_TP(sum_sharded ||g_i||^2) + sum_replicated ||g_j||^2.
+
+Clip groups: the parameters of a `param_options` prefix that gives `clip_grad` are clipped by the norm of their own
+gradients to that max (tianweiy/DMD2 clips its guidance model, GAN head included, apart from the generator); all
+other parameters by the norm of theirs to `--clip-grad`. Each group's norm follows the rule above (its own TP split),
+all groups' sharded squares in one TP all-reduce. The norm `step` returns, and the non-finite check reads, is the
+global one, sqrt(sum of the groups' squares). With no clip group the step is that of before: one norm, one multiply.
 
 `--bf16`: the model's parameters are bf16; `Optimizer` keeps fp32 master weights and Adam state. The
 masters' `.grad` ARE the fp32 main_grads (no per-step upcast), and the update is copied back to the
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 import torch
@@ -52,29 +61,82 @@ from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.distributed.parallel import tp_partition_dim
 
 
+OPTION_KEYS = ("lr_mult", "weight_decay", "clip_grad")
+"""What a model's `param_options()` may set for the parameters under a name prefix (every key optional)."""
+
+
+def param_options(model: torch.nn.Module) -> dict:
+    """`model.param_options()` -> {name prefix: {"lr_mult": float, "weight_decay": float, "clip_grad": float}}, or {}
+    for a model without it; prefixes with no option are left out (their parameters are the others'). A parameter
+    takes the options of the first prefix its name starts with."""
+    options = model.param_options() if hasattr(model, "param_options") else {}
+    for prefix, o in options.items():
+        unknown = sorted(set(o) - set(OPTION_KEYS))
+        if unknown:
+            raise ValueError(f"{type(model).__name__}.param_options()[{prefix!r}] has unknown keys {unknown}; "
+                             f"allowed: {', '.join(OPTION_KEYS)}")
+    return {prefix: o for prefix, o in options.items() if o}
+
+
+def _prefix_of(name: str, options: dict) -> Optional[str]:
+    return next((prefix for prefix in options if name.startswith(prefix)), None)
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """[decayed, not decayed (biases, norms, embedding tables)] and, for the parameters whose learning rate the
-    model scales (`model.lr_mults()` -> {name prefix: multiplier}, e.g. the GAN critic's fresh head), a group of
-    their own per (multiplier, decay) carrying `lr_mult`, which `LRSchedule.apply` reads."""
-    mults = model.lr_mults() if hasattr(model, "lr_mults") else {}
-    groups: dict = {(1.0, True): [], (1.0, False): []}
+    """[decayed, not decayed (biases, norms, embedding tables)], then the groups of each `param_options` prefix (in
+    the order its parameters come): its own lr multiplier (`lr_mult`, which `LRSchedule.apply` reads) and, where it
+    gives `weight_decay`, one group decayed by it, biases and norms included (tianweiy/DMD2's guidance AdamW decays
+    all its parameters); else the same split as the others'. A model without options gets the two groups of before
+    (its checkpoints load as before)."""
+    options = param_options(model)
+    groups: dict = {(None, True): [], (None, False): []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        decay = not (p.ndim < 2 or name.endswith("table.weight"))
-        mult = next((float(m) for prefix, m in mults.items() if name.startswith(prefix)), 1.0)
-        groups.setdefault((mult, decay), []).append(p)
-    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, **({"lr_mult": m} if m != 1.0 else {})}
-            for (m, decay), params in groups.items()]
+        prefix = _prefix_of(name, options)
+        own_decay = "weight_decay" in options.get(prefix, {})
+        decay = None if own_decay else not (p.ndim < 2 or name.endswith("table.weight"))
+        groups.setdefault((prefix, decay), []).append(p)
+    return [_group(params, options.get(prefix, {}), weight_decay, decay) for (prefix, decay), params in groups.items()]
+
+
+def _group(params: list, options: dict, weight_decay: float, decay: Optional[bool]) -> dict:
+    """One optimizer group: `decay` None = the prefix's own weight decay on all its parameters."""
+    wd = float(options["weight_decay"]) if decay is None else (weight_decay if decay else 0.0)
+    mult = float(options.get("lr_mult", 1.0))
+    return {"params": params, "weight_decay": wd, **({"lr_mult": mult} if mult != 1.0 else {})}
+
+
+def clip_groups(model: torch.nn.Module, params: list, clip_grad: float) -> tuple[list[float], list[int]]:
+    """(max norms, group of each of `params`): group 0 = the parameters clipped to `clip_grad` (--clip-grad); group
+    k >= 1 = those of the k-th `param_options` prefix giving `clip_grad` (in the order its parameters come), clipped
+    by their own norm to it. A max of 0 leaves the group unclipped. Without such a prefix: ([clip_grad], all 0)."""
+    options = param_options(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    maxes, index, ids = [float(clip_grad)], {}, []
+    for p in params:
+        prefix = _prefix_of(names[id(p)], options)
+        if prefix is None or "clip_grad" not in options[prefix]:
+            ids.append(0)
+            continue
+        if prefix not in index:
+            index[prefix] = len(maxes)
+            maxes.append(float(options[prefix]["clip_grad"]))
+        ids.append(index[prefix])
+    return maxes, ids
+
+
+GROUP_FLAGS = "--dmd2-gan-head-lr-mult, --dmd2-gan-head-weight-decay or --dmd2-gan-head-clip-grad"
+"""The flags that give a model's `param_options`, so change the optimizer's group count."""
 
 
 def check_group_count(saved_groups: list, groups: list) -> None:
-    """Before loading a saved optimizer state: a group count other than this run's is a learning-rate multiplier set
-    on one side only (`param_groups`), a clear error."""
+    """Before loading a saved optimizer state: a group count other than this run's is a parameter option set on one
+    side only (`param_groups`), a clear error."""
     if len(saved_groups) != len(groups):
         raise ValueError(f"the optimizer state has {len(saved_groups)} parameter groups, this run {len(groups)}: a "
-                         f"learning-rate multiplier (--dmd2-gan-head-lr-mult) was set in one run only; give the "
-                         f"saved run's value or pass --no-load-optim")
+                         f"parameter group option ({GROUP_FLAGS}) was set in one run only; give the saved run's "
+                         f"values or pass --no-load-optim")
 
 
 def keep_lr_mults(groups: list, mults: list) -> None:
@@ -83,6 +145,13 @@ def keep_lr_mults(groups: list, mults: list) -> None:
     for g, m in zip(groups, mults):
         g.pop("lr_mult", None)
         g.update({"lr_mult": m} if m is not None else {})
+
+
+def keep_weight_decays(groups: list, decays: list) -> None:
+    """After loading a saved optimizer state into `groups`: the run's own weight decay per group stands (torch's
+    load takes the saved run's), as Megatron's scheduler sets it from the run's flags each step."""
+    for g, wd in zip(groups, decays):
+        g["weight_decay"] = wd
 
 
 def _inner_optimizer(groups: list, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
@@ -120,8 +189,44 @@ def groups_to_save(groups: list) -> list:
     return [{**g, "lr": float(g["lr"])} if torch.is_tensor(g["lr"]) else g for g in groups]
 
 
+@dataclass
+class ClipGroup:
+    """Parameters clipped together: by the norm of their own gradients to `max_norm` (0 = no clip). `params`: the
+    stepped (master) parameters; with a GradBuffer, `split` (their `split_by_tp` lists) and `views` (the buffer slices
+    holding their gradients, adjacent ones merged) are fixed for the optimizer's life."""
+    max_norm: float
+    params: list
+    split: Optional[tuple] = None
+    views: Optional[list] = None
+
+    def clip(self, norm: torch.Tensor, tp_group=None) -> None:
+        """Scale the group's gradients by clip_coefficient(norm): one multiply per buffer view (one of the whole
+        buffer when this is the only group, padding 0), else `clip_gradients` over `.grad`."""
+        if self.max_norm <= 0:
+            return
+        if self.views is None:
+            clip_gradients(self.params, self.max_norm, tp_group, norm=norm)
+        elif len(self.views) == 1:
+            self.views[0].mul_(clip_coefficient(norm, self.max_norm))
+        elif self.views:
+            torch._foreach_mul_(self.views, clip_coefficient(norm, self.max_norm))
+
+
+def buffer_views(grads: GradBuffer, params: list) -> list[torch.Tensor]:
+    """The slices of `grads.buffer` holding `params`' main_grads, adjacent ones merged (a module's parameters are
+    one run: a prefix's group is a slice or two, not a tensor per parameter)."""
+    index = {id(p): i for i, p in enumerate(grads.params)}
+    runs: list[list[int]] = []
+    for start, n in sorted((grads.offsets[index[id(p)]], p.numel()) for p in params):
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = start + n
+        else:
+            runs.append([start, start + n])
+    return [grads.buffer[a:b] for a, b in runs]
+
+
 class Optimizer:
-    """AdamW + global-norm clipping, with fp32 master weights when the model is bf16.
+    """AdamW + global-norm clipping (per clip group: `clip_groups`), with fp32 master weights when the model is bf16.
 
     fp32 model: AdamW steps the model's parameters directly. bf16 model (`--bf16`): each
     parameter has an fp32 master copy (carrying the TP attributes); `step` clips and steps the
@@ -142,13 +247,12 @@ class Optimizer:
             for g in groups:
                 g["params"] = [self._master(p, next(masters)) for p in g["params"]]
         self.master_params = [p for g in groups for p in g["params"]]
-        self._fixed = None
-        if grads is not None:  # the stepped grads are the fp32 main_grads, for good (grad_buffer)
-            if self.mixed:
-                for p, m in zip(self.model_params, self.master_params):
-                    m.grad = p.main_grad
-            self._fixed = split_by_tp(self.master_params)
+        if grads is not None and self.mixed:  # the stepped grads are the fp32 main_grads, for good (grad_buffer)
+            for p, m in zip(self.model_params, self.master_params):
+                m.grad = p.main_grad
+        self._clip = self._clip_groups(model)
         self.lr_mults = [g.get("lr_mult") for g in groups]
+        self.weight_decays = [g["weight_decay"] for g in groups]
         self.inner = _inner_optimizer(groups, cfg, self.model_params[0].is_cuda)
         self.device_skips = self.inner.__class__ is torch.optim.AdamW  # fused AdamW takes found_inf
         self._flat = FlatAdamState(self.inner) if self.device_skips else None  # its state in two buffers
@@ -165,6 +269,22 @@ class Optimizer:
             if hasattr(p, attr):
                 setattr(m, attr, getattr(p, attr))
         return m
+
+    def _clip_groups(self, model: torch.nn.Module) -> list[ClipGroup]:
+        """The clip groups (`clip_groups`) over the masters; with a GradBuffer their norm lists and buffer views, made
+        once (the whole buffer when there is one group: the multiply of before)."""
+        maxes, ids = clip_groups(model, self.model_params, self.cfg.clip_grad)
+        out = []
+        for k, max_norm in enumerate(maxes):
+            members = [j for j, i in enumerate(ids) if i == k]
+            masters = [self.master_params[j] for j in members]
+            group = ClipGroup(max_norm, masters)
+            if self.grads is not None:
+                group.split = split_by_tp(masters)
+                group.views = ([self.grads.buffer] if len(maxes) == 1 else
+                               buffer_views(self.grads, [self.model_params[j] for j in members]))
+            out.append(group)
+        return out
 
     @property
     def param_groups(self):
@@ -210,23 +330,29 @@ class Optimizer:
         return self._step(loss)
 
     def _step(self, loss: Optional[torch.Tensor]) -> torch.Tensor:
-        sharded, replicated = self._fixed or split_by_tp(self.master_params)
-        norm = tp_norm(sharded, replicated, self.tp_group)
+        norm, group_norms = self._norms()
         bad = self._non_finite(norm, loss)
         self._skipped += bad
         self._consecutive = (self._consecutive + 1) * bad
         if not self.device_skips and bool(bad.item()):  # apex: the one host sync of a step
             return norm
-        if self._fixed is not None:  # every stepped grad is in the buffer: one multiply (padding is 0)
-            if self.cfg.clip_grad > 0:
-                self.grads.buffer.mul_(clip_coefficient(norm, self.cfg.clip_grad))
-        else:
-            clip_gradients(self.master_params, self.cfg.clip_grad, self.tp_group, norm=norm)
+        for group, group_norm in zip(self._clip, group_norms):
+            group.clip(group_norm, self.tp_group)
         if self.device_skips:
             self.inner.found_inf = bad.float()  # 1: the fused kernel leaves params, moments and steps as they are
         self.inner.step()
         self.copy_to_model()
         return norm
+
+    def _norms(self) -> tuple[torch.Tensor, list]:
+        """(the global norm, each clip group's norm): one `tp_norm` when there is one group (the step of before),
+        else each group's squares (`tp_squares`) and the global norm their sum's root."""
+        splits = [g.split if g.split is not None else split_by_tp(g.params) for g in self._clip]
+        if len(splits) == 1:
+            norm = tp_norm(*splits[0], self.tp_group)
+            return norm, [norm]
+        squares = tp_squares(splits, self.tp_group)
+        return squares.sum().sqrt(), list(squares.sqrt().unbind())
 
     rebuilds_model = True
     """`copy_to_model` rebuilds the bf16 parameters from this rank's masters alone (the distributed optimizer's are
@@ -274,6 +400,7 @@ class Optimizer:
             self._flat.repack(self.inner)
         restore_lrs(self.inner.param_groups, self._lrs)
         keep_lr_mults(self.inner.param_groups, self.lr_mults)
+        keep_weight_decays(self.inner.param_groups, self.weight_decays)
         if self.mixed:
             with torch.no_grad():
                 for m, saved in zip(self.master_params, state["master"]):
@@ -346,21 +473,36 @@ def split_by_tp(params: Iterable[torch.nn.Parameter]) -> tuple[list, list]:
             [p.grad for p in params if tp_partition_dim(p) is None])
 
 
+def _sum_sq(gs: list, dev) -> torch.Tensor:
+    """Sum of squared per-tensor norms: one foreach launch, not two kernels per tensor (fp32 [])."""
+    if not gs:
+        return torch.zeros((), device=dev, dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(gs)).float().square().sum()
+
+
+def _tp_size(tp_group) -> int:
+    return dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+
+
 def tp_norm(sharded: list, replicated: list, tp_group=None) -> torch.Tensor:
     """Global L2 norm of gradients split by `split_by_tp` (fp32 tensor, no host sync); see module docstring."""
     if not sharded and not replicated:
         return torch.zeros(())
     dev = (sharded or replicated)[0].device
-
-    def sq(gs):  # sum of squared per-tensor norms: one foreach launch, not two kernels per tensor
-        if not gs:
-            return torch.zeros((), device=dev, dtype=torch.float32)
-        return torch.stack(torch._foreach_norm(gs)).float().square().sum()
-
-    s = sq(sharded)
-    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
+    s = _sum_sq(sharded, dev)
+    if _tp_size(tp_group) > 1:
         dist.all_reduce(s, group=tp_group)
-    return (s + sq(replicated)).sqrt()
+    return (s + _sum_sq(replicated, dev)).sqrt()
+
+
+def tp_squares(splits: list, tp_group=None) -> torch.Tensor:
+    """[G] fp32: the squared L2 norm of each group of gradients, `splits` [(sharded, replicated)] by `split_by_tp`,
+    under `tp_norm`'s rule; the groups' sharded squares in one TP all-reduce (no host sync)."""
+    dev = next((t.device for s, r in splits for t in (*s, *r)), torch.device("cpu"))
+    sharded = torch.stack([_sum_sq(s, dev) for s, _ in splits])
+    if _tp_size(tp_group) > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    return sharded + torch.stack([_sum_sq(r, dev) for _, r in splits])
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:

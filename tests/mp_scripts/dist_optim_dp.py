@@ -6,6 +6,9 @@ one with the plain optimizer and one with the distributed one, and writes what i
   fp32_exact   no clipping: whether the parameters are bit-equal after every step, their largest difference in
                units of the update scale's rounding (`ulps`, below), and the grad norms' relative difference
   clip         clipping active (max norm 0.05): the same measures
+  clip_groups  a model whose last Linear has settings of its own (`Headed`: lr x3, weight decay 0.05 on all its
+               parameters, clipped by its own norm to 0.01) and the rest clipped to 0.05: the same measures, and
+               `bites`: both groups' norms at the first step exceed their maxes (each clip acts)
   bf16_exact   bf16 model, no clipping: the same measures, in bf16 ulps
   resume       state_dict after step 2 loaded into a fresh distributed optimizer, and into a plain one, each
                continuing to step 4: bit-equal to the uninterrupted run or not, and the difference in ulps
@@ -31,10 +34,19 @@ from dmd2_mega.train.optim import Optimizer
 BUCKET = 40
 
 
-def make_model(dtype=torch.float32) -> torch.nn.Module:
+HEAD = {"lr_mult": 3.0, "weight_decay": 0.05, "clip_grad": 0.01}
+
+
+class Headed(torch.nn.Sequential):
+    """make_model's layers, the last Linear (module "3") a head with optimizer settings of its own."""
+
+    def param_options(self) -> dict:
+        return {"3.": HEAD}
+
+
+def make_model(dtype=torch.float32, cls=torch.nn.Sequential) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.GELU(),
-                               torch.nn.Linear(13, 5)).to(dtype)
+    return cls(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.GELU(), torch.nn.Linear(13, 5)).to(dtype)
 
 
 def batches(rank: int, step: int, dtype):
@@ -84,9 +96,9 @@ def ulps(a: torch.Tensor, b: torch.Tensor, dtype, lr: float) -> float:
     return ((a - b).abs() / (torch.finfo(dtype).eps * scale)).max().item()
 
 
-def compare(cfg: OptimConfig, dtype, steps: int = 4):
-    a = build(False, cfg, dtype)
-    b = build(True, cfg, dtype)
+def compare(cfg: OptimConfig, dtype, steps: int = 4, cls=torch.nn.Sequential):
+    a = build(False, cfg, dtype, model=make_model(dtype, cls))
+    b = build(True, cfg, dtype, model=make_model(dtype, cls))
     exact, worst, max_ulps, norms = True, 0.0, 0.0, 0.0
     for s in range(steps):
         na, nb = train_step(*a, s), train_step(*b, s)
@@ -98,6 +110,18 @@ def compare(cfg: OptimConfig, dtype, steps: int = 4):
     return a, b, {"exact": exact, "max_rel": worst, "ulps": max_ulps, "norm_rel": norms}
 
 
+def first_norms_exceed(cfg: OptimConfig) -> bool:
+    """Whether the head's and the rest's DP-reduced gradient norms at step 0 exceed their maxes."""
+    model, _, grads = build(False, cfg, model=make_model(cls=Headed))
+    for j, (x, y) in enumerate(batches(dist.get_rank(), 0, torch.float32)):
+        with grads.no_sync() if j == 0 else torch.enable_grad():
+            ((model(x) - y).pow(2).mean() / 2).backward()
+    grads.finish()
+    norms = [torch.cat([p.grad.reshape(-1) for n, p in model.named_parameters() if n.startswith("3.") == head]).norm()
+             for head in (True, False)]
+    return bool(norms[0] > HEAD["clip_grad"] and norms[1] > cfg.clip_grad)
+
+
 def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -105,6 +129,9 @@ def main():
     plain = OptimConfig(lr=1e-2, clip_grad=0.0, weight_decay=0.1)
     _, _, out["fp32_exact"] = compare(plain, torch.float32)
     _, _, out["clip"] = compare(OptimConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1), torch.float32)
+    clipped = OptimConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1)
+    _, _, out["clip_groups"] = compare(clipped, torch.float32, cls=Headed)
+    out["clip_groups"]["bites"] = first_norms_exceed(clipped)
     a, b, out["bf16_exact"] = compare(plain, torch.bfloat16)
     out["state_bytes"] = {"plain": state_bytes(a[1]), "distributed": state_bytes(b[1]),
                           "params": sum(p.numel() for p in a[0].parameters())}

@@ -10,7 +10,7 @@ maths (the DP mean of equal gradients is exact).
 
 The model (4 heads, so TP x CP up to 4) and the inputs are built from fixed seeds; the latent grid is 3 x 3 x 5
 = 45 tokens (odd, and 3 frames: neither a multiple of CP=2). The loss takes the output and the GAN head's
-token-mean features: mean((v - target)^2) + mean(features(layer 0)^2). Gradients go through the run's
+token-grid features (gathered): mean((v - target)^2) + mean(features(layer 0)^2). Gradients go through the run's
 `GradBuffer` (summed over DP x CP, divided by DP; sequence-parallel parameters summed over TP), then each is
 gathered to its TP=1 tensor. Every rank checks that its output equals rank 0's (the output gather gives all
 ranks the same full tensor).

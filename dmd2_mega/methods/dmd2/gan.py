@@ -4,11 +4,15 @@ own flow-matching forward.
 `GANCritic` is the critic role's model when `--dmd2-gan` is on: it owns the critic's trunk (any
 family model, `models.family`) and the head, so the critic's optimizer, DDP, Sleeper and checkpoint
 see both (state-dict keys `trunk.*` and `head.*`).
-    features f = mean over tokens of block l's output [B, hidden] (l = `--dmd2-gan-feature-layer`, default the
-        last block of the first half): `trunk.forward_features` gives them from the forward that also gives the velocity,
-        `trunk.features` alone (the blocks after l are not run);
-    head: a replicated MLP hidden -> hidden -> 1, initialised from a generator keyed by --seed, so every
-        TP and DP rank starts identical (TP ranks hold identical features, hence identical head grads).
+    features f = block l's output as its token grid [B, hidden, *grid] (l = `--dmd2-gan-feature-layer`, default
+        the last block of the first half): `trunk.forward_features` gives them from the forward that also gives the
+        velocity, `trunk.features` alone (the blocks after l are not run);
+    head (`gan_heads.py`, --dmd2-gan-head): strided convolutions + GroupNorm + SiLU over the grid to one logit
+        (tianweiy/DMD2's form; default) or the old token-mean MLP; replicated, initialised from generators keyed by
+        --seed, so every TP, CP and DP rank starts identical (each holds the whole grid, hence identical head
+        grads). Its own optimizer settings (`param_options`): lr x --dmd2-gan-head-lr-mult, weight decay
+        --dmd2-gan-head-weight-decay on all its parameters, its gradient clipped apart to --dmd2-gan-head-clip-grad
+        (tianweiy/DMD2's guidance AdamW: weight decay 0.01, clip 10).
 `GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `extra=(x', sigma', cond')` it returns
 (v, the head's logits on x from the same forward's features, the head's logits on x'), so that DDP sees the
 flow-matching and GAN terms of a critic step in one call; the trunk runs x' in x's batch up to block l
@@ -43,40 +47,37 @@ from torch import Tensor
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
+from dmd2_mega.methods.dmd2.gan_heads import build_head
 from dmd2_mega.models import FamilyModel
 from dmd2_mega.distributed.parallel import mark_whole_over_cp
 
-HEAD_SEED_OFFSET = 9173  # the head's init generator is seeded with --seed + this
+HEAD_SEED_OFFSET = 9173  # the head's init generators are seeded with --seed + this
 
 
-class GANHead(nn.Module):
-    def __init__(self, hidden: int, generator: torch.Generator | None = None):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1))
-        with torch.no_grad():
-            nn.init.normal_(self.mlp[0].weight, std=0.02, generator=generator)
-            nn.init.zeros_(self.mlp[0].bias)
-            nn.init.normal_(self.mlp[2].weight, std=0.02, generator=generator)
-            nn.init.zeros_(self.mlp[2].bias)
+@dataclass(frozen=True)
+class HeadOptions:
+    """The head's kind and its own optimizer settings (--dmd2-gan-head*, `GANCritic.param_options`)."""
 
-    def forward(self, feats: Tensor) -> Tensor:
-        """feats [B, hidden] -> logits [B] (fp32)."""
-        return self.mlp(feats.to(self.mlp[0].weight.dtype)).squeeze(-1).float()
+    kind: str = "conv"
+    lr_mult: float = 1.0
+    weight_decay: float = 0.01
+    clip_grad: float = 10.0
 
 
 class GANCritic(FamilyModel):
     """The critic's trunk and its GAN head as one module (see the module docstring)."""
 
-    def __init__(self, trunk: FamilyModel, layer: int, seed: int, head_lr_mult: float = 1.0):
+    def __init__(self, trunk: FamilyModel, layer: int, seed: int, head: HeadOptions = HeadOptions()):
         super().__init__()
         if not 0 <= layer < trunk.num_feature_layers:
             raise IndexError(f"GAN feature layer {layer} is outside the trunk's [0, {trunk.num_feature_layers - 1}]")
-        self.trunk, self.layer, self.head_lr_mult = trunk, layer, head_lr_mult
+        self.trunk, self.layer, self.head_options = trunk, layer, head
         self.spec, self.num_feature_layers, self.feature_dim = trunk.spec, trunk.num_feature_layers, trunk.feature_dim
-        gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
-        self.head = GANHead(trunk.feature_dim, generator=gen).to(next(trunk.parameters()).device)
-        # the head reads token-mean features that every CP rank holds whole, so each CP rank's head gradient is the
-        # whole gradient, not a part of it as for the trunk (models/token_parallel.py)
+        self.feature_grid = trunk.feature_grid
+        self.head = build_head(head.kind, trunk.feature_dim, trunk.feature_grid, seed + HEAD_SEED_OFFSET)
+        self.head.to(next(trunk.parameters()).device)
+        # the head reads a grid that every CP rank holds whole, so each CP rank's head gradient is the whole
+        # gradient, not a part of it as for the trunk (models/token_parallel.py)
         mark_whole_over_cp(self.head.parameters(), getattr(getattr(trunk, "options", None), "context_parallel", 1) > 1)
 
     def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, extra: Optional[tuple] = None):
@@ -88,10 +89,11 @@ class GANCritic(FamilyModel):
         logits = self.head(torch.cat([feats, extra_feats]))
         return v, logits[:x.shape[0]], logits[x.shape[0]:]
 
-    def lr_mults(self) -> dict:
-        """The head's learning-rate multiplier (--dmd2-gan-head-lr-mult; `train/optim.param_groups`): it starts from
-        scratch while the trunk starts from the teacher."""
-        return {"head.": self.head_lr_mult} if self.head_lr_mult != 1.0 else {}
+    def param_options(self) -> dict:
+        """The head's own optimizer settings (`train/optim.param_groups`): it starts from scratch while the trunk
+        starts from the teacher, so its learning rate, weight decay and clip are its own (module docstring)."""
+        o = self.head_options
+        return {"head.": {"lr_mult": o.lr_mult, "weight_decay": o.weight_decay, "clip_grad": o.clip_grad}}
 
     def logits(self, x: Tensor, sigma: Tensor, cond: Tensor) -> Tensor:
         return self.head(self.trunk.features(x, sigma, cond, self.layer))
@@ -186,7 +188,7 @@ class GANSettings:
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
     real_rows: int = 0                   # r: real samples per critic step (0: B, every row's)
-    head_lr_mult: float = 1.0            # --dmd2-gan-head-lr-mult: the head's learning rate / the critic's
+    head: HeadOptions = HeadOptions()    # --dmd2-gan-head and the head's own lr multiplier, weight decay, clip
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
     phase_needs: ClassVar[dict] = {"actor": {"critic": "weights"}}
@@ -229,11 +231,11 @@ class GANSettings:
             return model
         layer = resolve_layer(self.feature_layer, model.num_feature_layers)
         if holds_head(state):  # a --critic-load saved with its head
-            model = GANCritic(model, layer, self.seed, self.head_lr_mult)
+            model = GANCritic(model, layer, self.seed, self.head)
             load(model, state)
             return model
         load(model, state)
-        return GANCritic(model, layer, self.seed, self.head_lr_mult)
+        return GANCritic(model, layer, self.seed, self.head)
 
     def load_hint(self, name: str, state: dict) -> str:
         return _no_head_hint(name, state, True)
@@ -241,9 +243,11 @@ class GANSettings:
     def describe(self, roles: dict) -> str:
         fakes = (f"fakes: the critic forward's rows in {list(self.sigma_range)}" if self.noise else
                  "fakes clean, a forward of their own")
-        lr = f"; head lr x{self.head_lr_mult:g}" if self.head_lr_mult != 1.0 else ""
-        return (f"GAN head on block {roles['critic'].model.layer} (disc {self.disc_weight}, gen {self.gen_weight}; "
-                f"{fakes}; {self.real_rows} real per critic step{lr})")
+        h = self.head
+        lr = f", lr x{h.lr_mult:g}" if h.lr_mult != 1.0 else ""
+        head = f"{h.kind} head (weight decay {h.weight_decay:g}, clip {h.clip_grad:g}{lr})"
+        return (f"GAN: {head} on block {roles['critic'].model.layer}'s token grid (disc {self.disc_weight}, gen "
+                f"{self.gen_weight}; {fakes}; {self.real_rows} real per critic step)")
 
 
 def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
@@ -259,7 +263,8 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
                           f"critic step (step k reads rows [kB, kB + R) of the micro-batch's K x B samples; more "
                           f"would reuse the next step's)")
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
-                       t.seed, tuple(cfg.gan_sigma_range()), real_rows, g.head_lr_mult)
+                       t.seed, tuple(cfg.gan_sigma_range()), real_rows,
+                       HeadOptions(g.head, g.head_lr_mult, g.head_weight_decay, g.head_clip_grad))
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:

@@ -18,6 +18,7 @@ whole heads. adaLN and the final projection start at zero (adaLN-Zero).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -137,6 +138,7 @@ class DiT(FamilyModel):
                                                             shape.cond_shape)
         self.spec, self.options, self.shape = spec, options, shape
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
+        self.feature_grid = (image_size // spec.patch_size,) * 2
         self.in_channels, self.image_size, self.patch = in_channels, image_size, spec.patch_size
         self.num_classes, self.cond_shape = num_classes, cond_shape
         h, p = spec.hidden_size, spec.patch_size
@@ -182,19 +184,19 @@ class DiT(FamilyModel):
             raise IndexError(f"feature layer {layer} is outside the DiT's blocks [0, {len(self.blocks) - 1}]")
 
     def features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int) -> torch.Tensor:
-        """Token mean of block `layer`'s output [B, hidden]; the blocks after it are not run."""
+        """Block `layer`'s output as its token grid [B, hidden, g, g]; the blocks after it are not run."""
         self._check_layer(layer)
         h, c = self.region("_embed")(*self.adapter.inputs(x, sigma), cond)
         for i in range(layer + 1):
             h = self._block(i, h, c)
-        return h.mean(dim=1)
+        return token_grid(h)
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Our velocity v [B, C, H, W] at (x_sigma, sigma): the network seen through its parameterisation adapter."""
         return self.adapter.velocity(x, sigma, self.network(*self.adapter.inputs(x, sigma), cond))
 
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
-        """(v, token mean of block `layer`'s output) from one forward."""
+        """(v, block `layer`'s output as its token grid) from one forward."""
         out, feats = self._network(*self.adapter.inputs(x, sigma), cond, layer)
         return self.adapter.velocity(x, sigma, out), feats
 
@@ -213,8 +215,8 @@ class DiT(FamilyModel):
 
     def _network(self, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, tap: Optional[int] = None,
                  keep: Optional[int] = None):
-        """(the network's prediction, the token mean of block `tap`'s output or None); with `keep`, only the first
-        `keep` rows go on after block `tap` (the prediction is theirs, the features every row's)."""
+        """(the network's prediction, block `tap`'s output as its token grid [B, hidden, g, g] or None); with `keep`,
+        only the first `keep` rows go on after block `tap` (the prediction is theirs, the features every row's)."""
         if tap is not None:
             self._check_layer(tap)
         ch, hh = x.shape[1], x.shape[2]
@@ -223,7 +225,7 @@ class DiT(FamilyModel):
         for i in range(len(self.blocks)):
             h = self._block(i, h, c)
             if i == tap:
-                feats = h.mean(dim=1)
+                feats = token_grid(h)
                 if keep is not None:
                     h, c = h[:keep], c[:keep]
         return self.region("_final")(h, c, ch, hh), feats
@@ -234,3 +236,10 @@ class DiT(FamilyModel):
         shift, scale = self.final_adaln(F.silu(c)).chunk(2, dim=-1)
         out = self.final(modulate(h, shift, scale))
         return out.reshape(b, g, g, ch, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, ch, hh, hh)
+
+
+def token_grid(h: torch.Tensor) -> torch.Tensor:
+    """Tokens [B, g * g, hidden] (row-major patches) -> the grid [B, hidden, g, g] (`FamilyModel.features`)."""
+    b, n, d = h.shape
+    g = math.isqrt(n)
+    return h.transpose(1, 2).reshape(b, d, g, g)

@@ -33,6 +33,7 @@ class WanExperts(NegativePrompt, FamilyModel):
         self.high = Wan(spec, shape, tp_size, options)
         self.low = Wan(spec, shape, tp_size, options)
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
+        self.feature_grid = self.high.feature_grid
         self.boundary_t = spec.boundary_ratio * 1000.0
         self.parts, self.image_form = self.high.parts, self.high.image_form
         self.register_buffer("negative", torch.zeros_like(self.high.negative), persistent=False)

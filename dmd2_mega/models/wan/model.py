@@ -376,6 +376,7 @@ class Wan(NegativePrompt, FamilyModel):
         check_shape(spec, shape, tp_size)
         self.spec, self.shape, self.options, self.tp_size = spec, shape, options, tp_size
         self.num_feature_layers, self.feature_dim = spec.num_layers, spec.hidden_size
+        self.feature_grid = tuple(n // p for n, p in zip(shape.spatial, spec.patch_size))
         d, patch = spec.hidden_size, spec.patch_size
         mcfg = linears.megatron_config(d, spec.num_layers, spec.num_heads, tp_size)
         self.patch_embedding = nn.Linear(spec.in_channels * math.prod(patch), d)
@@ -472,15 +473,15 @@ class Wan(NegativePrompt, FamilyModel):
         h, ctx, _, mod, rope, split = self._embed(x, sigma, cond)
         for i in range(layer + 1):
             h = self._block(i, h, ctx, mod, rope, split, mixer)
-        return split.token_mean(h)
+        return token_grid(split, h, self._grid(x))
 
     def _forward(self, x, sigma, cond, mixer=None, first_frame: int = 0) -> torch.Tensor:
         return self._run(x, sigma, cond, mixer, first_frame)[0]
 
     def _run(self, x, sigma, cond, mixer=None, first_frame: int = 0, tap: Optional[int] = None,
              keep: Optional[int] = None):
-        """(v, the token mean of block `tap`'s output or None) of one forward; with `keep`, only the first `keep`
-        rows go on after block `tap` (v is theirs, the features every row's)."""
+        """(v, block `tap`'s output as its token grid [B, D, F, H, W] (whole on every rank) or None) of one forward;
+        with `keep`, only the first `keep` rows go on after block `tap` (v is theirs, the features every row's)."""
         if tap is not None and not 0 <= tap < len(self.blocks):
             raise IndexError(f"feature layer {tap} is outside the Wan blocks [0, {len(self.blocks) - 1}]")
         b, c = x.shape[:2]
@@ -490,7 +491,7 @@ class Wan(NegativePrompt, FamilyModel):
         for i in range(len(self.blocks)):
             h = self._block(i, h, ctx, mod, rope, split, mixer)
             if i == tap:
-                feats = split.token_mean(h)
+                feats = token_grid(split, h, (f, hh, ww))
                 if keep is not None:  # every per-row input is batch-first
                     b, h, temb, mod = keep, h[:keep], temb[:keep], mod[:keep]
                     ctx = tuple(t if t is None else t[:keep] for t in ctx)
@@ -503,7 +504,7 @@ class Wan(NegativePrompt, FamilyModel):
         return self._features(x, sigma, cond, layer)
 
     def forward_features(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int):
-        """(v, token mean of block `layer`'s output) from one forward."""
+        """(v, block `layer`'s output as its token grid) from one forward."""
         return self._run(x, sigma, cond, tap=layer)
 
     def forward_features_and(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, layer: int, extra):
@@ -521,6 +522,14 @@ class Wan(NegativePrompt, FamilyModel):
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v [B, C, T, H, W]."""
         return self._forward(x, sigma, cond)
+
+
+def token_grid(split: TokenSplit, h: torch.Tensor, grid: tuple) -> torch.Tensor:
+    """This rank's tokens [B, local, D] -> every token as the grid [B, D, F, H, W] (`FamilyModel.features`), the same
+    on every CP / SP rank: gathered (`TokenSplit.gather`, whose backward keeps this rank's slice of the gradient,
+    right when every rank goes on with the same head and loss)."""
+    h = split.gather(h)
+    return h.transpose(1, 2).reshape(h.shape[0], h.shape[2], *grid)
 
 
 def image_form(spec: WanSpec, shape: DataShape) -> Optional[str]:
