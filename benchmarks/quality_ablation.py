@@ -44,9 +44,11 @@ from dmd2_mega.eval.report import SEED_MARK, seed_means  # noqa: E402
 # costing the 1-step student diversity (0.85 -> 0.77). The head starts from scratch: at the critic's lr (1e-4) it
 # learned little in 300 cycles (logit gap 0.01); at 100x (1e-2) the gap reached ~0.05-0.1. Generator weight 3e-2
 # (1e-2 moved little, 1e-1 overpowered the DMD gradient: actor grad norm 6, FD 1.89 against 1.73; 4-step probes,
-# seed 1, 300 cycles, benchmarks/RESULTS.md).
-GAN = ["--dmd2-gan", "--dmd2-gan-sigma-range", "0.05", "0.3", "--dmd2-gan-gen-weight", "3e-2",
-       "--dmd2-gan-head-lr-mult", "100"]
+# seed 1, 300 cycles, benchmarks/RESULTS.md). Since issue 54 the head is the conv head on the token grid
+# (`--dmd2-gan-head conv`, weight decay 0.01, clip 10): the offline probe (benchmarks/gan_probe.py) trained it as
+# well at 1e-4 as at 1e-3, so its lr is 3x the critic's (3e-4 for the 4-step student, 1.8e-3 for the 1-step).
+GAN = ["--dmd2-gan", "--dmd2-gan-head", "conv", "--dmd2-gan-sigma-range", "0.05", "0.3", "--dmd2-gan-gen-weight",
+       "3e-2", "--dmd2-gan-head-lr-mult", "3"]
 CONFIGS = {  # name -> (label, extra flags of launch/pretrain_dmd2.py)
     "dmd": ("DMD only", []),
     "gan": ("DMD + GAN", GAN),
