@@ -16,7 +16,8 @@ The flags that describe the run (model, parallel sizes, micro-batch, --bf16, rec
 defaults, help and checks); --data-parallel-size, the latent shape, --attention-kernel and the search are the
 planner's. Which roles each phase needs is DMD2's phase table (`methods.dmd2.phases.table`, with the GAN head's
 part under --dmd2-gan). Without --gpu-memory-gb it plans for 80 GiB GPUs (the trainer reads its device's).
-Prints, per rank (one GPU): each role's parameters, gradients, fp32 master gradients (--bf16, alive
+Prints, per rank (one GPU): each role's parameters (the critic's with the GAN head's under --dmd2-gan, whole on
+every rank: `methods.dmd2.gan.head_plan`), gradients, fp32 master gradients (--bf16, alive
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
@@ -53,6 +54,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "T
 from dmd2_mega.arguments import add_memory_plan_args, memory_plan_configs  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.methods.dmd2 import phases as dmd2_phases  # noqa: E402
+from dmd2_mega.methods.dmd2.gan import head_plan  # noqa: E402
 from dmd2_mega.models.registry import get_size  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.train.resilience import run_main  # noqa: E402
@@ -166,6 +168,12 @@ def describe_model(name: str, ms: mp.ModelShape) -> str:
     return ms.family.describe(name, ms.spec, latents, ms.tokens, ms.text_len)
 
 
+def describe_gan(gan, ms: mp.ModelShape) -> str:
+    """The run's GAN head in the plan's first line: what it adds to the critic's role bytes (`gan.head_plan`)."""
+    added = head_plan(gan, ms).get("critic")
+    return f"GAN head on ({gan.head}, {fmt_count(added[0])} params on the critic)" if added else "GAN head off"
+
+
 def search(a: argparse.Namespace) -> None:
     """--search: every layout of --world-size GPUs, best first, then the chosen one's plan (or, with --emit-flags,
     only its trainer flags). ConfigError when none fits."""
@@ -175,7 +183,7 @@ def search(a: argparse.Namespace) -> None:
     found = mp.search_layouts(ms, phase_table(a), world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
                               micro=b, steps=d.critic_steps_per_rollout, denoise=d.denoising_steps,
                               bf16=run.optim.bf16, guidance=d.teacher_guidance_scale,
-                              scores=a.attention_kernel == "math", lora=lora_ranks(run))
+                              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms))
     best, plan_, _, fits = found[0]
     if not fits:
         raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gb:g} GiB per GPU for "
@@ -209,7 +217,9 @@ def lora_ranks(run) -> dict:
 
 def role_label(role: str, run) -> str:
     rank = lora_ranks(run).get(role, 0)
-    return f"{role} (LoRA r={rank}, the teacher's weights shared)" if rank else role
+    if rank:
+        role = f"{role} (LoRA r={rank}, the teacher's weights shared)"
+    return f"{role} + GAN head" if role.startswith("critic") and run.gan.enabled else role
 
 
 def plan(a: argparse.Namespace) -> None:
@@ -228,7 +238,7 @@ def plan(a: argparse.Namespace) -> None:
     total = counts["sharded"] + counts["replicated"]
     k, n, g = d.critic_steps_per_rollout, d.denoising_steps, d.teacher_guidance_scale
     kw = dict(tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16, guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
-              scores=a.attention_kernel == "math", lora=lora_ranks(run))
+              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms))
     forced = run.model.recompute_granularity
     options = mp.recompute_options(ms, phase_table(a), mp.PLAN_HEADROOM * a.gpu_memory_gb * 2 ** 30,
                                    scoring=d.critic_scoring, **kw)
@@ -242,7 +252,7 @@ def plan(a: argparse.Namespace) -> None:
           f"K={k}, N={n}; {'bf16 + fp32 masters' if bf16 else 'fp32'}"
           f"{'; optimizer state sharded over DP x CP' if dist_opt else ''}; "
           f"recompute {recompute} ({recompute_given(a) if forced else 'chosen per phase, below'}); "
-          f"teacher guidance {g}; GAN head {'on' if run.gan.enabled else 'off'}")
+          f"teacher guidance {g}; {describe_gan(run.gan, ms)}")
     print(f"forward {mp.forward_flops(ms, 1, tp) / cp / 1e12:.4g} TFLOP per sample per rank (matmuls, attention "
           f"included)")
     print("\nper-rank bytes of each role (AdamW):")

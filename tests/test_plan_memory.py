@@ -53,6 +53,8 @@ from dmd2_mega.distributed.parallel import tp_partition_dim
 from benchmarks.plan_vs_measured import kept_bytes as measured_kept_bytes
 from dmd2_mega.arguments import PLANNED, dmd2_parser, parse_dmd2_args
 from dmd2_mega.methods.dmd2.phases import PHASES, table
+from dmd2_mega.methods.dmd2.gan import GANCritic, HeadOptions, head_plan
+from dmd2_mega.methods.dmd2.gan_heads import HEADS, build_head, head_parameters, head_tensors
 from launch import plan_memory
 from tests.utils import torchrun, world_of_one
 
@@ -809,8 +811,150 @@ def test_cli_gan_head_keeps_the_critic_weights_in_the_actor_phase(capsys):
         actor = next(line for line in out.splitlines() if line.startswith("actor    time-sliced"))
         cells[gan] = actor.split()[4:6]  # after the student's number and unit: the critic's ("0" and the next cell)
     ms = mp.model_shape("2b", 4, 32, num_classes=1000)
-    weights = mp.plan_cycle(ms, table(gan=True), tp=1, dp=1, micro=4, steps=5, denoise=4, bf16=True).roles
+    head = head_plan(plan_memory.parse_args(row + ["--dmd2-gan"]).run.gan, ms)  # the critic holds the GAN head too
+    weights = mp.plan_cycle(ms, table(gan=True), tp=1, dp=1, micro=4, steps=5, denoise=4, bf16=True,
+                            added=head).roles
     assert cells[False][0] == "0" and cells[True] == plan_memory.fmt_bytes(weights["critic"]["weights"]).split()
+
+
+# ---- the GAN head's parameters on the critic (`plan_cycle`'s `added`) -------------------------------------------
+
+HEAD_GRIDS = [(4, 4), (8, 8), (5, 9), (1, 7), (3, 4, 6), (1, 3, 17), (21, 30, 52), (21, 60, 104)]
+
+
+@pytest.mark.parametrize("kind", HEADS)
+@pytest.mark.parametrize("grid", HEAD_GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_head_parameters_match_the_built_head(kind, grid):
+    """The analytic count = the built head's, parameters and tensors; a 480p Wan's grids at 16 channels (a 1536-wide
+    head there takes seconds and ~1 GB to build), the channels' part checked at the digits DiT's 128 on a small
+    grid. The stages of the large grids are the ones a 1.3B Wan's 1536-wide head has."""
+    for channels in (16, 128) if len(grid) == 2 and max(grid) <= 8 else (16,):
+        head = build_head(kind, channels, grid, 0)
+        assert head_parameters(kind, channels, grid) == sum(p.numel() for p in head.parameters())
+        assert head_tensors(kind, grid) == len(list(head.parameters()))
+    assert head_parameters("conv", 1536, (21, 30, 52)) == 4 * (16 * 1536 ** 2 + 3 * 1536) + 3 * 1536 ** 2 + 3 * 1536 \
+        + 1536 + 1  # 30 x 52 -> 15 x 26 -> 7 x 13 -> 3 x 6 -> 1 x 3 (k4 s2 p1), then a (1, 3) kernel, then 1 x 1
+    with pytest.raises(ValueError, match="--dmd2-gan-head must be one of"):
+        head_parameters("attn", 16, grid)
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adamw", "distributed"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", HEADS)
+def test_gan_critic_role_bytes_exact(ps, kind, bf16, dist_opt):
+    """A GANCritic as the trainer builds it (the head wrapped on, then the whole cast under --bf16) measured before
+    its second step = `role_bytes` with the head's parameters added (`head_plan`)."""
+    from dmd2_mega.config import GANConfig
+    model, ms = make(ps, "debug", 1, 8, None)
+    model = cast_model(GANCritic(model, 1, seed=3, head=HeadOptions(kind)), bf16)
+    grads = GradBuffer(model, shard=dist_opt)
+    opt = (DistributedOptimizer if dist_opt else Optimizer)(model, OptimConfig(lr=1e-3, bf16=bf16), grads=grads)
+    seen = []
+
+    def measure(*_):
+        masters = opt.master_params if opt.mixed or dist_opt else []
+        state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
+                     "grads": resident_bytes(p.main_grad for p in model.parameters()),
+                     "optimizer": resident_bytes(list(masters) + state)})
+    opt.inner.register_step_pre_hook(measure)
+    for step in range(2):
+        x, sigma, cond = batch(ms, 3, step)
+        (model(x, sigma, cond).float().square().mean() + model.logits(x, sigma, cond).square().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    (params, tensors), = head_plan(GANConfig(enabled=True, head=kind), ms).values()
+    assert (params, tensors) == (sum(p.numel() for p in model.head.parameters()), len(list(model.head.parameters())))
+    assert seen[-1] == mp.role_bytes(ms, 1, 1, bf16, trained=True, dist_opt=dist_opt, added_params=params,
+                                     added_tensors=tensors)
+    assert head_plan(GANConfig(), ms) == {}
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adamw", "distributed"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_plan_cycle_adds_the_head_to_the_critic_only(bf16, dist_opt):
+    """`added` {critic: (P, T)}: the critic's bytes grow by exactly P at the weights' width, 4P of grads and 12P
+    (bf16: masters + moments) or 8P (fp32) of optimizer state, / DP with the distributed optimizer, + 4T of steps; in
+    every phase it is resident; the other roles and the activations do not change; the searches pass it on."""
+    ms = mp.model_shape("wan2.1-1.3b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
+    P, T = head_parameters("conv", 1536, (21, 30, 52)), head_tensors("conv", (21, 30, 52))
+    dp = 4 if dist_opt else 1  # 12 P / 4 is exact for any P
+    kw = dict(tp=2, dp=dp, micro=1, steps=5, denoise=4, bf16=bf16, recompute=True, dist_opt=dist_opt)
+    plain = mp.plan_cycle(ms, table(gan=True), **kw)
+    gan = mp.plan_cycle(ms, table(gan=True), added={"critic": (P, T)}, **kw)
+    state = (3 * P if dist_opt else (12 if bf16 else 8) * P) + 4 * T
+    want = {"weights": (2 if bf16 else 4) * P, "grads": 4 * P, "optimizer": state}
+    assert {k: gan.roles["critic"][k] - plain.roles["critic"][k] for k in want} == want
+    assert {r: gan.roles[r] for r in ("student", "teacher")} == {r: plain.roles[r] for r in ("student", "teacher")}
+    assert gan.activations == plain.activations
+    for key, row in gan.phases.items():
+        held = row["critic"] - plain.phases[key]["critic"]
+        assert row["total"] - plain.phases[key]["total"] == held in (0, want["weights"], sum(want.values())), key
+    assert mp.plan_cycle(ms, table(gan=True), added={"critic": P}, **kw).roles["critic"]["optimizer"] \
+        == gan.roles["critic"]["optimizer"] - 4 * T  # an int: parameters alone
+    with pytest.raises(ValueError, match="not a role of the phase table"):
+        mp.plan_cycle(ms, table(gan=True), added={"actor": P}, **kw)
+    options = mp.recompute_options(ms, table(gan=True), 2 ** 40, added={"critic": (P, T)}, **{
+        k: v for k, v in kw.items() if k != "recompute"})
+    assert options["critic"][2].total == gan.phases[("critic", True)]["total"]
+
+
+def test_search_layouts_count_the_head():
+    ms = mp.model_shape("wan-digits", 1, (16, 32, 32), num_classes=None, cond_shape=(4, 16))
+    kw = dict(world=4, gpus_per_node=4, budget=2 ** 40, micro=2, steps=2, denoise=4, bf16=True)
+    added = {"critic": (head_parameters("conv", 64, (16, 16, 16)), head_tensors("conv", (16, 16, 16)))}
+    plain, gan = mp.search_layouts(ms, table(gan=True), **kw), mp.search_layouts(ms, table(gan=True), added=added, **kw)
+    assert [f[0] for f in plain] == [f[0] for f in gan]
+    for (lay, p, _, _), (_, g, _, _) in zip(plain, gan):
+        assert g.roles["critic"]["weights"] - p.roles["critic"]["weights"] == 2 * added["critic"][0], lay
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_cli_gan_head_on_the_critic(capsys, bf16):
+    """--dmd2-gan: the critic's row grows by the head's bytes (weights at the model's width, fp32 grads, AdamW state
+    with fp32 masters under --bf16, a step count per tensor), the other rows stay, and the first line says so."""
+    row = ["--model-size", "digits", "--image-size", "8", "--in-channels", "1", "--num-classes", "10",
+           "--micro-batch-size", "64"] + ["--bf16"] * bf16
+    lines = {}
+    for gan in (False, True):
+        assert plan_memory.main(row + ["--dmd2-gan"] * gan) == 0
+        lines[gan] = capsys.readouterr().out.splitlines()
+    P, T = head_parameters("conv", 128, (4, 4)), head_tensors("conv", (4, 4))
+    assert f"GAN head on (conv, {plan_memory.fmt_count(P)} params on the critic)" in lines[True][1]
+    assert "GAN head off" in lines[False][1]
+    ms = plan_memory.shape_from_args(plan_memory.parse_args(row))
+    critic = sum(mp.role_bytes(ms, 1, 1, bf16, trained=True).values())
+    head = P * ((2 if bf16 else 4) + 4 + (12 if bf16 else 8)) + 4 * T
+
+    def role_row(out, role):  # the per-role table's row (not the phase table's "critic" rows): its total last
+        at = out.index("per-rank bytes of each role (AdamW):")
+        return next(line for line in out[at:out.index("", at)] if line.startswith(role + " "))
+    got = {gan: role_row(lines[gan], "critic").split()[-2:] for gan in (False, True)}
+    assert got[False] == plan_memory.fmt_bytes(critic).split()
+    assert got[True] == plan_memory.fmt_bytes(critic + head).split()
+    assert role_row(lines[True], "critic").startswith("critic + GAN head")
+    for role in ("student", "teacher"):
+        assert role_row(lines[True], role).split() == role_row(lines[False], role).split()
+
+
+def test_plan_offload_counts_the_head():
+    """The trainer's offload choice (`DMD2Method.plan_offload`) plans the GAN head's parameters on the critic: at a
+    budget the headless plan meets with nothing asleep, the head's plan must time-slice."""
+    from types import SimpleNamespace
+    from dmd2_mega.methods.dmd2.method import DMD2Method
+    cfg = parse_dmd2_args(["--teacher-load", "t", "--model-size", "digits", "--micro-batch-size", "4", "--dmd2-gan"])
+    info = data_info(1, 8, None)
+    ps_ = SimpleNamespace(tp_size=1, dp_size=1, cp_size=1, sequence_parallel=False)
+    method = SimpleNamespace(phases=table(gan=True), student_sigmas=torch.zeros(4))
+    ms = mp.model_shape_from_info("digits", info)
+    kw = dict(tp=1, dp=1, micro=4, steps=cfg.dmd2.critic_steps_per_rollout, denoise=4, bf16=False,
+              guidance=cfg.dmd2.teacher_guidance_scale)
+    plain = mp.plan_cycle(ms, table(gan=True), **kw)
+    budget = max(mp.phase_bytes(plain, ()).values())
+    assert mp.choose_offload(plain, budget)[0] == frozenset()
+    roles, totals, fits = DMD2Method.plan_offload(method, cfg, ps_, info, budget)
+    gan = mp.plan_cycle(ms, table(gan=True), added=head_plan(cfg.gan, ms), **kw)
+    assert (roles, totals, fits) == mp.choose_offload(gan, budget) and roles and fits
 
 
 if __name__ == "__main__":  # torchrun's script for test_wan_layout_per_rank_maths

@@ -12,7 +12,9 @@ Role bytes per rank, every family (P = parameters per rank, n = parameter tensor
     accumulation and DP reduction in place; under --bf16 it is also the masters' grad; a parameter's `.grad`
     is its view: no other gradient tensor);  under --bf16 fp32 masters 4P;  Adam exp_avg +
     exp_avg_sq 8P and one fp32 `step` per tensor 4n. --use-distributed-optimizer: masters (fp32 even for an
-    fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it.
+    fp32 model) and moments 12P / DP, plus the steps. Everything of a role sleeps with it. Parameters a role's model
+    adds to the family's (`plan_cycle`'s `added`: DMD2's GAN head on the critic) are whole on every rank and cost
+    what the role's own do (the trainer casts the wrapped model whole under --bf16).
 Activations: the family's formulas (a training forward keeps its per-block activations for backward; full
     recompute keeps each block's input plus one block's full set while it is recomputed, selective also each block's
     attention outputs (`models/recompute.py`); a no-grad forward holds its peak).
@@ -176,18 +178,26 @@ def lora_params(ms: ModelShape, rank: int, tp: int, targets: Optional[tuple] = N
 
 
 def role_bytes(ms: ModelShape, tp: int, dp: int, bf16: bool, trained: bool, dist_opt: bool = False,
-               lora_rank: int = 0, shared: bool = False) -> dict:
+               lora_rank: int = 0, shared: bool = False, added_params: int = 0, added_tensors: int = 0) -> dict:
     """Per-rank bytes of one role by kind: weights, grads (fp32 main_grad buffer), optimizer. `dp` changes only
     the optimizer's part, and only with `dist_opt` (--use-distributed-optimizer: fp32 masters, which it keeps for
     an fp32 model too, and Adam moments are sharded over DP; each rank holds a step count per owned fragment).
     `lora_rank` r > 0: a LoRA role (docs/lora.md), whose grads and optimizer are its adapters' and whose weights are
-    its adapters plus, unless `shared` (the teacher's weights: counted once, with the teacher), its frozen base."""
+    its adapters plus, unless `shared` (the teacher's weights: counted once, with the teacher), its frozen base.
+    `added_params` in `added_tensors` tensors: parameters the role's model adds to the family's (DMD2's GAN head on
+    the critic), whole on every rank and trained with the role. They cost what the role's own do: the trainer casts
+    the wrapped model whole (`cast_model` after the method's `init_model`), so w bytes of weights each, 4 of
+    main_grad, 12 of optimizer state under --bf16 (an fp32 master like every parameter of a mixed model,
+    `train/optim.Optimizer`, and the moments; 8 in fp32), sharded like the rest with `dist_opt`, and a step count
+    per tensor."""
     w = 2 if bf16 else 4
     n = param_counts(ms)
     base = params_per_rank(ms, tp) * w + n["buffer"] * w
     P, tensors = lora_params(ms, lora_rank, tp) if lora_rank else (params_per_rank(ms, tp), n["tensors"])
-    out = {"weights": (P * w if lora_rank else 0) + (0 if shared else base), "grads": 0, "optimizer": 0}
+    out = {"weights": (P * w if lora_rank else 0) + (0 if shared else base) + added_params * w, "grads": 0,
+           "optimizer": 0}
     if trained:
+        P, tensors = P + added_params, tensors + added_tensors
         optimizer = (4 * P if bf16 else 0) + 8 * P + 4 * tensors
         if dist_opt:
             optimizer = math.ceil(12 * P / dp) + 4 * tensors
@@ -348,20 +358,28 @@ def table_needs(phases) -> dict:
 
 def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
                recompute=False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
-               scores: bool = False, lora: Optional[dict] = None, shared_base: bool = True) -> CyclePlan:
+               scores: bool = False, lora: Optional[dict] = None, shared_base: bool = True,
+               added: Optional[dict] = None) -> CyclePlan:
     """Per-rank bytes of each role of the method's phase table `phases` (`methods.base.Phase`s: a role some phase
     trains has grads and an optimizer) in each phase, time-sliced (offload) or all resident. The distributed
     optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens.
     `lora` {role: rank}: LoRA roles, over the teacher's weights when `shared_base` (`role_bytes`; then nothing is
     time-sliced), else each over its own frozen copy (--no-lora-shared-base). `recompute`: the granularity of every
-    forward with grad (a bool: full / none)."""
+    forward with grad (a bool: full / none). `added` {role: P or (P, tensors)}: parameters a role's model adds to
+    the family's, whole on every rank and trained with the role (DMD2's GAN head on the critic:
+    `methods.dmd2.gan.head_plan`; `role_bytes`' added_params); a role not in the table is a ValueError."""
     needs = table_needs(phases)
     trained = frozenset(p.trains for p in phases if p.trains is not None)
     names = tuple(dict.fromkeys(r for p in phases for r in p.needs))
     ranks = {r: k for r, k in (lora or {}).items() if k}
     shared = bool(ranks) and "teacher" in names and shared_base
+    extra = {r: (v, 0) if isinstance(v, int) else tuple(v) for r, v in (added or {}).items()}
+    if not set(extra) <= set(names):
+        raise ValueError(f"added parameters for {sorted(set(extra) - set(names))}: not a role of the phase table "
+                         f"({', '.join(names)})")
     roles = {r: role_bytes(ms, tp, dp * cp, bf16, trained=r in trained, dist_opt=dist_opt, lora_rank=ranks.get(r, 0),
-                           shared=shared and r in ranks) for r in names}
+                           shared=shared and r in ranks, added_params=extra.get(r, (0, 0))[0],
+                           added_tensors=extra.get(r, (0, 0))[1]) for r in names}
     x = ms.sample_numel * 4                                # one fp32 sample
     cond = 4 * math.prod(ms.cond_shape) if ms.cond_shape is not None else 8
     held_rollout = steps * micro * (2 * x + 24 + cond)     # x, x0hat, sigma, ids, stop steps, cond
@@ -455,7 +473,7 @@ class RecomputeOption:
 def recompute_options(ms: ModelShape, phases, budget: float, *, scoring: str = "shared", **plan) -> dict:
     """{phase: [RecomputeOption per granularity, least recompute first]} of the phases with grad (`GRAD_PHASES`),
     from `plan_cycle(ms, phases, recompute=g, **plan)` at each granularity; fits: the time-sliced phase within
-    `budget` bytes."""
+    `budget` bytes. `plan` may hold `added` (plan_cycle's: a role's extra parameters, DMD2's GAN head)."""
     plans = {g: plan_cycle(ms, phases, recompute=g, **plan) for g in GRANULARITIES}
     n, tp, k, scores = plan["micro"], plan["tp"], plan["steps"], plan.get("scores", False)
     passes = cycle_passes(k, plan["denoise"], plan.get("guidance", 1.0), scoring, recompute=False)
@@ -533,9 +551,10 @@ class Layout:
 
 def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
                    denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False,
-                   lora: Optional[dict] = None) -> list:
-    """Every layout of `world` GPUs the model takes for the method's phase table `phases` (`plan_cycle`), with its
-    plan: [(Layout, CyclePlan, phase bytes, fits)],
+                   lora: Optional[dict] = None, added: Optional[dict] = None) -> list:
+    """Every layout of `world` GPUs the model takes for the method's phase table `phases` (`plan_cycle`; `added`
+    its extra parameters of a role, DMD2's GAN head on the critic), with its plan: [(Layout, CyclePlan, phase bytes,
+    fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
     world (DP = world / (TP x CP)); only a family that splits tokens takes CP > 1 and SP (with TP > 1).
     Best: fits `budget` (bytes per GPU); then the
@@ -550,7 +569,7 @@ def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, bu
             for recompute in GRANULARITIES:
                 plan = plan_cycle(ms, phases, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
-                                  cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora)
+                                  cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora, added=added)
                 roles, totals, fits = choose_offload(plan, budget)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
                 found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, frozenset(plan.roles), splits),

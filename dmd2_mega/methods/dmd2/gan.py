@@ -47,7 +47,7 @@ from torch import Tensor
 
 from dmd2_mega import flow
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.dmd2.gan_heads import build_head
+from dmd2_mega.methods.dmd2.gan_heads import build_head, head_parameters, head_tensors
 from dmd2_mega.models import FamilyModel
 from dmd2_mega.distributed.parallel import mark_whole_over_cp
 
@@ -265,6 +265,16 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
                        t.seed, tuple(cfg.gan_sigma_range()), real_rows,
                        HeadOptions(g.head, g.head_lr_mult, g.head_weight_decay, g.head_clip_grad))
+
+
+def head_plan(gan, ms) -> dict:
+    """What the GAN head adds to the memory plan (`plan.memory_plan.plan_cycle`'s `added`): {"critic": (parameters,
+    tensors)} of the head `gan` (a `config.GANConfig`) builds on the model shape `ms` (`memory_plan.ModelShape`:
+    the trunk's hidden size over its token grid, as `GANCritic` builds it), {} without --dmd2-gan."""
+    if not gan.enabled:
+        return {}
+    grid = tuple(n // p for n, p in zip(ms.spatial, ms.patch))
+    return {"critic": (head_parameters(gan.head, ms.spec.hidden_size, grid), head_tensors(gan.head, grid))}
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:

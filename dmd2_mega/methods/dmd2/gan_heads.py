@@ -17,7 +17,8 @@ tokens for an image model, (F, H, W) for a video model), whole on every TP / SP 
     mlp (the head before issue 54, `--dmd2-gan-head mlp`): the grid's mean over positions [B, C] into a
         C -> C -> 1 MLP, init N(0, 0.02) and zero biases.
 
-The logits are fp32 [B]; the head's parameters are fp32 whatever the trunk's dtype (the grid is cast to them).
+The logits are fp32 [B]; the head is built in fp32 and reads the grid cast to its parameters' dtype (the trainer casts
+the critic whole, head included, under --bf16: `methods/trainer.py` `cast_model` after `init_model`).
 """
 from __future__ import annotations
 
@@ -46,6 +47,30 @@ def conv_stages(grid: tuple) -> list[tuple]:
         h, w = (h // 2 if h > 1 else 1), (w // 2 if w > 1 else 1)
     stages.append(((h, w), (h, w), (0, 0)))
     return stages
+
+
+def head_parameters(kind: str, channels: int, grid: tuple) -> int:
+    """The parameters of `build_head(kind, channels, grid, seed)`, counted without building it (the memory planner
+    sizes a 480p Wan 1.3B's 158M-parameter head, whose build alone takes seconds): conv, per stage of `conv_stages` a
+    C -> C convolution (weight and bias; a video model's kernels are 1 along time) and a GroupNorm (weight and bias),
+    then the 1 x 1 convolution to one channel; mlp, the C -> C and C -> 1 linears."""
+    c = channels
+    if kind == "mlp":
+        return c * c + c + c + 1
+    if kind != "conv":
+        raise ValueError(f"--dmd2-gan-head must be one of {HEADS}, got {kind!r}")
+    if len(grid) not in (2, 3):
+        raise ValueError(f"the conv GAN head takes a 2-D (image) or 3-D (video) token grid, got {tuple(grid)}")
+    stages = sum(c * c * kh * kw + c + 2 * c for (kh, kw), _, _ in conv_stages(tuple(grid)))
+    return stages + c + 1
+
+
+def head_tensors(kind: str, grid: tuple) -> int:
+    """The parameter tensors of `build_head(kind, ., grid, .)`: each has its own AdamW step count (the planner's
+    4 bytes a tensor); conv 4 a stage (conv and GroupNorm, weight and bias) + the last conv's 2, mlp 4."""
+    if kind not in HEADS:
+        raise ValueError(f"--dmd2-gan-head must be one of {HEADS}, got {kind!r}")
+    return 4 if kind == "mlp" else 4 * len(conv_stages(tuple(grid))) + 2
 
 
 class ConvHead(nn.Module):
