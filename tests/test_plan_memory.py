@@ -138,6 +138,22 @@ def test_parameter_split_matches_partition_dims(ps, size, ch, img, cond_shape):
         mp.params_per_rank(ms, 3)
 
 
+def measured_before_each_step(model, opt, dist_opt: bool, sleeper=None) -> list:
+    """A list that, before each of `opt`'s steps, gets the role's resident bytes by kind (weights and buffers, the
+    fp32 main_grads, masters and Adam state; with `sleeper`, its "total" too)."""
+    seen = []
+
+    def measure(*_):
+        masters = opt.master_params if opt.mixed or dist_opt else []
+        state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
+        seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
+                     "grads": resident_bytes(p.main_grad for p in model.parameters()),
+                     "optimizer": resident_bytes(list(masters) + state),
+                     **({"total": sleeper.resident_bytes()} if sleeper is not None else {})})
+    opt.inner.register_step_pre_hook(measure)
+    return seen
+
+
 @pytest.mark.parametrize("dist_opt", [False, True], ids=["adamw", "distributed"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("size,ch,img,cond_shape", SHAPES[:3] + WAN_SHAPES[:1])
@@ -149,15 +165,7 @@ def test_role_bytes_exact(ps, size, ch, img, cond_shape, bf16, dist_opt):
     cfg = OptimConfig(lr=1e-3, bf16=bf16)
     opt = (DistributedOptimizer if dist_opt else Optimizer)(model, cfg, grads=grads)
     sleeper = Sleeper("critic", [model], [opt])
-    seen = []
-
-    def measure(*_):
-        masters = opt.master_params if opt.mixed or dist_opt else []
-        state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
-        seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
-                     "grads": resident_bytes(p.main_grad for p in model.parameters()),
-                     "optimizer": resident_bytes(list(masters) + state), "total": sleeper.resident_bytes()})
-    opt.inner.register_step_pre_hook(measure)
+    seen = measured_before_each_step(model, opt, dist_opt, sleeper)
     for step in range(2):
         x, sigma, cond = batch(ms, 3, step)
         model(x, sigma, cond).float().square().mean().backward()
@@ -849,15 +857,7 @@ def test_gan_critic_role_bytes_exact(ps, kind, bf16, dist_opt):
     model = cast_model(GANCritic(model, 1, seed=3, head=HeadOptions(kind)), bf16)
     grads = GradBuffer(model, shard=dist_opt)
     opt = (DistributedOptimizer if dist_opt else Optimizer)(model, OptimConfig(lr=1e-3, bf16=bf16), grads=grads)
-    seen = []
-
-    def measure(*_):
-        masters = opt.master_params if opt.mixed or dist_opt else []
-        state = [t for st in opt.inner.state.values() for t in st.values() if torch.is_tensor(t)]
-        seen.append({"weights": resident_bytes(list(model.parameters()) + list(model.buffers())),
-                     "grads": resident_bytes(p.main_grad for p in model.parameters()),
-                     "optimizer": resident_bytes(list(masters) + state)})
-    opt.inner.register_step_pre_hook(measure)
+    seen = measured_before_each_step(model, opt, dist_opt)
     for step in range(2):
         x, sigma, cond = batch(ms, 3, step)
         (model(x, sigma, cond).float().square().mean() + model.logits(x, sigma, cond).square().mean()).backward()
