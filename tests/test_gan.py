@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.dmd2.gan import (GANCritic, HeadOptions, discriminator_loss, generator_loss, holds_head,
-                                         resolve_layer)
+from dmd2_mega.methods.dmd2.gan import (GANCritic, GANSettings, HeadOptions, discriminator_loss, generator_loss,
+                                         holds_head, resolve_layer, saved_head_kind)
 from dmd2_mega.methods.dmd2.gan_heads import build_head
 from dmd2_mega.models import DataShape, build_model
 from tests.utils import world_of_one
@@ -293,3 +293,18 @@ def test_conv_head_is_the_references_stack_on_8x8_and_reads_the_grid():
     assert not torch.equal(a.net[0].weight, c.net[0].weight)
     bound = 1 / (64 * 16) ** 0.5
     assert a.net[0].weight.abs().max() <= bound and a.net[0].weight.abs().max() > 0.9 * bound
+
+
+def test_a_critic_saved_with_the_other_head_kind_names_the_flag(world):
+    """A critic saved with the old MLP head, resumed by a run with the conv head (the default now), or the other way:
+    the load's hint names --dmd2-gan-head and the saved kind; the same kind gives no hint."""
+    trunk = _perturbed_debug_dit()
+    saved = {kind: GANCritic(trunk, 1, 5, HeadOptions(kind)).state_dict() for kind in ("conv", "mlp")}
+    assert {kind: saved_head_kind(state) for kind, state in saved.items()} == {"conv": "conv", "mlp": "mlp"}
+    assert saved_head_kind(trunk.state_dict()) is None
+    for run, other in (("conv", "mlp"), ("mlp", "conv")):
+        gan = GANSettings(1.0, 1.0, True, torch.tensor([0.5]), head=HeadOptions(run))
+        assert gan.load_hint("critic", saved[run]) == ""
+        assert f"saved as --dmd2-gan-head {other}; this run's is {run}" in gan.load_hint("critic", saved[other])
+        assert gan.load_hint("student", saved[other]) == ""
+    assert "saved without the GAN head" in gan.load_hint("critic", trunk.state_dict())

@@ -119,6 +119,12 @@ def holds_head(state: dict) -> bool:
     return any(k.startswith("head.") for k in state)
 
 
+def saved_head_kind(state: dict) -> Optional[str]:
+    """The kind of GAN head a critic state dict holds ("conv": `head.net.*`, "mlp": `head.mlp.*`), or None."""
+    return next((kind for kind, prefix in (("conv", "head.net."), ("mlp", "head.mlp."))
+                 if any(k.startswith(prefix) for k in state)), None)
+
+
 def discriminator_loss(logits_fake: Tensor, logits_real: Tensor, fake_weight: Optional[Tensor] = None) -> Tensor:
     """mean softplus(D(fake)) + mean softplus(-D(real)); with `fake_weight` [B] (1: a fake row that counts, 0: one
     that does not) the fake mean is over the counted rows (0 when none counts)."""
@@ -238,6 +244,9 @@ class GANSettings:
         return GANCritic(model, layer, self.seed, self.head)
 
     def load_hint(self, name: str, state: dict) -> str:
+        saved = saved_head_kind(state) if name == "critic" else None
+        if saved is not None and saved != self.head.kind:
+            return f" (the critic's GAN head was saved as --dmd2-gan-head {saved}; this run's is {self.head.kind})"
         return _no_head_hint(name, state, True)
 
     def describe(self, roles: dict) -> str:
