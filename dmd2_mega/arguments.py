@@ -258,6 +258,9 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _planned(g, "--dmd2-gan")
     _flag(g, "--dmd2-gan-feature-layer", GANConfig, "feature_layer", type=int,
           help="critic block whose output token grid feeds the head (default the last block of the first half)")
+    _flag(g, "--dmd2-gan-fakes", GANConfig, "fakes", choices=("own", "separate"),
+          help="own: the critic forward's rows in the GAN range (default, no forward of their own); separate: every "
+               "row's x0hat noised apart into the range (tianweiy/DMD2's; half a critic pass more per step)")
     _flag(g, "--dmd2-gan-head", GANConfig, "head", choices=("conv", "mlp"),
           help="conv: strided convolutions + GroupNorm + SiLU over the token grid (tianweiy/DMD2's form; default); "
                "mlp: the token mean into an MLP (the head before)")

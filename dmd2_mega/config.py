@@ -599,6 +599,10 @@ class GANConfig:
     """--dmd2-gan-disc-weight: weight of the discriminator loss in the critic's."""
     gen_weight: float = 3e-3
     """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
+    fakes: str = "own"
+    """--dmd2-gan-fakes own | separate: the head's fakes are the critic forward's own rows whose sigma lies in the GAN
+    range (no forward of their own; about range / score range of B) or every row's x0hat noised apart into the range
+    (tianweiy/DMD2's: all B, in the reals' rows, half a critic pass more per step)."""
     head: str = "conv"
     """--dmd2-gan-head conv | mlp: the discriminator head (methods/dmd2/gan_heads.py): strided convolutions over the
     block's token grid (tianweiy/DMD2's form) or the token mean into an MLP (the head before issue 54)."""
@@ -622,11 +626,15 @@ class GANConfig:
         *(Needs(name, flag, "--dmd2-gan", lambda run: run.gan.enabled)
           for name, flag in (("noise", "--dmd2-gan-noise"), ("sigma_range", "--dmd2-gan-sigma-range"),
                              ("disc_weight", "--dmd2-gan-disc-weight"), ("gen_weight", "--dmd2-gan-gen-weight"),
-                             ("head", "--dmd2-gan-head"), ("head_lr_mult", "--dmd2-gan-head-lr-mult"),
+                             ("fakes", "--dmd2-gan-fakes"), ("head", "--dmd2-gan-head"),
+                             ("head_lr_mult", "--dmd2-gan-head-lr-mult"),
                              ("head_weight_decay", "--dmd2-gan-head-weight-decay"),
                              ("head_clip_grad", "--dmd2-gan-head-clip-grad"), ("real_rows", "--dmd2-gan-real-rows"))),
         Needs("sigma_range", "--dmd2-gan-sigma-range", "--dmd2-gan-noise", lambda run: run.gan.noise,
               message="{given} has no effect with --no-dmd2-gan-noise (the head's inputs are clean); leave one out"),
+        Needs("fakes", "--dmd2-gan-fakes", "--dmd2-gan-noise", lambda run: run.gan.noise,
+              message="{given} has no effect with --no-dmd2-gan-noise (the clean fakes run a forward of their own); "
+                      "leave one out"),
     )
 
     def __post_init__(self):
@@ -640,6 +648,7 @@ class GANConfig:
                f"--dmd2-gan-real-rows must be >= 1, got {self.real_rows}")
         _check(self.enabled or self.head_lr_mult == 1.0, "--dmd2-gan-head-lr-mult needs --dmd2-gan")
         _check(self.enabled or self.head == "conv", "--dmd2-gan-head needs --dmd2-gan")
+        _check(self.enabled or self.fakes == "own", "--dmd2-gan-fakes needs --dmd2-gan")
         _check(self.enabled or self.head_weight_decay == 0.01, "--dmd2-gan-head-weight-decay needs --dmd2-gan")
         _check(self.enabled or self.head_clip_grad == 10.0, "--dmd2-gan-head-clip-grad needs --dmd2-gan")
         _check(self.enabled or self.feature_layer is None, "--dmd2-gan-feature-layer needs --dmd2-gan")

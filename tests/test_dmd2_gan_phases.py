@@ -79,18 +79,19 @@ GAN_RANGE = (0.2, 0.75)  # wider than the score range RANGE: the first step's dr
 R = 2  # real samples per critic step, fewer than B
 
 
-def settings(noise: bool, sigma_range: tuple = RANGE) -> GANSettings:
+def settings(noise: bool, sigma_range: tuple = RANGE, fakes: str = "own") -> GANSettings:
     grid, in_range = critic_grid(G, SHIFT, sigma_range)
-    return GANSettings(W_D, W_G, noise, grid[in_range], real_rows=R)
+    return GANSettings(W_D, W_G, noise, grid[in_range], real_rows=R, fakes=fakes)
 
 
-@pytest.mark.parametrize("noise", [True, False], ids=["noised", "clean"])
-def test_critic_steps_with_gan_equal_float64_replay(noise):
+@pytest.mark.parametrize("noise,fakes", [(True, "own"), (True, "separate"), (False, "own")],
+                         ids=["noised", "noised-separate", "clean"])
+def test_critic_steps_with_gan_equal_float64_replay(noise, fakes):
     k_steps = 2
     critic = tiny_gan(seed=1)
     opt = RecordingOptimizer(critic, OptimConfig(lr=0.05, clip_grad=1.0, weight_decay=0.01))
     rollouts, reals = make_rollouts(k_steps), reals_for(k_steps)
-    gan = settings(noise, GAN_RANGE)
+    gan = settings(noise, GAN_RANGE, fakes)
     _, metrics = critic_phase(FakeRole(critic, opt), FakeRole(FakeTeacher()), rollouts,
                               micro_batches(rollouts, reals=reals), cycle_settings(k_steps, gan=gan))
     full, mask = ref_grid()
@@ -119,6 +120,12 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
                 sg = gan_choices[idx]
                 eg = torch.randn(real.shape, generator=rgens[j], dtype=F64)
                 xr = (1 - sg.to(F64).reshape(-1, 1, 1, 1)) * real + sg.to(F64).reshape(-1, 1, 1, 1) * eg
+                if fakes == "separate":  # every row's x0hat noised apart into the range, drawn after the reals
+                    sf = gan_choices[torch.randint(0, gan_choices.numel(), (B,), generator=rgens[j])]
+                    ef = torch.randn(x0hat.shape, generator=rgens[j], dtype=F64)
+                    xf = (1 - sf.to(F64).reshape(-1, 1, 1, 1)) * x0hat + sf.to(F64).reshape(-1, 1, 1, 1) * ef
+                    keep = torch.ones(B, dtype=torch.bool)
+                    fake = ref_logits(model, xf, sf, cond)
             else:
                 keep = torch.ones(B, dtype=torch.bool)
                 fake = ref_logits(model, x0hat, torch.zeros(B), cond)
@@ -136,7 +143,7 @@ def test_critic_steps_with_gan_equal_float64_replay(noise):
         assert model.head.mlp[2].weight.grad.abs().max() > 1e-4  # the head really trains
     assert float(metrics["gan-disc-loss"]) == pytest.approx(sum(d_losses) / len(d_losses), rel=1e-6)
     assert float(metrics["gan-fake-share"]) == pytest.approx(sum(counted) / (len(counted) * B), rel=1e-6)
-    if noise:  # the masking is exercised: the first step counted some rows and left out others
+    if noise and fakes == "own":  # the masking is exercised: the first step counted some rows and left out others
         assert 0 < sum(counted[:M]) < M * B, counted
 
 

@@ -22,6 +22,9 @@ Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score 
     fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
         step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
         x0hat noised to sigma ~ U{choices}, as a separately drawn input would be, and costs no forward of its own.
+        `--dmd2-gan-fakes separate`: every row's x0hat noised apart to sigma ~ U{choices} (tianweiy/DMD2's; drawn
+        from the critic generator after the reals), in the reals' rows of the forward: all B count, for half a
+        critic pass more per step.
     real: r dataset samples per critic step (--dmd2-gan-real-rows, default B: rows [kB, kB + r) of the micro-batch's
         K x B, each once per cycle, as many reals as fakes like tianweiy/DMD2's), noised to sigma ~ U{choices} with
         eps ~ N(0, I) from the critic generator after the flow-matching draws, inside the critic's forwards.
@@ -194,6 +197,7 @@ class GANSettings:
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
     real_rows: int = 0                   # r: real samples per critic step (0: B, every row's)
+    fakes: str = "own"                   # --dmd2-gan-fakes: own (the forward's rows in the range) or separate
     head: HeadOptions = HeadOptions()    # --dmd2-gan-head and the head's own lr multiplier, weight decay, clip
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
@@ -209,7 +213,13 @@ class GANSettings:
         (v, disc_weight * L_D, {gan-disc-loss, gan-logit-gap, gan-fake-share})."""
         n, r = b.x0hat.shape[0], min(self.real_rows or size, size)
         real = mb.real[k * size:k * size + r].to(b.x0hat.dtype)
-        if self.noise:
+        if self.noise and self.fakes == "separate":  # every row's x0hat noised apart, after the reals' draws
+            x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
+            x_f, sigma_f = gan_inputs(b.x0hat, mb.critic_gen, self)
+            extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond, b.cond[:r]]))
+            v, _, logits = model(x_s, sigma, b.cond, extra=extra)
+            fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
+        elif self.noise:
             x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
             v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
             weight = torch.isin(sigma, self.choices).float()  # the rows the flow-matching draw put in the GAN range
@@ -250,8 +260,9 @@ class GANSettings:
         return _no_head_hint(name, state, True)
 
     def describe(self, roles: dict) -> str:
-        fakes = (f"fakes: the critic forward's rows in {list(self.sigma_range)}" if self.noise else
-                 "fakes clean, a forward of their own")
+        fakes = ("fakes clean, a forward of their own" if not self.noise else
+                 f"fakes: every row noised apart into {list(self.sigma_range)}" if self.fakes == "separate" else
+                 f"fakes: the critic forward's rows in {list(self.sigma_range)}")
         h = self.head
         lr = f", lr x{h.lr_mult:g}" if h.lr_mult != 1.0 else ""
         head = f"{h.kind} head (weight decay {h.weight_decay:g}, clip {h.clip_grad:g}{lr})"
@@ -272,7 +283,7 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
                           f"critic step (step k reads rows [kB, kB + R) of the micro-batch's K x B samples; more "
                           f"would reuse the next step's)")
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
-                       t.seed, tuple(cfg.gan_sigma_range()), real_rows,
+                       t.seed, tuple(cfg.gan_sigma_range()), real_rows, g.fakes,
                        HeadOptions(g.head, g.head_lr_mult, g.head_weight_decay, g.head_clip_grad))
 
 
