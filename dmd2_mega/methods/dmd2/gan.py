@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dmd2_mega import flow
+from dmd2_mega.config import GANConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.methods.dmd2.gan_heads import build_head, head_parameters, head_tensors
 from dmd2_mega.models import FamilyModel
@@ -59,12 +60,13 @@ HEAD_SEED_OFFSET = 9173  # the head's init generators are seeded with --seed + t
 
 @dataclass(frozen=True)
 class HeadOptions:
-    """The head's kind and its own optimizer settings (--dmd2-gan-head*, `GANCritic.param_options`)."""
+    """The head's kind and its own optimizer settings (--dmd2-gan-head*, `GANCritic.param_options`); the defaults
+    are the flags'."""
 
-    kind: str = "conv"
-    lr_mult: float = 1.0
-    weight_decay: float = 0.01
-    clip_grad: float = 10.0
+    kind: str = GANConfig.head
+    lr_mult: float = GANConfig.head_lr_mult
+    weight_decay: float = GANConfig.head_weight_decay
+    clip_grad: float = GANConfig.head_clip_grad
 
 
 class GANCritic(FamilyModel):
@@ -197,7 +199,7 @@ class GANSettings:
     seed: int = 0                        # --seed: the head's init generator
     sigma_range: tuple = ()              # the UNSHIFTED GAN range (the start-up line)
     real_rows: int = 0                   # r: real samples per critic step (0: B, every row's)
-    fakes: str = "own"                   # --dmd2-gan-fakes: own (the forward's rows in the range) or separate
+    fakes: str = GANConfig.fakes         # --dmd2-gan-fakes: own (the forward's rows in the range) or separate
     head: HeadOptions = HeadOptions()    # --dmd2-gan-head and the head's own lr multiplier, weight decay, clip
 
     # the actor's generator loss runs through the critic's trunk and head: its weights are resident then
@@ -213,16 +215,16 @@ class GANSettings:
         (v, disc_weight * L_D, {gan-disc-loss, gan-logit-gap, gan-fake-share})."""
         n, r = b.x0hat.shape[0], min(self.real_rows or size, size)
         real = mb.real[k * size:k * size + r].to(b.x0hat.dtype)
-        if self.noise and self.fakes == "separate":  # every row's x0hat noised apart, after the reals' draws
+        if self.noise:
             x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
-            x_f, sigma_f = gan_inputs(b.x0hat, mb.critic_gen, self)
-            extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond, b.cond[:r]]))
-            v, _, logits = model(x_s, sigma, b.cond, extra=extra)
-            fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
-        elif self.noise:
-            x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
-            v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
-            weight = torch.isin(sigma, self.choices).float()  # the rows the flow-matching draw put in the GAN range
+            if self.fakes == "separate":  # every row's x0hat noised apart, after the reals' draws
+                x_f, sigma_f = gan_inputs(b.x0hat, mb.critic_gen, self)
+                extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond, b.cond[:r]]))
+                v, _, logits = model(x_s, sigma, b.cond, extra=extra)
+                fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
+            else:
+                v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
+                weight = torch.isin(sigma, self.choices).float()  # the forward's rows the draw put in the GAN range
         else:
             clean = (torch.cat([b.x0hat, real]), torch.zeros(n + r, device=x_s.device), torch.cat([b.cond, b.cond[:r]]))
             v, _, logits = model(x_s, sigma, b.cond, extra=clean)
