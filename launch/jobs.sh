@@ -96,10 +96,22 @@ _job_fail() {
     exit 1
 }
 
+# stops a job and everything it started. The whole tree is listed first and frozen (SIGSTOP) before any of it is
+# killed: killing the leaves first let a parent shell run its next command ('sleep 40; touch done' touched) in the
+# moment between its child's death and its own.
 _kill_tree() {
+    local pids
+    pids=$(_tree_pids "$1")
+    kill -STOP $pids 2>/dev/null || true
+    kill -TERM $pids 2>/dev/null || true
+    kill -CONT $pids 2>/dev/null || true
+}
+
+# the pid and all its descendants, parents before children
+_tree_pids() {
     local child
+    echo "$1"
     for child in $(pgrep -P "$1" 2>/dev/null); do
-        _kill_tree "$child"
+        _tree_pids "$child"
     done
-    kill "$1" 2>/dev/null || true
 }

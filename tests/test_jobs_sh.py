@@ -84,6 +84,23 @@ def test_a_failed_job_stops_the_script_and_the_others(tmp_path):
     assert not (tmp_path / "slow_finished").exists()
 
 
+def test_a_stopped_job_runs_no_further_command_however_slow_the_killing(tmp_path):
+    # CI once saw 'sleep 40; touch' touch: the leaves were killed before their parent shell, which ran its next
+    # command in between. Slowing every kill down (a pause after each signal sent) makes that window wide; the tree must be
+    # frozen before any of it is killed, so nothing runs in it
+    proc, took = run_script(tmp_path, f"""
+        kill() {{ builtin kill "$@"; local rc=$?; [ "$1" = -0 ] || sleep 0.3; return $rc; }}
+        jobs_init
+        job slow bash -c "sleep 40; touch {tmp_path}/slow_finished"
+        job broken bash -c "sleep 1; exit 3"
+        jobs_wait
+    """, JOBS=2, NPROC=1)
+    assert proc.returncode == 1 and took < 30
+    assert "error: run 'broken' failed (exit 3)" in proc.stderr
+    time.sleep(0.5)
+    assert not (tmp_path / "slow_finished").exists()
+
+
 def test_a_function_job_stops_at_its_failed_step(tmp_path):
     # a job that is a function (the quickstarts' distill: train, then sample) fails at its first failed step, as it
     # would in the foreground under set -e, and does not go on to the next step
