@@ -394,10 +394,15 @@ class TrainConfig:
         """[(NAME, VALUE)] of --curves-reference."""
         return [name_value(text, "--curves-reference") for text in self.curves_reference or ()]
 
+    def load_is_save(self) -> bool:
+        """--load names the folder --save writes (Megatron's resume idiom: `--save D --load D` starts fresh while D
+        does not exist yet and resumes once it holds a checkpoint)."""
+        return bool(self.load and self.save and os.path.realpath(self.load) == os.path.realpath(self.save))
+
     def check_paths_apart(self, outputs=(), inputs=()) -> None:
         """`path_guard`: --save, --tensorboard-dir, --loss-trace (and the trainer's `outputs`) never over --data,
         --eval-prompts, --vae, --load (unless --load is --save: a resume) or the trainer's `inputs`."""
-        resume = self.load and self.save and os.path.realpath(self.load) == os.path.realpath(self.save)
+        resume = self.load_is_save()
         check_outputs_apart(
             [("--save", self.save), ("--tensorboard-dir", self.tensorboard_dir), ("--loss-trace", self.loss_trace),
              *outputs],

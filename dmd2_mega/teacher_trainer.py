@@ -113,10 +113,9 @@ class FlowTrainer(RunStateTrainer):
         print_rank0(f"> saved checkpoint at iteration {self.iteration} to {path}", self.ps.rank)
 
     def load(self, root: str) -> None:
-        payload = load_payload(root, self.ps)
+        payload = load_payload(root, self.ps, missing_ok=self.cfg.train.load_is_save())
         if payload is None:
-            print_rank0(f"> WARNING: no {root}/latest_checkpointed_iteration.txt; starting from scratch",
-                        self.ps.rank)
+            print_rank0(f"> WARNING: no checkpoint in --load {root} yet; starting from scratch", self.ps.rank)
             return
         check_role(payload, ("teacher",), "--load", root, " (pretrain_flow.py resumes teachers only)")
         check_family(payload, self.family, "--load", root)

@@ -58,6 +58,28 @@ def student(debug_teacher, tmp_path_factory):
     return save
 
 
+def test_save_and_load_one_missing_folder_starts_fresh_then_resumes(debug_teacher, tmp_path):
+    """Megatron's resume idiom, the quickstarts' (`--save D --load D`): while D does not exist the run starts from
+    scratch (teacher) or from --teacher-load (student) and creates D; run again, it resumes from D. A --load that is
+    not the run's --save and does not exist stays an error naming it."""
+    teacher, student = str(tmp_path / "teacher"), str(tmp_path / "student")
+    with world_of_one():
+        for iters in ("1", "2"):
+            FlowTrainer(parse_flow_args(FLOW + ["--train-iters", iters, "--save", teacher, "--load", teacher,
+                                                "--lr-decay-iters", "10"])).train()
+            assert latest_iteration(teacher) == int(iters)
+            DMD2Trainer(parse_dmd2_args(DMD2 + ["--teacher-load", debug_teacher, "--train-iters", iters,
+                                                "--save", student, "--load", student])).train()
+            assert latest_iteration(student) == latest_iteration(student + "_critic") == int(iters)
+        missing = str(tmp_path / "missing")
+        with pytest.raises(CheckpointError, match=f"^--load directory '{missing}' does not exist"):
+            FlowTrainer(parse_flow_args(FLOW + ["--train-iters", "1", "--save", teacher + "2", "--load", missing]))
+        with pytest.raises(CheckpointError, match=f"^--load directory '{missing}' does not exist"):
+            DMD2Trainer(parse_dmd2_args(DMD2 + ["--teacher-load", debug_teacher, "--train-iters", "1",
+                                                "--save", student + "2", "--load", missing]))
+    assert not os.path.exists(teacher + "2") and not os.path.exists(student + "2")  # a refused start leaves nothing
+
+
 # ---- 1. roles ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["same", "inside", "contains"])

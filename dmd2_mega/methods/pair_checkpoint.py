@@ -87,7 +87,7 @@ def load_pair(roles: dict[str, Role], root: str, state: RunState, cfg: DistillCo
     method's `resume_settings`), the student's sigma grid (`method.student_sigmas`, this run's) included.
     `method.load_hint(role, state)` says why a saved role may not load (DMD2: a critic with(out) its GAN head)."""
     t = cfg.train
-    student = load_payload(root, ps)
+    student = load_payload(root, ps, missing_ok=t.load_is_save())
     if student is None:
         print_rank0(f"> WARNING: no checkpoint in --load {root}; starting from --teacher-load", ps.rank)
         return state

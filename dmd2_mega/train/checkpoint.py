@@ -323,12 +323,14 @@ def _save_file(path: str, payload: dict) -> None:
     atomic_write(path, lambda f: torch.save(payload, f))
 
 
-def latest_iteration(root: str, flag: str = "--load") -> Optional[int]:
-    """The iteration in the tracker file; None if `root` exists but holds no checkpoint yet. `flag` names
-    the flag that gave `root` in errors."""
+def latest_iteration(root: str, flag: str = "--load", missing_ok: bool = False) -> Optional[int]:
+    """The iteration in the tracker file; None if `root` exists but holds no checkpoint yet, or (`missing_ok`: a
+    --load that is the run's own --save) does not exist yet. `flag` names the flag that gave `root` in errors."""
     if os.path.isfile(root):
         raise CheckpointError(f"{flag} {root!r} is a file; expected a checkpoint directory (holding {TRACKER})")
     if not os.path.isdir(root):
+        if missing_ok:
+            return None
         raise CheckpointError(f"{flag} directory {root!r} does not exist")
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
@@ -361,16 +363,17 @@ def _read(path: str) -> dict:
 
 
 def load_payload(root: str, ps: ParallelState, iteration: Optional[int] = None,
-                 pair_id: Optional[str] = None, flag: str = "--load") -> Optional[dict]:
+                 pair_id: Optional[str] = None, flag: str = "--load", missing_ok: bool = False) -> Optional[dict]:
     """This rank's payload, with `model` resharded to the current TP degree if it differs.
 
     Reads iter_N/, or iter_N.old/ when iter_N/ is missing (a re-save cut between its renames). With
     `pair_id` (DMD2's critic), the first of iter_N/, iter_N.old/ whose payload carries that
     `pair_id` (the student's): a critic is never paired with a student of another save.
-    Adds `saved_tp_size` to the payload. Returns None if `root` holds no checkpoint yet.
+    Adds `saved_tp_size` to the payload. Returns None if `root` holds no checkpoint yet (or, `missing_ok`, does not
+    exist: `latest_iteration`).
     """
     if iteration is None:
-        iteration = latest_iteration(root, flag)
+        iteration = latest_iteration(root, flag, missing_ok)
         if iteration is None:
             return None
     final = iter_dir(root, iteration)
