@@ -94,6 +94,24 @@ PLANNED = {
         action="store_true",
         help="train a GAN head on the critic's features; its generator loss joins the actor's (and the actor phase "
              "holds the critic's weights)")),
+    "--dmd2-gan-feature-layer": (GANConfig, "feature_layer", dict(
+        type=int,
+        help="critic block whose output token grid feeds the head (default the last block of the first half)")),
+    "--dmd2-gan-fakes": (GANConfig, "fakes", dict(
+        choices=("own", "separate"),
+        help="own: the critic forward's rows in the GAN range (default, no forward of their own); separate: every "
+             "row's x0hat noised apart into the range (tianweiy/DMD2's; half a critic pass more per step)")),
+    "--dmd2-gan-head": (GANConfig, "head", dict(
+        choices=("conv", "mlp"),
+        help="conv: strided convolutions + GroupNorm + SiLU over the token grid (tianweiy/DMD2's form; default); "
+             "mlp: the token mean into an MLP (the head before)")),
+    "--dmd2-gan-noise": (GANConfig, "noise", dict(
+        action=argparse.BooleanOptionalAction,
+        help="noise real and fake to a sigma in the GAN range (default) or feed them clean")),
+    "--dmd2-gan-real-rows": (GANConfig, "real_rows", dict(
+        type=int,
+        help="dataset samples the head sees per critic step, 1..B (default B: each of a micro-batch's K x B samples "
+             "once per cycle)")),
 }
 
 
@@ -255,17 +273,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
           help="accept a student checkpoint as --teacher-load (distilling a distilled model)")
     _planned(g, "--gpu-memory-gb")
     g = p.add_argument_group("dmd2 GAN head and student EMA")
-    _planned(g, "--dmd2-gan")
-    _flag(g, "--dmd2-gan-feature-layer", GANConfig, "feature_layer", type=int,
-          help="critic block whose output token grid feeds the head (default the last block of the first half)")
-    _flag(g, "--dmd2-gan-fakes", GANConfig, "fakes", choices=("own", "separate"),
-          help="own: the critic forward's rows in the GAN range (default, no forward of their own); separate: every "
-               "row's x0hat noised apart into the range (tianweiy/DMD2's; half a critic pass more per step)")
-    _flag(g, "--dmd2-gan-head", GANConfig, "head", choices=("conv", "mlp"),
-          help="conv: strided convolutions + GroupNorm + SiLU over the token grid (tianweiy/DMD2's form; default); "
-               "mlp: the token mean into an MLP (the head before)")
-    _flag(g, "--dmd2-gan-noise", GANConfig, "noise", action=argparse.BooleanOptionalAction,
-          help="noise real and fake to a sigma in the GAN range (default) or feed them clean")
+    _planned(g, "--dmd2-gan", "--dmd2-gan-feature-layer", "--dmd2-gan-fakes", "--dmd2-gan-head", "--dmd2-gan-noise")
     _flag(g, "--dmd2-gan-sigma-range", GANConfig, "sigma_range", type=float, nargs=2, metavar=("MIN", "MAX"),
           help="unshifted sigma range of the head's input noise (default: --dmd2-score-sigma-range)")
     _flag(g, "--dmd2-gan-disc-weight", GANConfig, "disc_weight", type=float)
@@ -278,9 +286,7 @@ def add_dmd2_args(p: argparse.ArgumentParser) -> None:
     _flag(g, "--dmd2-gan-head-clip-grad", GANConfig, "head_clip_grad", type=float,
           help="clip the head's gradients by their own norm to this, apart from --clip-grad (0 = no clip; default 10: "
                "tianweiy/DMD2's max_grad_norm for the guidance model)")
-    _flag(g, "--dmd2-gan-real-rows", GANConfig, "real_rows", type=int,
-          help="dataset samples the head sees per critic step, 1..B (default B: each of a micro-batch's K x B samples "
-               "once per cycle)")
+    _planned(g, "--dmd2-gan-real-rows")
     _flag(g, "--ema-decay", EMAConfig, "decay", type=float, help="student EMA decay (0 = off)")
     _flag(g, "--ema-start-iter", EMAConfig, "start_iter", type=int, help="the EMA copies the student before this cycle")
     _flag(g, "--no-ema", EMAConfig, "no_ema", action="store_true", help="evaluate the raw student weights, not the EMA")

@@ -12,8 +12,8 @@
         --micro-batch-size 1 --bf16 --world-size 64 --gpus-per-node 8 --search [--emit-flags]
 
 The flags that describe the run (model, parallel sizes, micro-batch, --bf16, recompute, K, N, guidance,
---dmd2-gan, --gpu-memory-gb) are launch/pretrain_dmd2.py's own (`arguments.add_memory_plan_args`: same names,
-defaults, help and checks); --data-parallel-size, the latent shape, --attention-kernel and the search are the
+--dmd2-gan and its head, real rows, fakes, noise and feature layer, --gpu-memory-gb) are launch/pretrain_dmd2.py's
+own (`arguments.add_memory_plan_args`: same names, defaults, help and checks); --data-parallel-size, the latent shape, --attention-kernel and the search are the
 planner's. Which roles each phase needs is DMD2's phase table (`methods.dmd2.phases.table`, with the GAN head's
 part under --dmd2-gan). Without --gpu-memory-gb it plans for 80 GiB GPUs (the trainer reads its device's).
 Prints, per rank (one GPU): each role's parameters (the critic's with the GAN head's under --dmd2-gan, whole on
@@ -21,7 +21,8 @@ every rank: `methods.dmd2.gan.head_plan`), gradients, fp32 master gradients (--b
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step
 counters) and DDP gradient buckets (DP > 1); then each phase (rollout / critic / actor) with
 time-slicing (--offload-inactive: roles the phase does not use sleep) and with every role resident,
-plus an activation estimate; the recompute granularity of each phase with grad (critic, actor): without
+plus an activation estimate (with the GAN head's real rows, generator term and head: `methods.dmd2.gan.gan_passes`);
+the recompute granularity of each phase with grad (critic, actor): without
 --recompute-granularity the least recompute whose time-sliced phase fits 0.9 x --gpu-memory-gb, with each
 granularity's bytes and extra FLOPs, the most recomputing choice applied to every phase (the trainer runs one) and
 its flag; and the peak against --gpu-memory-gb. The maths is in
@@ -54,7 +55,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # "T
 from dmd2_mega.arguments import add_memory_plan_args, memory_plan_configs  # noqa: E402
 from dmd2_mega.errors import ConfigError  # noqa: E402
 from dmd2_mega.methods.dmd2 import phases as dmd2_phases  # noqa: E402
-from dmd2_mega.methods.dmd2.gan import head_plan  # noqa: E402
+from dmd2_mega.methods.dmd2.gan import gan_passes, head_plan  # noqa: E402
 from dmd2_mega.models.registry import get_size  # noqa: E402
 from dmd2_mega.plan import memory_plan as mp  # noqa: E402
 from dmd2_mega.train.resilience import run_main  # noqa: E402
@@ -183,7 +184,8 @@ def search(a: argparse.Namespace) -> None:
     found = mp.search_layouts(ms, phase_table(a), world=a.world_size, gpus_per_node=a.gpus_per_node, budget=budget,
                               micro=b, steps=d.critic_steps_per_rollout, denoise=d.denoising_steps,
                               bf16=run.optim.bf16, guidance=d.teacher_guidance_scale,
-                              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms))
+                              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms),
+                              passes=gan_passes(run.gan, ms, b))
     best, plan_, _, fits = found[0]
     if not fits:
         raise ConfigError(f"no layout of {a.world_size} GPUs fits {a.gpu_memory_gb:g} GiB per GPU for "
@@ -238,7 +240,8 @@ def plan(a: argparse.Namespace) -> None:
     total = counts["sharded"] + counts["replicated"]
     k, n, g = d.critic_steps_per_rollout, d.denoising_steps, d.teacher_guidance_scale
     kw = dict(tp=tp, dp=dp, micro=b, steps=k, denoise=n, bf16=bf16, guidance=g, dist_opt=dist_opt, cp=cp, sp=sp,
-              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms))
+              scores=a.attention_kernel == "math", lora=lora_ranks(run), added=head_plan(run.gan, ms),
+              passes=gan_passes(run.gan, ms, b))
     forced = run.model.recompute_granularity
     options = mp.recompute_options(ms, phase_table(a), mp.PLAN_HEADROOM * a.gpu_memory_gb * 2 ** 30,
                                    scoring=d.critic_scoring, **kw)

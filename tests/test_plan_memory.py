@@ -53,7 +53,7 @@ from dmd2_mega.distributed.parallel import tp_partition_dim
 from benchmarks.plan_vs_measured import kept_bytes as measured_kept_bytes
 from dmd2_mega.arguments import PLANNED, dmd2_parser, parse_dmd2_args
 from dmd2_mega.methods.dmd2.phases import PHASES, table
-from dmd2_mega.methods.dmd2.gan import GANCritic, HeadOptions, head_plan
+from dmd2_mega.methods.dmd2.gan import GANCritic, HeadOptions, gan_passes, head_plan
 from dmd2_mega.methods.dmd2.gan_heads import HEADS, build_head, head_parameters, head_tensors
 from launch import plan_memory
 from tests.utils import torchrun, world_of_one
@@ -938,8 +938,9 @@ def test_cli_gan_head_on_the_critic(capsys, bf16):
 
 
 def test_plan_offload_counts_the_head():
-    """The trainer's offload choice (`DMD2Method.plan_offload`) plans the GAN head's parameters on the critic: at a
-    budget the headless plan meets with nothing asleep, the head's plan must time-slice."""
+    """The trainer's offload choice (`DMD2Method.plan_offload`) plans the GAN head's parameters on the critic and its
+    forwards' activations: at a budget the headless plan meets with nothing asleep, the head's plan must
+    time-slice."""
     from types import SimpleNamespace
     from dmd2_mega.methods.dmd2.method import DMD2Method
     cfg = parse_dmd2_args(["--teacher-load", "t", "--model-size", "digits", "--micro-batch-size", "4", "--dmd2-gan"])
@@ -953,7 +954,7 @@ def test_plan_offload_counts_the_head():
     budget = max(mp.phase_bytes(plain, ()).values())
     assert mp.choose_offload(plain, budget)[0] == frozenset()
     roles, totals, fits = DMD2Method.plan_offload(method, cfg, ps_, info, budget)
-    gan = mp.plan_cycle(ms, table(gan=True), added=head_plan(cfg.gan, ms), **kw)
+    gan = mp.plan_cycle(ms, table(gan=True), added=head_plan(cfg.gan, ms), passes=gan_passes(cfg.gan, ms, 4), **kw)
     assert (roles, totals, fits) == mp.choose_offload(gan, budget) and roles and fits
 
 

@@ -17,7 +17,10 @@ Role bytes per rank, every family (P = parameters per rank, n = parameter tensor
     what the role's own do (the trainer casts the wrapped model whole under --bf16).
 Activations: the family's formulas (a training forward keeps its per-block activations for backward; full
     recompute keeps each block's input plus one block's full set while it is recomputed, selective also each block's
-    attention outputs (`models/recompute.py`); a no-grad forward holds its peak).
+    attention outputs (`models/recompute.py`); a no-grad forward holds its peak). A method's further forwards with
+    grad in a phase (`plan_cycle`'s `passes`, `AddedPass`: DMD2's GAN head, its real rows through the critic's first
+    blocks and the actor's generator term) are kept beside the phase's own; a forward that stops at block l is
+    counted with everything outside the blocks (an overestimate by the final layer's share).
 Recompute per phase (`recompute_options`, `choose_recompute`): the phases with grad (critic, actor) each take the
     least recomputing granularity (none, selective, full) whose phase, time-sliced, fits the budget; its cost is the
     recomputed forward FLOPs (`recompute_flops`: full the blocks', selective theirs less the attention cores)
@@ -59,6 +62,10 @@ from dmd2_mega.models.recompute import GRANULARITIES, granularity
 PHASES = ("rollout", "critic", "actor")
 """The phases of a DMD2 cycle whose activations `plan_cycle` estimates (its cost model); which roles each needs is
 the phase table the caller passes."""
+
+
+GRAD_PHASES = ("critic", "actor")
+"""The phases whose forwards keep activations for a backward: the ones a recompute granularity applies to."""
 
 
 @dataclass
@@ -216,17 +223,36 @@ def _maths(ms: ModelShape, cp: int, sp: bool) -> PlanMaths:
 
 
 def saved_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, recompute=False, cp: int = 1,
-                           sp: bool = False, scores: bool = False) -> int:
+                           sp: bool = False, scores: bool = False, layers: Optional[int] = None) -> int:
     """Estimated bytes a training forward of n samples keeps for its backward (module docstring); `recompute` a
     granularity (a bool: full / none); `cp` and `sp` (a family that splits tokens) split its tokens, `scores` adds
-    what SDPA's math path keeps (the family's `PlanMaths.scores`), whose attention selective cannot keep either."""
+    what SDPA's math path keeps (the family's `PlanMaths.scores`), whose attention selective cannot keep either;
+    `layers`: a forward through the first `layers` blocks only (default all; what is outside them still counted)."""
     f, how = _maths(ms, cp, sp), granularity(recompute)
     if how == "none":
         per_layer = layer_activation_bytes(ms, n, tp, bf16, cp, sp, scores)
     else:
         per_layer = f.block_input(ms, n, bf16, tp, cp, sp)
         per_layer += f.attention_kept(ms, n, tp, bf16, cp, sp) if how == "selective" and not scores else 0
-    return f.outside(ms, n, tp, bf16, how != "none", cp, sp) + ms.spec.num_layers * per_layer
+    return f.outside(ms, n, tp, bf16, how != "none", cp, sp) + (ms.spec.num_layers if layers is None else layers) \
+        * per_layer
+
+
+@dataclass(frozen=True)
+class AddedPass:
+    """A forward with grad that a method adds to a phase, kept for that phase's backward (`plan_cycle`'s `passes`;
+    DMD2's GAN head: `methods.dmd2.gan.gan_passes`): `rows` samples through the first `layers` blocks of a role's
+    model (split over TP / CP / SP like the model's own), and `head` elements in the model dtype that what reads
+    their features keeps (the GAN head on the token grid, whole on every rank)."""
+
+    rows: int
+    layers: int
+    head: int = 0
+
+    def kept_bytes(self, ms: ModelShape, tp: int, bf16: bool, recompute=False, cp: int = 1, sp: bool = False,
+                   scores: bool = False) -> int:
+        trunk = saved_activation_bytes(ms, self.rows, tp, bf16, recompute, cp, sp, scores, self.layers)
+        return (trunk if self.rows else 0) + self.head * (2 if bf16 else 4)
 
 
 def layer_activation_bytes(ms: ModelShape, n: int, tp: int, bf16: bool, cp: int = 1, sp: bool = False,
@@ -359,7 +385,7 @@ def table_needs(phases) -> dict:
 def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: int, denoise: int, bf16: bool,
                recompute=False, guidance: float = 1.0, dist_opt: bool = False, cp: int = 1, sp: bool = False,
                scores: bool = False, lora: Optional[dict] = None, shared_base: bool = True,
-               added: Optional[dict] = None) -> CyclePlan:
+               added: Optional[dict] = None, passes: Optional[dict] = None) -> CyclePlan:
     """Per-rank bytes of each role of the method's phase table `phases` (`methods.base.Phase`s: a role some phase
     trains has grads and an optimizer) in each phase, time-sliced (offload) or all resident. The distributed
     optimizer shards over DP x CP (the ranks that hold the same weights); CP / SP split the activations' tokens.
@@ -367,7 +393,9 @@ def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: i
     time-sliced), else each over its own frozen copy (--no-lora-shared-base). `recompute`: the granularity of every
     forward with grad (a bool: full / none). `added` {role: P or (P, tensors)}: parameters a role's model adds to
     the family's, whole on every rank and trained with the role (DMD2's GAN head on the critic:
-    `methods.dmd2.gan.head_plan`; `role_bytes`' added_params); a role not in the table is a ValueError."""
+    `methods.dmd2.gan.head_plan`; `role_bytes`' added_params); a role not in the table is a ValueError. `passes`
+    {phase: [AddedPass]}: forwards with grad a method adds to a phase with grad (critic, actor), kept with the
+    phase's own (the GAN head's real rows and generator term: `methods.dmd2.gan.gan_passes`)."""
     needs = table_needs(phases)
     trained = frozenset(p.trains for p in phases if p.trains is not None)
     names = tuple(dict.fromkeys(r for p in phases for r in p.needs))
@@ -386,11 +414,18 @@ def plan_cycle(ms: ModelShape, phases, *, tp: int, dp: int, micro: int, steps: i
     held_scores = micro * 4 * x                            # x, x0_fake, x0_real, x_s
     teacher_n = micro * (2 if guidance != 1.0 else 1)
     kw = dict(cp=cp, sp=sp, scores=scores)
+    if not set(passes or {}) <= set(GRAD_PHASES):
+        raise ValueError(f"added passes for {sorted(set(passes) - set(GRAD_PHASES))}: only a phase with grad "
+                         f"({', '.join(GRAD_PHASES)}) keeps a forward for its backward")
+    added_act = {phase: sum(p.kept_bytes(ms, tp, bf16, recompute, **kw) for p in (passes or {}).get(phase, ()))
+                 for phase in GRAD_PHASES}
     act = {"rollout": activation_bytes(ms, steps * micro, tp, bf16, grad=False, **kw) + held_rollout
            + steps * micro * 4 * x,
-           "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw),
-                         activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw)) + held_rollout + held_scores,
-           "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores}
+           "critic": max(activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw)
+                         + added_act["critic"], activation_bytes(ms, teacher_n, tp, bf16, grad=False, **kw))
+           + held_rollout + held_scores,
+           "actor": activation_bytes(ms, micro, tp, bf16, grad=True, recompute=recompute, **kw) + held_scores
+           + added_act["actor"]}
     experts = ms.family.experts(ms.spec)
     plan = CyclePlan(roles, act, needs, trained, frozen_share=1.0 / experts if experts else 1.0, shared_base=shared)
     for phase in PHASES:
@@ -443,10 +478,6 @@ def offload_flags(offload, roles) -> list:
     if not offload:
         return ["--no-offload-inactive"]
     return ["--offload-inactive"] if offload == roles else ["--offload-roles", ",".join(sorted(offload))]
-
-
-GRAD_PHASES = ("critic", "actor")
-"""The phases whose forwards keep activations for a backward: the ones a recompute granularity applies to."""
 
 
 @dataclass(frozen=True)
@@ -551,10 +582,10 @@ class Layout:
 
 def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, budget: float, micro: int, steps: int,
                    denoise: int, bf16: bool, guidance: float = 1.0, scores: bool = False,
-                   lora: Optional[dict] = None, added: Optional[dict] = None) -> list:
+                   lora: Optional[dict] = None, added: Optional[dict] = None, passes: Optional[dict] = None) -> list:
     """Every layout of `world` GPUs the model takes for the method's phase table `phases` (`plan_cycle`; `added`
-    its extra parameters of a role, DMD2's GAN head on the critic), with its plan: [(Layout, CyclePlan, phase bytes,
-    fits)],
+    its extra parameters of a role and `passes` its extra forwards, DMD2's GAN head), with its plan: [(Layout,
+    CyclePlan, phase bytes, fits)],
     best first. TP stays inside a node and divides the heads and the FFN width, TP x CP divides the heads and the
     world (DP = world / (TP x CP)); only a family that splits tokens takes CP > 1 and SP (with TP > 1).
     Best: fits `budget` (bytes per GPU); then the
@@ -569,7 +600,8 @@ def search_layouts(ms: ModelShape, phases, *, world: int, gpus_per_node: int, bu
             for recompute in GRANULARITIES:
                 plan = plan_cycle(ms, phases, tp=tp, dp=world // (tp * cp), micro=micro, steps=steps, denoise=denoise,
                                   bf16=bf16, recompute=recompute, guidance=guidance, dist_opt=world // tp > 1,
-                                  cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora, added=added)
+                                  cp=cp, sp=tp > 1 and splits, scores=scores, lora=lora, added=added,
+                                  passes=passes)
                 roles, totals, fits = choose_offload(plan, budget)
                 moved = sum(sum(plan.roles[r].values()) for r in roles)
                 found.append((Layout(tp, cp, world // (tp * cp), recompute, roles, frozenset(plan.roles), splits),

@@ -51,8 +51,9 @@ from torch import Tensor
 from dmd2_mega import flow
 from dmd2_mega.config import GANConfig
 from dmd2_mega.errors import ConfigError
-from dmd2_mega.methods.dmd2.gan_heads import build_head, head_parameters, head_tensors
+from dmd2_mega.methods.dmd2.gan_heads import build_head, head_kept_elements, head_parameters, head_tensors
 from dmd2_mega.models import FamilyModel
+from dmd2_mega.plan.memory_plan import AddedPass
 from dmd2_mega.distributed.parallel import mark_whole_over_cp
 
 HEAD_SEED_OFFSET = 9173  # the head's init generators are seeded with --seed + this
@@ -279,11 +280,7 @@ def gan_part(cfg, grid: Tensor) -> Optional[GANSettings]:
     if not g.enabled:
         return None
     gan_range = flow.critic_grid(d.critic_grid_size, t.timestep_shift, cfg.gan_sigma_range())[1]
-    real_rows = g.real_rows or t.micro_batch_size  # B: each of the micro-batch's K x B samples once per cycle
-    if real_rows > t.micro_batch_size:
-        raise ConfigError(f"--dmd2-gan-real-rows {real_rows}: at most --micro-batch-size {t.micro_batch_size} per "
-                          f"critic step (step k reads rows [kB, kB + R) of the micro-batch's K x B samples; more "
-                          f"would reuse the next step's)")
+    real_rows = resolve_real_rows(g, t.micro_batch_size)
     return GANSettings(g.disc_weight, g.gen_weight, g.noise, grid[gan_range.to(grid.device)], g.feature_layer,
                        t.seed, tuple(cfg.gan_sigma_range()), real_rows, g.fakes,
                        HeadOptions(g.head, g.head_lr_mult, g.head_weight_decay, g.head_clip_grad))
@@ -297,6 +294,39 @@ def head_plan(gan, ms) -> dict:
         return {}
     grid = tuple(n // p for n, p in zip(ms.spatial, ms.patch))
     return {"critic": (head_parameters(gan.head, ms.spec.hidden_size, grid), head_tensors(gan.head, grid))}
+
+
+def resolve_real_rows(gan, micro: int) -> int:
+    """--dmd2-gan-real-rows of a `config.GANConfig` (default B = `micro`: each of the micro-batch's K x B samples
+    once per cycle), checked against the micro-batch."""
+    real_rows = gan.real_rows or micro
+    if real_rows > micro:
+        raise ConfigError(f"--dmd2-gan-real-rows {real_rows}: at most --micro-batch-size {micro} per critic step "
+                          f"(step k reads rows [kB, kB + R) of the micro-batch's K x B samples; more would reuse the "
+                          f"next step's)")
+    return real_rows
+
+
+def gan_passes(gan, ms, micro: int) -> dict:
+    """What the GAN head adds to the activations of the memory plan (`plan.memory_plan.plan_cycle`'s `passes`) at
+    micro-batch B = `micro`, {} without --dmd2-gan: {phase: (AddedPass,)}, each kept with the phase's own forward:
+        critic: the reals (r rows, --dmd2-gan-real-rows, default B) through blocks 0..l, with --dmd2-gan-fakes
+                separate or --no-dmd2-gan-noise the B fakes too (`GANSettings.critic_forward`); the head on them and
+                on the forward's own B rows;
+        actor:  the generator term, the student's B samples through the frozen critic's blocks 0..l and its head
+                (the student's gradient flows back through them: the same activations as a trained forward).
+    l + 1 = --dmd2-gan-feature-layer + 1 blocks (`resolve_layer`); the head's share is `head_kept_elements` on the
+    token grid `head_plan` reads. Measured with saved-tensor hooks in tests/test_plan_gan.py."""
+    if not gan.enabled:
+        return {}
+    layers = resolve_layer(gan.feature_layer, ms.spec.num_layers) + 1
+    grid = tuple(n // p for n, p in zip(ms.spatial, ms.patch))
+    reals = resolve_real_rows(gan, micro)
+    rows = reals if gan.noise and gan.fakes == "own" else micro + reals
+
+    def head(n: int) -> int:
+        return head_kept_elements(gan.head, ms.spec.hidden_size, grid, n)
+    return {"critic": (AddedPass(rows, layers, head(micro + rows)),), "actor": (AddedPass(micro, layers, head(micro)),)}
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:

@@ -22,6 +22,8 @@ the critic whole, head included, under --bf16: `methods/trainer.py` `cast_model`
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -71,6 +73,25 @@ def head_tensors(kind: str, grid: tuple) -> int:
     if kind not in HEADS:
         raise ValueError(f"--dmd2-gan-head must be one of {HEADS}, got {kind!r}")
     return 4 if kind == "mlp" else 4 * len(conv_stages(tuple(grid))) + 2
+
+
+def head_kept_elements(kind: str, channels: int, grid: tuple, n: int) -> int:
+    """Elements (in the head's dtype) a training forward of `build_head(kind, channels, grid, .)` on n grids keeps
+    for its backward (the memory planner's; measured with saved-tensor hooks, tests/test_plan_gan.py): conv, its
+    input n C |grid| and per stage of `conv_stages` the convolution's, GroupNorm's and SiLU's outputs 3 n C |out|
+    (|out| the stage's output grid, a video model's frames included) with GroupNorm's statistics 2 n groups;
+    mlp, its linears' and SiLU's inputs, 3 n C."""
+    c = channels
+    if kind == "mlp":
+        return 3 * n * c
+    head_parameters(kind, c, grid)  # its errors: an unknown kind, a grid of neither 2 nor 3 dims
+    frames, (h, w) = math.prod(grid[:-2]), grid[-2:]
+    kept = n * c * frames * h * w
+    stages = len(conv_stages(tuple(grid)))
+    for stage in range(stages):  # the halvings, then the one to 1 x 1
+        h, w = (1, 1) if stage == stages - 1 else ((h // 2 if h > 1 else 1), (w // 2 if w > 1 else 1))
+        kept += 3 * n * c * frames * h * w + 2 * n * norm_groups(c)
+    return kept
 
 
 class ConvHead(nn.Module):

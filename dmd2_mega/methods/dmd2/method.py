@@ -13,7 +13,7 @@ import torch
 
 from dmd2_mega.methods.base import CycleResult, MicroBatch, table_roles, trained_in
 from dmd2_mega.methods.dmd2.cycle import run_cycle, steps
-from dmd2_mega.methods.dmd2.gan import NO_GAN, head_plan
+from dmd2_mega.methods.dmd2.gan import NO_GAN, gan_passes, head_plan
 from dmd2_mega.methods.dmd2.phases import PHASES
 from dmd2_mega.methods.dmd2.records import DMD2Settings
 from dmd2_mega.methods.trainer import StudentTrainer
@@ -73,7 +73,8 @@ class DMD2Method:
                              cp=ps.cp_size, sp=ps.sequence_parallel,
                              lora={r: cfg.lora.rank(r) for r in ("student", "critic")},
                              shared_base=not cfg.lora.no_shared_base,
-                             added=head_plan(cfg.gan, ms))  # the GAN head's parameters on the critic
+                             added=head_plan(cfg.gan, ms),  # the GAN head's parameters on the critic
+                             passes=gan_passes(cfg.gan, ms, cfg.train.micro_batch_size))  # and its forwards
         return mp.choose_offload(plan, budget)  # the run's table: with the GAN head, the actor needs critic weights
 
     def flops_per_iter(self, per_sample, num_micro_batches: int) -> Optional[float]:
