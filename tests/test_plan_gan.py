@@ -122,6 +122,12 @@ def test_gan_passes_rows_and_the_plan_taking_them():
     assert gan.activations["rollout"] == plain.activations["rollout"] and gan.roles == plain.roles
     with pytest.raises(ValueError, match="only a phase with grad"):
         mp.plan_cycle(ms, table(gan=True), passes={"rollout": own["actor"]}, **kw)
+    search = dict(world=8, gpus_per_node=8, budget=2 ** 50, micro=2, steps=5, denoise=4, bf16=True)
+    found = [mp.search_layouts(ms, table(gan=True), passes=passes, **search) for passes in (None, own)]
+    assert [f[0] for f in found[0]] == [f[0] for f in found[1]]  # at an unbounded budget: the same layouts
+    for (layout, plain_plan, _, _), (_, gan_plan, _, _) in zip(*found):
+        for phase in ("critic", "actor"):
+            assert gan_plan.activations[phase] > plain_plan.activations[phase], (layout, phase)
 
 
 def test_cli_plans_the_gan_passes(capsys):
