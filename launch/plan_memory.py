@@ -11,11 +11,12 @@
     python launch/plan_memory.py --model-size wan2.1-14b --latent-shape 16 21 60 104 --text-len 512 \
         --micro-batch-size 1 --bf16 --world-size 64 --gpus-per-node 8 --search [--emit-flags]
 
-The flags that describe the run (model, parallel sizes, micro-batch, --bf16, recompute, K, N, guidance,
---dmd2-gan and its head, real rows, fakes, noise and feature layer, --gpu-memory-gb) are launch/pretrain_dmd2.py's
-own (`arguments.add_memory_plan_args`: same names, defaults, help and checks); --data-parallel-size, the latent shape, --attention-kernel and the search are the
-planner's. Which roles each phase needs is DMD2's phase table (`methods.dmd2.phases.table`, with the GAN head's
-part under --dmd2-gan). Without --gpu-memory-gb it plans for 80 GiB GPUs (the trainer reads its device's).
+The flags that describe the run (model, parallel sizes, micro-batch, --bf16, recompute, K, N, guidance, --dmd2-gan and
+its head, real rows, fakes, noise and feature layer, --gpu-memory-gb) are launch/pretrain_dmd2.py's own
+(`arguments.add_memory_plan_args`: same names, defaults, help and checks); --data-parallel-size, the latent shape,
+--attention-kernel and the search are the planner's. Which roles each phase needs is DMD2's phase table
+(`methods.dmd2.phases.table`, with the GAN head's part under --dmd2-gan). Without --gpu-memory-gb it plans for 80 GiB
+GPUs (the trainer reads its device's).
 Prints, per rank (one GPU): each role's parameters (the critic's with the GAN head's under --dmd2-gan, whole on
 every rank: `methods.dmd2.gan.head_plan`), gradients, fp32 master gradients (--bf16, alive
 during the optimizer step), optimizer state (fp32 masters under --bf16 + AdamW moments + step

@@ -86,8 +86,8 @@ def test_a_failed_job_stops_the_script_and_the_others(tmp_path):
 
 def test_a_stopped_job_runs_no_further_command_however_slow_the_killing(tmp_path):
     # CI once saw 'sleep 40; touch' touch: the leaves were killed before their parent shell, which ran its next
-    # command in between. Slowing every kill down (a pause after each signal sent) makes that window wide; the tree must be
-    # frozen before any of it is killed, so nothing runs in it
+    # command in between. Slowing every kill down (a pause after each signal sent) makes that window wide; the tree
+    # must be frozen before any of it is killed, so nothing runs in it
     proc, took = run_script(tmp_path, f"""
         kill() {{ builtin kill "$@"; local rc=$?; [ "$1" = -0 ] || sleep 0.3; return $rc; }}
         jobs_init
