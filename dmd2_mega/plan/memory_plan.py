@@ -102,8 +102,13 @@ class ModelShape:
         return tuple(p) if isinstance(p, tuple) else (p,) * len(self.spatial)
 
     @property
+    def token_grid(self) -> tuple:
+        """The patch grid: (H, W) of an image model, (F, H, W) of a video model (`FamilyModel.feature_grid`)."""
+        return tuple(n // p for n, p in zip(self.spatial, self.patch))
+
+    @property
     def tokens(self) -> int:
-        return math.prod(n // p for n, p in zip(self.spatial, self.patch))
+        return math.prod(self.token_grid)
 
     @property
     def text_len(self) -> int:

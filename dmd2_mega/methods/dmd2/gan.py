@@ -292,7 +292,7 @@ def head_plan(gan, ms) -> dict:
     the trunk's hidden size over its token grid, as `GANCritic` builds it), {} without --dmd2-gan."""
     if not gan.enabled:
         return {}
-    grid = tuple(n // p for n, p in zip(ms.spatial, ms.patch))
+    grid = ms.token_grid
     return {"critic": (head_parameters(gan.head, ms.spec.hidden_size, grid), head_tensors(gan.head, grid))}
 
 
@@ -320,7 +320,7 @@ def gan_passes(gan, ms, micro: int) -> dict:
     if not gan.enabled:
         return {}
     layers = resolve_layer(gan.feature_layer, ms.spec.num_layers) + 1
-    grid = tuple(n // p for n, p in zip(ms.spatial, ms.patch))
+    grid = ms.token_grid
     reals = resolve_real_rows(gan, micro)
     rows = reals if gan.noise and gan.fakes == "own" else micro + reals
 
