@@ -46,7 +46,8 @@ from dmd2_mega.config import OptimConfig
 from dmd2_mega.errors import ConfigError
 from dmd2_mega.train.grad_buffer import GradBuffer
 from dmd2_mega.train.optim import (Optimizer, check_group_count, clip_coefficient, clip_groups, device_lrs,
-                                   groups_to_save, keep_lr_mults, keep_weight_decays, param_groups, restore_lrs)
+                                   groups_to_save, keep_lr_mults, keep_weight_decays, param_groups, restore_lrs,
+                                   sum_squares, tp_world_size)
 from dmd2_mega.distributed.parallel import any_rank, tp_partition_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -161,15 +162,11 @@ class DistributedOptimizer(Optimizer):
         """[2G]: each clip group's TP-sharded squares, then each one's replicated squares, of the reduced gradients,
         summed over this rank's fragments, all-reduced over DP, the sharded part then over TP (no host sync). The
         global norm is the root of their sum; group i's, that of entries i and G + i."""
-        parts = []
-        for gs in self._norm_grads:
-            parts.append(torch.stack(torch._foreach_norm(gs)).square().sum() if gs else
-                         torch.zeros((), dtype=torch.float32, device=self._dev))
-        sq = torch.stack(parts)
+        sq = torch.stack([sum_squares(gs, self._dev) for gs in self._norm_grads])
         if self.grads.dp_group is not None:
             dist.all_reduce(sq, group=self.grads.dp_group)
         n = len(self._clip_maxes)
-        if self.tp_group is not None and dist.is_initialized() and dist.get_world_size(self.tp_group) > 1:
+        if tp_world_size(self.tp_group) > 1:
             tp = sq[:n].clone()
             dist.all_reduce(tp, group=self.tp_group)
             sq = torch.cat([tp, sq[n:]])

@@ -473,14 +473,14 @@ def split_by_tp(params: Iterable[torch.nn.Parameter]) -> tuple[list, list]:
             [p.grad for p in params if tp_partition_dim(p) is None])
 
 
-def _sum_sq(gs: list, dev) -> torch.Tensor:
+def sum_squares(gs: list, dev) -> torch.Tensor:
     """Sum of squared per-tensor norms: one foreach launch, not two kernels per tensor (fp32 [])."""
     if not gs:
         return torch.zeros((), device=dev, dtype=torch.float32)
     return torch.stack(torch._foreach_norm(gs)).float().square().sum()
 
 
-def _tp_size(tp_group) -> int:
+def tp_world_size(tp_group) -> int:
     return dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
 
 
@@ -489,20 +489,20 @@ def tp_norm(sharded: list, replicated: list, tp_group=None) -> torch.Tensor:
     if not sharded and not replicated:
         return torch.zeros(())
     dev = (sharded or replicated)[0].device
-    s = _sum_sq(sharded, dev)
-    if _tp_size(tp_group) > 1:
+    s = sum_squares(sharded, dev)
+    if tp_world_size(tp_group) > 1:
         dist.all_reduce(s, group=tp_group)
-    return (s + _sum_sq(replicated, dev)).sqrt()
+    return (s + sum_squares(replicated, dev)).sqrt()
 
 
 def tp_squares(splits: list, tp_group=None) -> torch.Tensor:
     """[G] fp32: the squared L2 norm of each group of gradients, `splits` [(sharded, replicated)] by `split_by_tp`,
     under `tp_norm`'s rule; the groups' sharded squares in one TP all-reduce (no host sync)."""
     dev = next((t.device for s, r in splits for t in (*s, *r)), torch.device("cpu"))
-    sharded = torch.stack([_sum_sq(s, dev) for s, _ in splits])
-    if _tp_size(tp_group) > 1:
+    sharded = torch.stack([sum_squares(s, dev) for s, _ in splits])
+    if tp_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
-    return sharded + torch.stack([_sum_sq(r, dev) for _, r in splits])
+    return sharded + torch.stack([sum_squares(r, dev) for _, r in splits])
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
