@@ -99,8 +99,9 @@ PLANNED = {
         help="critic block whose output token grid feeds the head (default the last block of the first half)")),
     "--dmd2-gan-fakes": (GANConfig, "fakes", dict(
         choices=("own", "separate"),
-        help="own: the critic forward's rows in the GAN range (default, no forward of their own); separate: every "
-             "row's x0hat noised apart into the range (tianweiy/DMD2's; half a critic pass more per step)")),
+        help="own: the critic forward's rows in the GAN range (default, no forward of their own); separate: the x0hat "
+             "of as many rows as --dmd2-gan-real-rows noised apart into the range (tianweiy/DMD2's; those rows through "
+             "the critic's first half more per step)")),
     "--dmd2-gan-head": (GANConfig, "head", dict(
         choices=("conv", "mlp"),
         help="conv: strided convolutions + GroupNorm + SiLU over the token grid (tianweiy/DMD2's form; default); "

@@ -606,8 +606,9 @@ class GANConfig:
     """--dmd2-gan-gen-weight: weight of the generator loss in the actor's."""
     fakes: str = "own"
     """--dmd2-gan-fakes own | separate: the head's fakes are the critic forward's own rows whose sigma lies in the GAN
-    range (no forward of their own; about range / score range of B) or every row's x0hat noised apart into the range
-    (tianweiy/DMD2's: all B, in the reals' rows, half a critic pass more per step)."""
+    range (no forward of their own; about range / score range of B) or the x0hat of the step's first R rows (R =
+    --dmd2-gan-real-rows, as many fakes as reals) noised apart into the range (tianweiy/DMD2's: in the reals' rows
+    of the forward, R more rows through blocks 0..l per step)."""
     head: str = "conv"
     """--dmd2-gan-head conv | mlp: the discriminator head (methods/dmd2/gan_heads.py): strided convolutions over the
     block's token grid (tianweiy/DMD2's form) or the token mean into an MLP (the head before issue 54)."""

@@ -120,12 +120,12 @@ def test_critic_steps_with_gan_equal_float64_replay(noise, fakes):
                 sg = gan_choices[idx]
                 eg = torch.randn(real.shape, generator=rgens[j], dtype=F64)
                 xr = (1 - sg.to(F64).reshape(-1, 1, 1, 1)) * real + sg.to(F64).reshape(-1, 1, 1, 1) * eg
-                if fakes == "separate":  # every row's x0hat noised apart into the range, drawn after the reals
-                    sf = gan_choices[torch.randint(0, gan_choices.numel(), (B,), generator=rgens[j])]
-                    ef = torch.randn(x0hat.shape, generator=rgens[j], dtype=F64)
-                    xf = (1 - sf.to(F64).reshape(-1, 1, 1, 1)) * x0hat + sf.to(F64).reshape(-1, 1, 1, 1) * ef
-                    keep = torch.ones(B, dtype=torch.bool)
-                    fake = ref_logits(model, xf, sf, cond)
+                if fakes == "separate":  # the first R rows' x0hat noised apart into the range, drawn after the reals
+                    sf = gan_choices[torch.randint(0, gan_choices.numel(), (R,), generator=rgens[j])]
+                    ef = torch.randn(x0hat[:R].shape, generator=rgens[j], dtype=F64)
+                    xf = (1 - sf.to(F64).reshape(-1, 1, 1, 1)) * x0hat[:R] + sf.to(F64).reshape(-1, 1, 1, 1) * ef
+                    keep = torch.ones(R, dtype=torch.bool)
+                    fake = ref_logits(model, xf, sf, cond[:R])
             else:
                 keep = torch.ones(B, dtype=torch.bool)
                 fake = ref_logits(model, x0hat, torch.zeros(B), cond)

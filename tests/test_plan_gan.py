@@ -75,8 +75,8 @@ def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_sha
     assert critic_pass.layers == actor_pass.layers == resolve_layer(None, ms.spec.num_layers) + 1
     critic = GANCritic(model, critic_pass.layers - 1, 0, HeadOptions(kind)).to(next(model.parameters()).dtype)
     extra = batch(ms, r, seed=1)
-    if fakes == "separate":  # the fakes noised apart run with the reals: B + r rows
-        extra = tuple(torch.cat([f, e]) for f, e in zip(batch(ms, n, seed=2), extra))
+    if fakes == "separate":  # as many fakes as reals, noised apart, run with the reals: 2r rows
+        extra = tuple(torch.cat([f, e]) for f, e in zip(batch(ms, r, seed=2), extra))
     maths = mp._maths(ms, 1, False)
 
     def outside(rows):
@@ -92,11 +92,11 @@ def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_sha
 
 
 def test_gan_passes_rows_and_the_plan_taking_them():
-    """gan_passes: the critic phase's pass is the reals (own fakes) or the fakes and the reals (separate, or clean
-    with --no-dmd2-gan-noise), the head on the forward's B rows besides; the actor's the B samples. plan_cycle adds
-    exactly their bytes to the phases with grad (the critic's beside its own forward, not the teacher's); no pass
-    outside a phase with grad; the CLI's flags reach them; --dmd2-gan-real-rows above B refused as the trainer
-    refuses it."""
+    """gan_passes: the critic phase's pass is the reals (own fakes), as many fakes and the reals (separate) or the B
+    fakes and the reals (clean, --no-dmd2-gan-noise), the head on the forward's B rows besides; the actor's the B
+    samples. plan_cycle adds exactly their bytes to the phases with grad (the critic's beside its own forward, not the
+    teacher's); no pass outside a phase with grad; the CLI's flags reach them; --dmd2-gan-real-rows above B refused
+    as the trainer refuses it."""
     ms = mp.model_shape("wan2.1-1.3b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
     grid, layers = (21, 30, 52), 15
 
@@ -105,7 +105,7 @@ def test_gan_passes_rows_and_the_plan_taking_them():
     own = gan_passes(GANConfig(enabled=True), ms, 2)
     assert own == {"critic": (mp.AddedPass(2, layers, head(4)),), "actor": (mp.AddedPass(2, layers, head(2)),)}
     assert gan_passes(GANConfig(enabled=True, real_rows=1, fakes="separate"), ms, 2)["critic"] == \
-        (mp.AddedPass(3, layers, head(5)),)
+        (mp.AddedPass(2, layers, head(4)),)
     assert gan_passes(GANConfig(enabled=True, noise=False, feature_layer=3), ms, 2)["critic"] == \
         (mp.AddedPass(4, 4, head(6)),)
     assert gan_passes(GANConfig(), ms, 2) == {}

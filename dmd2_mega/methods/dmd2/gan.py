@@ -22,9 +22,9 @@ Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score 
     fake (critic step k): the step's own flow-matching inputs x_s = (1 - sigma) x0hat + sigma eps, sigma ~ U{the
         step's grid}; the rows whose sigma lies in the GAN range count (weight 1, else 0). Given that, a row is
         x0hat noised to sigma ~ U{choices}, as a separately drawn input would be, and costs no forward of its own.
-        `--dmd2-gan-fakes separate`: every row's x0hat noised apart to sigma ~ U{choices} (tianweiy/DMD2's; drawn
-        from the critic generator after the reals), in the reals' rows of the forward: all B count, for half a
-        critic pass more per step.
+        `--dmd2-gan-fakes separate`: the x0hat of the step's first r rows (r = the reals' count) noised apart to
+        sigma ~ U{choices} (drawn from the critic generator after the reals), in the reals' rows of the forward:
+        as many fakes as reals, all counted, like tianweiy/DMD2's; r more rows through blocks 0..l per step.
     real: r dataset samples per critic step (--dmd2-gan-real-rows, default B: rows [kB, kB + r) of the micro-batch's
         K x B, each once per cycle, as many reals as fakes like tianweiy/DMD2's), noised to sigma ~ U{choices} with
         eps ~ N(0, I) from the critic generator after the flow-matching draws, inside the critic's forwards.
@@ -218,11 +218,11 @@ class GANSettings:
         real = mb.real[k * size:k * size + r].to(b.x0hat.dtype)
         if self.noise:
             x_r, sigma_r = gan_inputs(real, mb.critic_gen, self)
-            if self.fakes == "separate":  # every row's x0hat noised apart, after the reals' draws
-                x_f, sigma_f = gan_inputs(b.x0hat, mb.critic_gen, self)
-                extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond, b.cond[:r]]))
+            if self.fakes == "separate":  # the first r rows' x0hat noised apart, after the reals' draws
+                x_f, sigma_f = gan_inputs(b.x0hat[:r], mb.critic_gen, self)
+                extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond[:r], b.cond[:r]]))
                 v, _, logits = model(x_s, sigma, b.cond, extra=extra)
-                fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
+                fake, real_logits, weight = logits[:r], logits[r:], torch.ones(r, device=x_s.device)
             else:
                 v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
                 weight = torch.isin(sigma, self.choices).float()  # the forward's rows the draw put in the GAN range
@@ -233,7 +233,7 @@ class GANSettings:
         d_loss = discriminator_loss(fake, real_logits, weight)
         stats = {"gan-disc-loss": d_loss.detach(),  # mean D(real) - mean D(counted fake):
                  "gan-logit-gap": (real_logits.mean() - counted_mean(fake, weight)).detach(),
-                 "gan-fake-share": weight.mean()}  # the share of this step's rows in the GAN range
+                 "gan-fake-share": weight.sum() / n}  # the fakes counted, as a share of the step's B rows
         return v.to(x_s.dtype), self.disc_weight * d_loss, stats
 
     def actor_term(self, critic, x0hat: Tensor, gen, cond: Tensor):
@@ -264,7 +264,7 @@ class GANSettings:
 
     def describe(self, roles: dict) -> str:
         fakes = ("fakes clean, a forward of their own" if not self.noise else
-                 f"fakes: every row noised apart into {list(self.sigma_range)}" if self.fakes == "separate" else
+                 f"fakes: {self.real_rows} rows noised apart into {list(self.sigma_range)}" if self.fakes == "separate" else
                  f"fakes: the critic forward's rows in {list(self.sigma_range)}")
         h = self.head
         lr = f", lr x{h.lr_mult:g}" if h.lr_mult != 1.0 else ""
@@ -311,8 +311,8 @@ def gan_passes(gan, ms, micro: int) -> dict:
     """What the GAN head adds to the activations of the memory plan (`plan.memory_plan.plan_cycle`'s `passes`) at
     micro-batch B = `micro`, {} without --dmd2-gan: {phase: (AddedPass,)}, each kept with the phase's own forward:
         critic: the reals (r rows, --dmd2-gan-real-rows, default B) through blocks 0..l, with --dmd2-gan-fakes
-                separate or --no-dmd2-gan-noise the B fakes too (`GANSettings.critic_forward`); the head on them and
-                on the forward's own B rows;
+                separate r fakes too, with --no-dmd2-gan-noise the B clean fakes (`GANSettings.critic_forward`); the
+                head on them and on the forward's own B rows;
         actor:  the generator term, the student's B samples through the frozen critic's blocks 0..l and its head
                 (the student's gradient flows back through them: the same activations as a trained forward).
     l + 1 = --dmd2-gan-feature-layer + 1 blocks (`resolve_layer`); the head's share is `head_kept_elements` on the
@@ -322,7 +322,7 @@ def gan_passes(gan, ms, micro: int) -> dict:
     layers = resolve_layer(gan.feature_layer, ms.spec.num_layers) + 1
     grid = ms.token_grid
     reals = resolve_real_rows(gan, micro)
-    rows = reals if gan.noise and gan.fakes == "own" else micro + reals
+    rows = micro + reals if not gan.noise else reals if gan.fakes == "own" else 2 * reals
 
     def head(n: int) -> int:
         return head_kept_elements(gan.head, ms.spec.hidden_size, grid, n)
