@@ -19,7 +19,10 @@ accuracy, diversity relative to real), next to the teacher at 50/4/1 Euler steps
 Prints a per-run table and a mean-per-cell table (mean, sample standard deviation and each seed; Markdown);
 --results appends both to a file. --jobs J distils J cells at once, every run (calibrations included) on --threads
 threads, so that the calibrated cycle counts hold while J run side by side.
-Resumable: a finished cell (its samples.npz exists) is not run again. A script, not a unit test.
+Resumable: a finished cell (its samples.npz exists) is not run again, and the seconds per cycle are kept in
+OUT/calibration.json (per steps and flags) and reused, so that a resumed cell runs the cycles its finished seeds ran
+(a second calibration on a machine of changing load gave 0.619 s where the first gave 0.530); --recalibrate measures
+again. A script, not a unit test.
 """
 from __future__ import annotations
 
@@ -154,6 +157,8 @@ def main(argv=None) -> int:
                    help="one more cell: its name, its table label and its pretrain_dmd2.py flags, in one string")
     p.add_argument("--extra", default="", help="further pretrain_dmd2.py flags for every cell (one string)")
     p.add_argument("--results", default=None, help="append the tables to this Markdown file")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the seconds per cycle again, not reuse OUT/calibration.json's")
     a = p.parse_args(argv)
     a.cells = {**CONFIGS, **dict(a.add_config)}
     a.configs = a.configs or list(a.cells)
@@ -174,16 +179,21 @@ def main(argv=None) -> int:
         rows.append({"model": f"teacher, {n} Euler steps, CFG 1.25", **r})
         print(f"> teacher {n} steps: FD {r['frechet_distance']:.3f}", flush=True)
     jobs = []  # (steps, config, seed, iters, budget): every cell, calibrated before any runs
+    saved_path = os.path.join(a.out, "calibration.json")
+    saved = {} if a.recalibrate or not os.path.exists(saved_path) else json.load(open(saved_path))
     for steps in a.steps:
         budget = a.budget_4step if steps == 4 else a.budget_1step
-        per_cycle = {}  # cells of the same flags share one calibration
-        for cfg in a.configs:
+        for cfg in a.configs:  # cells of the same steps and flags share one calibration
             label, flags = a.cells[cfg]
-            key = tuple(flags)
-            if key not in per_cycle:
-                per_cycle[key] = seconds_per_cycle(a, a.out, steps, cfg, flags + extra_all)
-                print(f"> {steps}-step {label}: {per_cycle[key]:.3f} s per cycle", flush=True)
-            jobs += [(steps, cfg, seed, max(1, int(budget // per_cycle[key])), budget) for seed in a.seeds]
+            key = f"{steps}-step: {' '.join(flags + extra_all)}"
+            if key in saved:
+                print(f"> {steps}-step {label}: {saved[key]:.3f} s per cycle ({saved_path})", flush=True)
+            else:
+                saved[key] = seconds_per_cycle(a, a.out, steps, cfg, flags + extra_all)
+                print(f"> {steps}-step {label}: {saved[key]:.3f} s per cycle", flush=True)
+                with open(saved_path, "w") as f:
+                    json.dump(saved, f, indent=1)
+            jobs += [(steps, cfg, seed, max(1, int(budget // saved[key])), budget) for seed in a.seeds]
     with ThreadPoolExecutor(a.jobs) as pool:  # --jobs cells at once, each on --threads threads
         cells = list(pool.map(lambda job: cell(a, extra_all, *job), jobs))
     text = report(rows, cells, a)
