@@ -22,7 +22,10 @@
 # cores, at most 4).
 # The students' recipe is the best cell of benchmarks/quality_ablation.py (docs/performance.md, "Quality
 # ablation"): DMD only, no GAN head and no EMA, 360 cycles (its 240 s budget on 2 CPU cores); the
-# GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.03-1.3x per cycle and did not pay for itself there.
+# GAN head (DMD2_FLAGS_*="--dmd2-gan ...") costs 1.15-1.4x per cycle and did not pay for itself there. It pays in
+# longer runs: DMD2_ITERS_1STEP=1300 DMD2_FLAGS_1STEP="--dmd2-gan --dmd2-gan-sigma-range 0.05 0.3
+# --dmd2-gan-gen-weight 3e-2 --dmd2-gan-head-lr-mult 3 --dmd2-gan-real-rows 8" gave a 1-step student below the
+# 50-step teacher (FD 1.22 against 1.31; DMD only 1.41 at equal time; benchmarks/RESULTS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
