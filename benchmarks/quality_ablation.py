@@ -180,7 +180,10 @@ def main(argv=None) -> int:
         print(f"> teacher {n} steps: FD {r['frechet_distance']:.3f}", flush=True)
     jobs = []  # (steps, config, seed, iters, budget): every cell, calibrated before any runs
     saved_path = os.path.join(a.out, "calibration.json")
-    saved = {} if a.recalibrate or not os.path.exists(saved_path) else json.load(open(saved_path))
+    saved = {}
+    if not a.recalibrate and os.path.exists(saved_path):
+        with open(saved_path) as f:
+            saved = json.load(f)
     for steps in a.steps:
         budget = a.budget_4step if steps == 4 else a.budget_1step
         for cfg in a.configs:  # cells of the same steps and flags share one calibration

@@ -263,9 +263,10 @@ class GANSettings:
         return _no_head_hint(name, state, True)
 
     def describe(self, roles: dict) -> str:
+        rng = list(self.sigma_range)
         fakes = ("fakes clean, a forward of their own" if not self.noise else
-                 f"fakes: {self.real_rows} rows noised apart into {list(self.sigma_range)}" if self.fakes == "separate" else
-                 f"fakes: the critic forward's rows in {list(self.sigma_range)}")
+                 f"fakes: {self.real_rows} rows noised apart into {rng}" if self.fakes == "separate" else
+                 f"fakes: the critic forward's rows in {rng}")
         h = self.head
         lr = f", lr x{h.lr_mult:g}" if h.lr_mult != 1.0 else ""
         head = f"{h.kind} head (weight decay {h.weight_decay:g}, clip {h.clip_grad:g}{lr})"
