@@ -103,6 +103,14 @@ def test_gan_critic_velocity_logits_and_state_keys(world):
     _, feats, extra_feats = critic.forward_features_and(x, s, y, 1, (xg, sg, yg))
     torch.testing.assert_close(critic.head(torch.cat([feats, extra_feats])), torch.cat([fake, logits]), rtol=0, atol=0)
     assert logits.abs().max() > 0
+    # own=False (separate or clean fakes, all in extra): the head runs on the 4 extra rows alone, the same logits
+    rows = []
+    hook = critic.head.register_forward_pre_hook(lambda _, inputs: rows.append(inputs[0].shape[0]))
+    v3, none, logits3 = critic(x, s, y, extra=(xg, sg, yg), own=False)
+    hook.remove()
+    assert none is None and rows == [4]
+    torch.testing.assert_close(v3, v2, rtol=0, atol=0)
+    torch.testing.assert_close(logits3, logits, **tol)
     # state dict: the trunk's keys under trunk.*, the head's under head.*
     sd = critic.state_dict()
     assert set(sd) == {f"trunk.{k}" for k in trunk.state_dict()} | {f"head.{k}" for k in critic.head.state_dict()}

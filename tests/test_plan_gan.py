@@ -48,8 +48,8 @@ def test_head_kept_elements_exact(kind, channels, grid, dtype):
     assert got == head_kept_elements(kind, channels, grid, 3) * (2 if dtype == torch.bfloat16 else 4)
 
 
-def _critic_step(critic, x, sigma, cond, extra):
-    return critic(x, sigma, cond, extra=extra)
+def _critic_step(critic, x, sigma, cond, extra, own):
+    return critic(x, sigma, cond, extra=extra, own=own)
 
 
 def _generator_term(critic, x, sigma, cond):
@@ -63,7 +63,7 @@ def _generator_term(critic, x, sigma, cond):
                          ids=["dit-labels", "dit-text", "wan", "wan-i2v"])
 def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_shape, kind, bf16, fakes, recompute):
     """The critic step with the head (B fakes' forward + the reals, separate fakes too, through blocks 0..l; the
-    head on all of them) and the actor's generator term (B samples through the frozen critic's blocks 0..l and
+    head on all of them, the forward's own B rows only where those are the fakes) and the actor's generator term (B samples through the frozen critic's blocks 0..l and
     its head) keep no more than the plan says (a plan that under-counts runs out of memory), and the plan's excess
     is at most the families' own (ACT_FACTOR, the DiT's) plus what is outside the blocks, which the planner counts
     whole for a forward that stops at block l (the final layer's share: small beside a real model's blocks). The
@@ -82,7 +82,7 @@ def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_sha
     def outside(rows):
         return maths.outside(ms, rows, 1, bf16, recompute is not None, 1, False)
     # the critic step: what the head's part adds to the forward's own (whose estimate is the family's, tested apart)
-    got = kept_bytes(_Module(critic, lambda c, *x: _critic_step(c, *x, extra)), batch(ms, n)) \
+    got = kept_bytes(_Module(critic, lambda c, *x: _critic_step(c, *x, extra, fakes == "own")), batch(ms, n)) \
         - kept_bytes(model, batch(ms, n))
     est = critic_pass.kept_bytes(ms, 1, bf16, recompute)
     assert got <= est <= ACT_FACTOR * got + outside(critic_pass.rows), (got, est)
@@ -92,9 +92,9 @@ def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_sha
 
 
 def test_gan_passes_rows_and_the_plan_taking_them():
-    """gan_passes: the critic phase's pass is the reals (own fakes), as many fakes and the reals (separate) or the B
-    fakes and the reals (clean, --no-dmd2-gan-noise), the head on the forward's B rows besides; the actor's the B
-    samples. plan_cycle adds exactly their bytes to the phases with grad (the critic's beside its own forward, not the
+    """gan_passes: the critic phase's pass is the reals (own fakes: the head on the forward's B rows besides), as
+    many fakes and the reals (separate) or the B fakes and the reals (clean, --no-dmd2-gan-noise), the head on those
+    alone; the actor's the B samples. plan_cycle adds exactly their bytes to the phases with grad (the critic's beside its own forward, not the
     teacher's); no pass outside a phase with grad; the CLI's flags reach them; --dmd2-gan-real-rows above B refused
     as the trainer refuses it."""
     ms = mp.model_shape("wan2.1-1.3b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
@@ -105,9 +105,9 @@ def test_gan_passes_rows_and_the_plan_taking_them():
     own = gan_passes(GANConfig(enabled=True), ms, 2)
     assert own == {"critic": (mp.AddedPass(2, layers, head(4)),), "actor": (mp.AddedPass(2, layers, head(2)),)}
     assert gan_passes(GANConfig(enabled=True, real_rows=1, fakes="separate"), ms, 2)["critic"] == \
-        (mp.AddedPass(2, layers, head(4)),)
+        (mp.AddedPass(2, layers, head(2)),)
     assert gan_passes(GANConfig(enabled=True, noise=False, feature_layer=3), ms, 2)["critic"] == \
-        (mp.AddedPass(4, 4, head(6)),)
+        (mp.AddedPass(4, 4, head(4)),)
     assert gan_passes(GANConfig(), ms, 2) == {}
     with pytest.raises(ConfigError, match="--dmd2-gan-real-rows 3: at most --micro-batch-size 2"):
         gan_passes(GANConfig(enabled=True, real_rows=3), ms, 2)

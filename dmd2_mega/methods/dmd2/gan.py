@@ -14,8 +14,9 @@ see both (state-dict keys `trunk.*` and `head.*`).
         --dmd2-gan-head-weight-decay on all its parameters, its gradient clipped apart to --dmd2-gan-head-clip-grad
         (tianweiy/DMD2's guidance AdamW: weight decay 0.01, clip 10).
 `GANCritic.forward(x, sigma, cond)` is the trunk's velocity; with `extra=(x', sigma', cond')` it returns
-(v, the head's logits on x from the same forward's features, the head's logits on x'), so that DDP sees the
-flow-matching and GAN terms of a critic step in one call; the trunk runs x' in x's batch up to block l
+(v, the head's logits on x from the same forward's features, the head's logits on x'; with `own=False`, where
+all the fakes are in x', no head pass on x and None in its place), so that DDP sees the flow-matching and GAN terms
+of a critic step in one call; the trunk runs x' in x's batch up to block l
 (`FamilyModel.forward_features_and`: one pass of B + r rows, not a second small one). `logits(x, sigma, cond)` is
 the head alone (the actor's frozen critic).
 Inputs at a sigma of the GAN range (`--dmd2-gan-sigma-range`, default the score range; its grid points `choices`):
@@ -86,12 +87,15 @@ class GANCritic(FamilyModel):
         # gradient, not a part of it as for the trunk (models/token_parallel.py)
         mark_whole_over_cp(self.head.parameters(), getattr(getattr(trunk, "options", None), "context_parallel", 1) > 1)
 
-    def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, extra: Optional[tuple] = None):
+    def forward(self, x: Tensor, sigma: Tensor, cond: Tensor, extra: Optional[tuple] = None, own: bool = True):
         """v [B, *shape]; with extra = (x', sigma', cond'): (v, logits [B] on x from this forward's features,
-        logits [B'] on x')."""
+        logits [B'] on x'); with own=False the head runs on x' alone and the middle element is None (a caller
+        whose fakes are all in x' spends no head pass on x)."""
         if extra is None:
             return self.trunk(x, sigma, cond)
         v, feats, extra_feats = self.trunk.forward_features_and(x, sigma, cond, self.layer, extra)
+        if not own:
+            return v, None, self.head(extra_feats)
         logits = self.head(torch.cat([feats, extra_feats]))
         return v, logits[:x.shape[0]], logits[x.shape[0]:]
 
@@ -221,14 +225,14 @@ class GANSettings:
             if self.fakes == "separate":  # the first r rows' x0hat noised apart, after the reals' draws
                 x_f, sigma_f = gan_inputs(b.x0hat[:r], mb.critic_gen, self)
                 extra = (torch.cat([x_f, x_r]), torch.cat([sigma_f, sigma_r]), torch.cat([b.cond[:r], b.cond[:r]]))
-                v, _, logits = model(x_s, sigma, b.cond, extra=extra)
+                v, _, logits = model(x_s, sigma, b.cond, extra=extra, own=False)
                 fake, real_logits, weight = logits[:r], logits[r:], torch.ones(r, device=x_s.device)
             else:
                 v, fake, real_logits = model(x_s, sigma, b.cond, extra=(x_r, sigma_r, b.cond[:r]))
                 weight = torch.isin(sigma, self.choices).float()  # the forward's rows the draw put in the GAN range
         else:
             clean = (torch.cat([b.x0hat, real]), torch.zeros(n + r, device=x_s.device), torch.cat([b.cond, b.cond[:r]]))
-            v, _, logits = model(x_s, sigma, b.cond, extra=clean)
+            v, _, logits = model(x_s, sigma, b.cond, extra=clean, own=False)
             fake, real_logits, weight = logits[:n], logits[n:], torch.ones(n, device=x_s.device)
         d_loss = discriminator_loss(fake, real_logits, weight)
         stats = {"gan-disc-loss": d_loss.detach(),  # mean D(real) - mean D(counted fake):
@@ -313,7 +317,7 @@ def gan_passes(gan, ms, micro: int) -> dict:
     micro-batch B = `micro`, {} without --dmd2-gan: {phase: (AddedPass,)}, each kept with the phase's own forward:
         critic: the reals (r rows, --dmd2-gan-real-rows, default B) through blocks 0..l, with --dmd2-gan-fakes
                 separate r fakes too, with --no-dmd2-gan-noise the B clean fakes (`GANSettings.critic_forward`); the
-                head on them and on the forward's own B rows;
+                head on them, and on the forward's own B rows where those are the fakes (--dmd2-gan-fakes own);
         actor:  the generator term, the student's B samples through the frozen critic's blocks 0..l and its head
                 (the student's gradient flows back through them: the same activations as a trained forward).
     l + 1 = --dmd2-gan-feature-layer + 1 blocks (`resolve_layer`); the head's share is `head_kept_elements` on the
@@ -327,7 +331,9 @@ def gan_passes(gan, ms, micro: int) -> dict:
 
     def head(n: int) -> int:
         return head_kept_elements(gan.head, ms.spec.hidden_size, grid, n)
-    return {"critic": (AddedPass(rows, layers, head(micro + rows)),), "actor": (AddedPass(micro, layers, head(micro)),)}
+    own = gan.noise and gan.fakes == "own"  # the head also reads the forward's own rows
+    return {"critic": (AddedPass(rows, layers, head(micro * own + rows)),),
+            "actor": (AddedPass(micro, layers, head(micro)),)}
 
 
 def resolve_layer(layer: int | None, num_layers: int) -> int:
