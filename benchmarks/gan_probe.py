@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from dmd2_mega import flow  # noqa: E402
-from dmd2_mega.config import OptimConfig, ParallelConfig  # noqa: E402
+from dmd2_mega.config import DMD2Config, GANConfig, OptimConfig, ParallelConfig, saved_section  # noqa: E402
 from dmd2_mega.errors import CheckpointError, ConfigError  # noqa: E402
 from dmd2_mega.methods.dmd2.gan import HeadOptions, discriminator_loss, holds_head, resolve_layer  # noqa: E402
 from dmd2_mega.methods.dmd2.gan_heads import HEADS, build_head  # noqa: E402
@@ -207,15 +207,16 @@ def cache_features(critic, x0: Tensor, cond: Tensor, choices: Tensor, layer: int
 
 def gan_grid(args: dict, sigma_range) -> tuple[Tensor, tuple, str]:
     """(choices [G] fp32 shifted, the unshifted range, where the range came from) of the run's saved `args`."""
-    gan, dmd2, train = args.get("gan") or {}, args.get("dmd2") or {}, args.get("train") or {}
+    gan, dmd2 = saved_section(GANConfig, args, "gan"), saved_section(DMD2Config, args, "dmd2")
+    train = args.get("train") or {}
     if sigma_range is not None:
         rng, source = tuple(sigma_range), "--sigma-range"
-    elif gan.get("enabled"):  # config.DistillConfig.gan_sigma_range
-        rng = tuple(gan.get("sigma_range") or dmd2.get("score_sigma_range"))
-        source = "the run's --dmd2-gan-sigma-range" if gan.get("sigma_range") else "the run's score range"
+    elif gan.enabled:
+        rng = gan.input_range(dmd2)
+        source = "the run's --dmd2-gan-sigma-range" if gan.sigma_range else "the run's score range"
     else:
         rng, source = NO_GAN_RANGE, "the run had no --dmd2-gan: quality_ablation.py's range"
-    size, shift = int(dmd2.get("critic_grid_size", 1000)), float(train.get("timestep_shift", 1.0))
+    size, shift = dmd2.critic_grid_size, float(train.get("timestep_shift", 1.0))
     sigmas, in_range = flow.critic_grid(size, shift, rng)
     if not bool(in_range.any()):
         raise ConfigError(f"--sigma-range {rng[0]} {rng[1]} holds no point of the run's {size}-point critic grid")

@@ -36,6 +36,13 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def saved_section(cls, args: dict, section: str):
+    """The `cls` config (a dataclass) that section `section` of a checkpoint's saved `args` records (a checkpoint
+    older than a field takes its default; a field it no longer has is left out)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in ((args or {}).get(section) or {}).items() if k in known})
+
+
 def name_value(text: str, flag: str) -> tuple[str, float]:
     """NAME=VALUE, split at the last "=" (a reference line of the training curves: "teacher 50 steps=1.307") ->
     (NAME, VALUE), or a ConfigError naming `flag` and the form expected."""
@@ -160,8 +167,7 @@ class ModelConfig:
     @classmethod
     def saved(cls, args: dict) -> "ModelConfig":
         """The model config a checkpoint's saved `args` record (a checkpoint older than a field takes its default)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in ((args or {}).get("model") or {}).items() if k in known})
+        return saved_section(cls, args, "model")
 
     def weights_only(self) -> "ModelConfig":
         """What the weights need of this config (the size and a causal layout), the run-time choices (attention
@@ -663,6 +669,10 @@ class GANConfig:
             glo, ghi = self.sigma_range
             _check(0.0 <= glo < ghi <= 1.0, f"--dmd2-gan-sigma-range needs 0 <= MIN < MAX <= 1, got {glo} {ghi}")
 
+    def input_range(self, dmd2: DMD2Config) -> tuple:
+        """The UNSHIFTED sigma range of the head's input noise: --dmd2-gan-sigma-range, else `dmd2`'s score range."""
+        return self.sigma_range or tuple(dmd2.score_sigma_range)
+
 
 @dataclass
 class EMAConfig:
@@ -760,7 +770,7 @@ class DistillConfig:
 
     def gan_sigma_range(self) -> tuple:
         """The UNSHIFTED sigma range of the GAN head's input noise."""
-        return self.gan.sigma_range or self.dmd2.score_sigma_range
+        return self.gan.input_range(self.dmd2)
 
     def critic_optim(self) -> OptimConfig:
         """The student's optimizer settings with the --critic-* overrides that are set (every other field, a

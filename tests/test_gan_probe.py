@@ -18,7 +18,8 @@ import os
 import pytest
 import torch
 
-from benchmarks.gan_probe import CHANCE_LOSS, Feats, evaluate, main, train_head
+from benchmarks.gan_probe import CHANCE_LOSS, NO_GAN_RANGE, Feats, evaluate, gan_grid, main, train_head
+from dmd2_mega import flow
 from dmd2_mega.methods.dmd2.gan_heads import build_head
 
 C, GRID = 128, (4, 4)
@@ -93,6 +94,23 @@ def test_feats_halves_and_rows():
     assert f.half(0).grid.shape[0] == 2 and f.half(1).grid.shape[0] == 3
     assert torch.equal(f.rows(), grid.flatten(0, 1))
     assert torch.equal(f.rows(f.sigma < 0.15), grid[:, 0])
+
+
+def test_gan_grid_reads_the_runs_range_as_the_trainer_does():
+    """The probe's noise grid from a run's saved args: --sigma-range over everything, else the run's
+    --dmd2-gan-sigma-range, else its score range (config.DistillConfig.gan_sigma_range), without --dmd2-gan the
+    probe's own range; the points are the run's shifted critic grid's in that range."""
+    args = {"gan": {"enabled": True, "sigma_range": [0.05, 0.3]}, "dmd2": {"critic_grid_size": 100},
+            "train": {"timestep_shift": 3.0}}
+    no_range = {**args, "gan": {"enabled": True}, "dmd2": {"critic_grid_size": 100, "score_sigma_range": [0.1, 0.5]}}
+    cases = [(args, None, (0.05, 0.3)), (args, (0.2, 0.4), (0.2, 0.4)), (no_range, None, (0.1, 0.5)),
+             ({"gan": {"enabled": False}}, None, NO_GAN_RANGE)]
+    for saved, override, want in cases:
+        choices, rng, _ = gan_grid(saved, override)
+        dmd2, train = saved.get("dmd2", {}), saved.get("train", {})
+        size, shift = dmd2.get("critic_grid_size", 1000), train.get("timestep_shift", 1.0)
+        sigmas, in_range = flow.critic_grid(size, shift, want)
+        assert tuple(rng) == tuple(want) and torch.equal(choices, sigmas[in_range]) and choices.numel() > 0
 
 
 @pytest.fixture(scope="module")
