@@ -157,7 +157,8 @@ def test_each_clip_group_is_clipped_by_its_own_norm(buffer, dtype, head_scale, r
 
 def _step_of_before(model, cfg, steps):
     """The optimizer step before clip groups, written out: the two groups, fused AdamW (lr a tensor, found_inf 0),
-    one norm over all main_grads (sharded / replicated foreach squares), one multiply of the buffer."""
+    one norm over all main_grads (without TP: the whole buffer's, one launch; the per-tensor squares of before agree
+    to fp32 rounding, tests/test_optim.py), one multiply of the buffer."""
     grads = GradBuffer(model)
     groups = _groups_of_before(model, cfg.weight_decay)
     mixed = next(model.parameters()).dtype != torch.float32
@@ -175,8 +176,7 @@ def _step_of_before(model, cfg, steps):
     norms = []
     for s in range(steps):
         _backward(model, seed=10 + s)
-        sq = torch.stack(torch._foreach_norm([p.grad for p in stepped])).float().square().sum()
-        norm = (torch.zeros((), dtype=torch.float32) + sq).sqrt()
+        norm = torch.linalg.vector_norm(grads.buffer)
         grads.buffer.mul_(torch.clamp(cfg.clip_grad / (norm + 1e-6), max=1.0))
         inner.found_inf = torch.zeros(())
         inner.step()

@@ -306,10 +306,15 @@ class Optimizer:
         return int(self._consecutive.item())
 
     def _non_finite(self, norm: torch.Tensor, loss: Optional[torch.Tensor]) -> torch.Tensor:
-        """A device bool []: the norm or loss is NaN/inf on any DP rank."""
-        bad = ~torch.isfinite(norm)
+        """A device bool []: the norm or loss is NaN/inf on any DP rank. One test of their sum: s * 0 is NaN exactly
+        when s = norm + loss is NaN or +-inf, which it is when either is (inf - inf is NaN); two launches, where
+        `~isfinite(norm) | ~isfinite(loss)` costs eleven. (Two finite values whose sum overflows, both above
+        1.7e38, count as non-finite too.)"""
+        total = norm
         if loss is not None:
-            bad = bad | ~torch.isfinite(loss.detach().float().sum()).to(norm.device)
+            loss = loss.detach().float()
+            total = norm + (loss.sum() if loss.dim() else loss).to(norm.device)
+        bad = torch.isnan(total * 0)
         if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
             flag = bad.to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -345,8 +350,12 @@ class Optimizer:
         return norm
 
     def _norms(self) -> tuple[torch.Tensor, list]:
-        """(the global norm, each clip group's norm): one `tp_norm` when there is one group (the step of before),
-        else each group's squares (`tp_squares`) and the global norm their sum's root."""
+        """(the global norm, each clip group's norm): one `tp_norm` when there is one group (the step of before;
+        with a GradBuffer and no TP, the whole buffer's norm in one launch: its elements are the gradients and zero
+        padding), else each group's squares (`tp_squares`) and the global norm their sum's root."""
+        if len(self._clip) == 1 and self.grads is not None and tp_world_size(self.tp_group) == 1:
+            norm = torch.linalg.vector_norm(self.grads.buffer)
+            return norm, [norm]
         splits = [g.split if g.split is not None else split_by_tp(g.params) for g in self._clip]
         if len(splits) == 1:
             norm = tp_norm(*splits[0], self.tp_group)

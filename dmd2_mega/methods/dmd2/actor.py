@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 import dmd2_kernels
-from dmd2_mega.methods.base import MicroBatch
+from dmd2_mega.methods.base import MicroBatch, MicroMean, per_micro
 from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings
 from dmd2_mega.methods.dmd2.records import Scores
 from dmd2_mega.train.optim import step_optimizer
@@ -31,13 +29,9 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
     batches[j].actor_gen (micro-batch j's actor generator), through `critic` (a role whose model is a
     `GANCritic`, awake for its weights) whose parameters get no gradient."""
     dev = scores[0].x.device
-    total = torch.zeros((), device=dev)
-    objective = torch.zeros((), device=dev)
-    norm_mean = torch.zeros((), device=dev)
-    gap = torch.zeros((), device=dev)
-    rms = torch.zeros((), device=dev)
-    added_stats = {}
     m = len(scores)
+    total, objective, norm_mean, gap, rms = (MicroMean(m) for _ in range(5))
+    added_stats: dict[str, MicroMean] = {}
     head = gan or NO_GAN
     # a term through another role (the GAN head's frozen critic): the student's parameters only get gradients
     inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
@@ -49,16 +43,16 @@ def actor_phase(student, scores: list[Scores], gan: Optional[GANSettings] = None
             added, more = head.actor_term(critic, x0hat, batches[j].actor_gen if batches else None, sc.cond)
             obj = loss if added is None else loss + added
             for key, value in more.items():
-                added_stats[key] = added_stats.get(key, torch.zeros((), device=dev)) + value / m
-            (obj / m).backward(inputs=inputs)
-        total = total + loss.detach() / m
-        objective = objective + obj.detach() / m
-        norm_mean = norm_mean + stats.norm.float().mean() / m
-        gap = gap + (sc.x0_fake - sc.x0_real).abs().float().mean() / m
-        rms = rms + stats.grad_rms.float() / m
-    grad_norm = step_optimizer(student.optimizer, objective)  # skipped if it or the norm is non-finite
+                added_stats.setdefault(key, MicroMean(m)).add(value)
+            per_micro(obj, m).backward(inputs=inputs)
+        total.add(loss.detach())
+        objective.add(obj.detach())
+        norm_mean.add(stats.norm.float().mean())
+        gap.add((sc.x0_fake - sc.x0_real).abs().float().mean())
+        rms.add(stats.grad_rms.float())
+    grad_norm = step_optimizer(student.optimizer, objective.value)  # skipped if it or the norm is non-finite
     student.optimizer.zero_grad()
-    metrics = {"actor-dmd-loss": total, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean,
-               "dmd-fake-real-gap": gap, "dmd-grad-rms": rms}
-    metrics.update({key: value.float() for key, value in added_stats.items()})
+    metrics = {"actor-dmd-loss": total.value, "actor-grad_norm": grad_norm.to(dev), "dmd-normaliser": norm_mean.value,
+               "dmd-fake-real-gap": gap.value, "dmd-grad-rms": rms.value}
+    metrics.update({key: value.value for key, value in added_stats.items()})
     return metrics

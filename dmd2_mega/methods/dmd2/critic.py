@@ -25,7 +25,7 @@ from torch import Tensor
 
 import dmd2_kernels
 from dmd2_mega import flow
-from dmd2_mega.methods.base import MicroBatch
+from dmd2_mega.methods.base import MicroBatch, MicroMean, per_micro
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
 from dmd2_mega.methods.roles import ahead
@@ -69,8 +69,7 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
                     v = critic.model(x_s, sigma, b.cond).to(x_s.dtype)  # bf16 models: maths in the data dtype
                     kept[j] = (b, x_s, sigma, dmd2_kernels.x0_from_velocity(x_s, v, sigma))
         choices = score_choices if last and shared else full
-        total = torch.zeros((), device=dev)
-        objective = torch.zeros((), device=dev)
+        total, objective = MicroMean(m), MicroMean(m)  # the flow-matching loss; with the GAN term
         for j, (r, mb) in enumerate(zip(rollouts, batches)):
             b = r.micro_batch(k, size)
             x_s, sigma, eps = flow.noise_on_grid(b.x0hat, mb.critic_gen, choices)
@@ -79,17 +78,17 @@ def critic_steps(critic, rollouts: list[Rollout], batches: list[MicroBatch],
                 loss = dmd2_kernels.flow_matching_loss(v, b.x0hat, eps, sigma, space=settings.loss_space,
                                                        reduction="mean")
                 obj = loss if added is None else loss + added
-                (obj / m).backward()
+                per_micro(obj, m).backward()
             for key, value in stats.items():
                 added_stats.setdefault(key, []).append(value)
-            total = total + loss.detach() / m
-            objective = objective + obj.detach() / m
+            total.add(loss.detach())
+            objective.add(obj.detach())
             if last and shared:
                 with torch.no_grad():
                     kept[j] = (b, x_s, sigma, dmd2_kernels.x0_from_velocity(x_s, v.detach(), sigma))
-        norm = step_optimizer(critic.optimizer, objective)  # skipped if it or the norm is non-finite
+        norm = step_optimizer(critic.optimizer, objective.value)  # skipped if it or the norm is non-finite
         critic.optimizer.zero_grad()
-        losses.append(total)
+        losses.append(total.value)
     metrics = {"critic-loss": torch.stack(losses).mean(), "critic-grad_norm": norm.to(dev)}
     metrics.update({key: torch.stack(values).mean().float() for key, values in added_stats.items()})
     return kept, metrics

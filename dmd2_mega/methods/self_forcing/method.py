@@ -22,7 +22,7 @@ import torch
 import dmd2_kernels
 from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import ConfigError, RolloutError
-from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
+from dmd2_mega.methods.base import CycleResult, MicroBatch, MicroMean, PhaseStep, per_micro
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.method import DMD2Method
@@ -122,18 +122,19 @@ class SelfForcingMethod(DMD2Method):
         (plus the GAN head's generator term), gradients accumulated over the micro-batches."""
         dev, m, head = scores[0].x.device, len(scores), self.settings.gan or NO_GAN
         inputs = [p for p in student.model.parameters() if p.requires_grad] if head.frozen_critic else None
-        total, objective = torch.zeros((), device=dev), torch.zeros((), device=dev)
+        total, objective = MicroMean(m), MicroMean(m)
         for j, (b, sc) in enumerate(zip(scored, scores)):
             with student.accumulating(last=j == m - 1):
                 x0hat = replay(student.model, b, self.context_noise, self.grad_chunks, windows[j])
                 loss, _ = dmd2_kernels.dmd_loss(x0hat, sc.x0_real, sc.x0_fake)
                 added, _ = head.actor_term(critic, x0hat, batches[j].actor_gen, sc.cond)
                 obj = loss if added is None else loss + added
-                (obj / m).backward(inputs=inputs)
-            total, objective = total + loss.detach() / m, objective + obj.detach() / m
-        norm = step_optimizer(student.optimizer, objective)
+                per_micro(obj, m).backward(inputs=inputs)
+            total.add(loss.detach())
+            objective.add(obj.detach())
+        norm = step_optimizer(student.optimizer, objective.value)
         student.optimizer.zero_grad()
-        return {"actor-dmd-loss": total, "actor-grad_norm": norm.to(dev)}
+        return {"actor-dmd-loss": total.value, "actor-grad_norm": norm.to(dev)}
 
     def describe(self, num_micro_batches: int, null_note: str) -> str:
         grad = "every chunk" if self.grad_chunks is None else f"the last {self.grad_chunks} chunks"
