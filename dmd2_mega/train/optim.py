@@ -9,10 +9,11 @@ their groups then carry their own lr multiplier and weight decay, and they are c
 Gradients: with a `grad_buffer.GradBuffer` (both trainers attach one) they arrive in the fp32 `main_grad`
 views of one flat buffer, accumulated (by autograd: they are the parameters' `.grad`) and DP-reduced in fp32
 (Megatron's scheme); `step` first completes that reduction. The tensors the step reads are then fixed for the
-optimizer's life, so the step has no Python loop over parameters: the norm's foreach lists are made once, the clip
-is one multiply of the buffer (with clip groups: one multiply per group of the buffer slices its parameters occupy,
-adjacent ones merged, so each gradient is scaled once, by its own group's coefficient: exact), `zero_grad` one zero
-of it. Without a GradBuffer (unit tests), `p.grad` is used.
+optimizer's life, so the step has no Python loop over parameters: the norm is the whole buffer's (one launch; under
+TP or with clip groups, foreach lists made once), the clip is one multiply of the buffer (with clip groups: one
+multiply per group of the buffer slices its parameters occupy, adjacent ones merged, so each gradient is scaled
+once, by its own group's coefficient: exact), `zero_grad` one zero of it. Without a GradBuffer (unit tests),
+`p.grad` is used.
 
 Gradient norm under TP x DP: after the DP all-reduce every DP rank holds the same gradients, so
 only TP matters. A TP-sharded parameter contributes its shard's squared norm on each TP rank
