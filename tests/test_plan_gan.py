@@ -63,11 +63,12 @@ def _generator_term(critic, x, sigma, cond):
                          ids=["dit-labels", "dit-text", "wan", "wan-i2v"])
 def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_shape, kind, bf16, fakes, recompute):
     """The critic step with the head (B fakes' forward + the reals, separate fakes too, through blocks 0..l; the
-    head on all of them, the forward's own B rows only where those are the fakes) and the actor's generator term (B samples through the frozen critic's blocks 0..l and
-    its head) keep no more than the plan says (a plan that under-counts runs out of memory), and the plan's excess
-    is at most the families' own (ACT_FACTOR, the DiT's) plus what is outside the blocks, which the planner counts
-    whole for a forward that stops at block l (the final layer's share: small beside a real model's blocks). The
-    critic step's part is what it keeps beyond the same forward without the head."""
+    head on all of them, the forward's own B rows only where those are the fakes) and the actor's generator term (B
+    samples through the frozen critic's blocks 0..l and its head) keep no more than the plan says (a plan that
+    under-counts runs out of memory), and the plan's excess is at most the families' own (ACT_FACTOR, the DiT's) plus
+    what is outside the blocks, which the planner counts whole for a forward that stops at block l (the final
+    layer's share: small beside a real model's blocks). The critic step's part is what it keeps beyond the same
+    forward without the head."""
     model, ms = make(ps, size, ch, spatial, cond_shape, bf16, recompute)
     n, r = 3, 2
     passes = gan_passes(GANConfig(enabled=True, head=kind, real_rows=r, fakes=fakes), ms, n)
@@ -94,9 +95,9 @@ def test_gan_passes_bound_what_the_forwards_keep(ps, size, ch, spatial, cond_sha
 def test_gan_passes_rows_and_the_plan_taking_them():
     """gan_passes: the critic phase's pass is the reals (own fakes: the head on the forward's B rows besides), as
     many fakes and the reals (separate) or the B fakes and the reals (clean, --no-dmd2-gan-noise), the head on those
-    alone; the actor's the B samples. plan_cycle adds exactly their bytes to the phases with grad (the critic's beside its own forward, not the
-    teacher's); no pass outside a phase with grad; the CLI's flags reach them; --dmd2-gan-real-rows above B refused
-    as the trainer refuses it."""
+    alone; the actor's the B samples. plan_cycle adds exactly their bytes to the phases with grad (the critic's
+    beside its own forward, not the teacher's); no pass outside a phase with grad; the CLI's flags reach them;
+    --dmd2-gan-real-rows above B refused as the trainer refuses it."""
     ms = mp.model_shape("wan2.1-1.3b", 16, (21, 60, 104), num_classes=None, cond_shape=(512, 4096))
     grid, layers = (21, 30, 52), 15
 
