@@ -327,7 +327,7 @@ def main(argv=None) -> dict:
     try:
         payload, student, weights, critic = load_run(a.run, a.iteration, ps)
         args, info, device = payload["args"], payload["data_info"], ps.device
-        layer = resolve_layer(a.layer if a.layer is not None else (args.get("gan") or {}).get("feature_layer"),
+        layer = resolve_layer(a.layer if a.layer is not None else saved_section(GANConfig, args, "gan").feature_layer,
                               critic.num_feature_layers)
         choices, rng, rng_note = gan_grid(args, a.sigma_range)
         threshold = flow.shift_sigma(sum(rng) / 2, float((args.get("train") or {}).get("timestep_shift", 1.0)))

@@ -37,6 +37,7 @@ from dmd2_mega.train.logger import TrainLogger, print_rank0
 from dmd2_mega.megatron_import import fuser_state
 from dmd2_mega.train.loop import RunStateTrainer, train_loop
 from dmd2_mega.models import DataShape, compiled, count_parameters, get_size
+from dmd2_mega.train.accumulate import MicroMean, per_micro
 from dmd2_mega.train.optim import LRSchedule
 from dmd2_mega.distributed.parallel import all_reduce_mean, init_distributed, micro_batch_generator
 from dmd2_mega.train.resilience import ExitController
@@ -140,8 +141,8 @@ class FlowTrainer(RunStateTrainer):
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         t, ps = self.cfg.train, self.ps
         lr = self.schedule.apply(self.optimizer, self.iteration)
-        total = torch.zeros((), device=ps.device)
         batches = self.batches.next_iteration()
+        total = MicroMean(len(batches))
         for k, (j, x0, cond) in enumerate(batches):
             gen = micro_batch_generator(t.seed, self.iteration, j, ps.device)
             last = k == len(batches) - 1
@@ -149,13 +150,13 @@ class FlowTrainer(RunStateTrainer):
                 # the dropped condition: CFG's negative of each sample (an I2V sample keeps its image)
                 loss = flow_loss_micro(self.model, x0, cond, self.model.negative_for(cond), gen,
                                        t.timestep_shift, t.cond_dropout)
-                (loss / len(batches)).backward()
-            total += loss.detach() / len(batches)
+                per_micro(loss, len(batches)).backward()
+            total.add(loss.detach())
         compiled.seal()  # the first step compiled the blocks' graphs: a later compilation is logged
-        norm = self.optimizer.step(total)  # skipped (weights untouched) if total or the norm is non-finite
+        norm = self.optimizer.step(total.value)  # skipped (weights untouched) if the loss or the norm is non-finite
         self.optimizer.zero_grad()
         self.state = replace(self.state, iteration=self.iteration + 1)
-        return total, norm, lr
+        return total.value, norm, lr
 
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self, out_dir: Optional[str]) -> Optional[dict]:

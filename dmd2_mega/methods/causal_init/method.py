@@ -26,6 +26,7 @@ from dmd2_mega.errors import ConfigError
 from dmd2_mega.methods.base import CycleResult, MicroBatch, Phase, PhaseStep, table_roles, trained_in
 from dmd2_mega.methods.roles import run_steps
 from dmd2_mega.train.checkpoint_guard import RESUME_SETTINGS
+from dmd2_mega.train.accumulate import MicroMean, per_micro
 from dmd2_mega.train.optim import step_optimizer
 
 PHASES = (Phase("regress", {"student": "all"}, trains="student"),)
@@ -94,15 +95,15 @@ class CausalInitMethod:
     def regress_step(self, roles: dict, batches: list[MicroBatch], given=None) -> tuple[None, dict]:
         """One student step: the regression loss of every micro-batch (draws from its actor generator)."""
         student, m = roles["student"], len(batches)
-        total = torch.zeros((), device=self.device)
+        total = MicroMean(m)
         for j, mb in enumerate(batches):
             with student.accumulating(last=j == m - 1):
                 loss = self.loss(student, mb.real, mb.cond, mb.actor_gen)
-                (loss / m).backward()
-            total = total + loss.detach() / m
-        norm = step_optimizer(student.optimizer, total)
+                per_micro(loss, m).backward()
+            total.add(loss.detach())
+        norm = step_optimizer(student.optimizer, total.value)
         student.optimizer.zero_grad()
-        return None, {"init-loss": total, "init-grad_norm": norm.to(total.device)}
+        return None, {"init-loss": total.value, "init-grad_norm": norm.to(total.value.device)}
 
     def cycle(self, roles: dict, batches: list[MicroBatch],
               hook: Optional[Callable[[str], None]] = None) -> CycleResult:

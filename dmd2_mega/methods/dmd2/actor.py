@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import dmd2_kernels
-from dmd2_mega.methods.base import MicroBatch, MicroMean, per_micro
+from dmd2_mega.methods.base import MicroBatch
 from dmd2_mega.methods.dmd2.gan import NO_GAN, GANSettings
 from dmd2_mega.methods.dmd2.records import Scores
+from dmd2_mega.train.accumulate import MicroMean, per_micro
 from dmd2_mega.train.optim import step_optimizer
 
 

@@ -25,11 +25,12 @@ from torch import Tensor
 
 import dmd2_kernels
 from dmd2_mega import flow
-from dmd2_mega.methods.base import MicroBatch, MicroMean, per_micro
+from dmd2_mega.methods.base import MicroBatch
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.records import DMD2Settings, Scores
 from dmd2_mega.methods.roles import ahead
 from dmd2_mega.methods.rollout import Rollout
+from dmd2_mega.train.accumulate import MicroMean, per_micro
 from dmd2_mega.train.optim import step_optimizer
 
 

@@ -22,13 +22,14 @@ import torch
 import dmd2_kernels
 from dmd2_mega.distributed.parallel import to_device
 from dmd2_mega.errors import ConfigError, RolloutError
-from dmd2_mega.methods.base import CycleResult, MicroBatch, MicroMean, PhaseStep, per_micro
+from dmd2_mega.methods.base import CycleResult, MicroBatch, PhaseStep
 from dmd2_mega.methods.dmd2.critic import critic_phase
 from dmd2_mega.methods.dmd2.gan import NO_GAN
 from dmd2_mega.methods.dmd2.method import DMD2Method
 from dmd2_mega.methods.roles import run_steps
 from dmd2_mega.methods.self_forcing.rollout import causal_rollout, draw_exits, draw_window, replay, window_starts
 from dmd2_mega.train.checkpoint_guard import DMD2_RESUME_SETTINGS
+from dmd2_mega.train.accumulate import MicroMean, per_micro
 from dmd2_mega.train.optim import step_optimizer
 
 
